@@ -1,5 +1,7 @@
 #include "daemon/config.h"
 
+#include "common/logging_config.h"
+
 namespace bytecomp::daemon {
 
 DaemonConfig DaemonConfig::parse(const config::Document& doc) {
@@ -48,9 +50,8 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   }
   sched.finish();
 
-  config::Reader logging = root.section("logging");
-  logging.get("levels", c.log_levels);
-  logging.finish();
+  // Last, so a bad key elsewhere leaves the log levels untouched.
+  config::apply_logging_section(root);
   root.finish();
   return c;
 }

@@ -28,9 +28,9 @@ struct DaemonConfig {
   uint32_t setup_timeout_ms = 60000;
   uint64_t partition_bytes = 4ull << 20;
   uint64_t max_inflight_bytes = 64ull << 20;
-  std::string log_levels = "info";
 
   // Throws config::ConfigError naming file, line, key and accepted values.
+  // Applies the `logging:` section (and BYTECOMP_LOG) as a side effect.
   static DaemonConfig parse(const config::Document& doc);
 };
 

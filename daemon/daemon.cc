@@ -528,8 +528,6 @@ void Daemon::sweep_closed() {
 void Daemon::reload() {
   try {
     DaemonConfig next = DaemonConfig::parse(config::Document::locate(config_path_, "daemon.yaml"));
-    log::configure(next.log_levels);
-    log::configure_from_env();
     for (auto [changed, key] : {std::pair{next.socket_path != config_.socket_path, "control.socket"},
                                 {next.instance != config_.instance, "shm.instance"},
                                 {next.threads != config_.threads, "scheduler.threads"},
@@ -539,14 +537,13 @@ void Daemon::reload() {
     config_.setup_timeout_ms = next.setup_timeout_ms;
     config_.partition_bytes = next.partition_bytes;
     config_.max_inflight_bytes = next.max_inflight_bytes;
-    config_.log_levels = next.log_levels;
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
     tunables_.apply(config_);
     BC_LOG(LogDaemon(), kInfo) << "SIGHUP: reloaded (partition_bytes " << config_.partition_bytes
                                << ", max_inflight_bytes " << config_.max_inflight_bytes
                                << ", setup_timeout_ms " << config_.setup_timeout_ms
-                               << ", logging '" << config_.log_levels << "')";
+                               << ", log levels)";
   } catch (const Error& e) {
     BC_LOG(LogDaemon(), kError) << "SIGHUP: configuration not reloaded, keeping the old one: "
                                 << e.what();

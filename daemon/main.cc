@@ -56,8 +56,6 @@ int main(int argc, char** argv) {
   try {
     auto cfg = bytecomp::daemon::DaemonConfig::parse(
         bytecomp::config::Document::locate(config_path, "daemon.yaml"));
-    bytecomp::log::configure(cfg.log_levels);
-    bytecomp::log::configure_from_env();
     bytecomp::daemon::Daemon daemon(std::move(cfg), config_path);
 #if BYTECOMP_HAVE_SYSTEMD
     sd_notify(0, "READY=1");

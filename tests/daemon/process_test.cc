@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <sstream>
+
 #include "tests/daemon/harness.h"
 
 using namespace bctest;
@@ -195,4 +197,40 @@ TEST(Daemon, BadConfigIsRejectedWithLocation) {
             env.dir() / "bad.log");
   EXPECT_EQ(p.wait(10s), std::optional<int>(2));
   EXPECT_NE(p.output().find("scheduler.partition_bytes"), std::string::npos) << p.output();
+}
+
+namespace {
+// CPU time (utime + stime, in clock ticks) of a process and all its threads.
+long cpu_ticks(pid_t pid) {
+  std::string s = read_file("/proc/" + std::to_string(pid) + "/stat");
+  std::istringstream in(s.substr(s.rfind(')') + 2));
+  std::string field;
+  long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && in >> field; ++i) {
+    if (i == 14) utime = std::stol(field);
+    if (i == 15) stime = std::stol(field);
+  }
+  return utime + stime;
+}
+}  // namespace
+
+TEST(Daemon, IdleJobBurnsNoCpu) {
+  DaemonEnv env("idle");
+  env.start();
+  // A started job whose clients wait forever for a rank that never pushes:
+  // daemon engine and client waiter are both blocked in timed waits.
+  auto a = env.worker("idle", 0, 3, 1, "f32:10");
+  auto b = env.worker("idle", 1, 3, 1, "f32:10");
+  auto c = env.worker("idle", 2, 3, 1, "f32:10", {"--stall"});
+  ASSERT_TRUE(c->wait_output("stalling", std::chrono::seconds(20))) << c->output();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const long d0 = cpu_ticks(env.daemon().pid());
+  const long a0 = cpu_ticks(a->pid());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  const long d1 = cpu_ticks(env.daemon().pid());
+  const long a1 = cpu_ticks(a->pid());
+  // 100 ticks = one core for the second; spinning would show tens.
+  EXPECT_LE(d1 - d0, 5);
+  EXPECT_LE(a1 - a0, 5);
+  EXPECT_FALSE(a->wait(std::chrono::milliseconds(0)).has_value()) << a->output();
 }

@@ -45,3 +45,38 @@ TEST(Scheduler, BatchRespectsBytesInFlight) {
   auto one = s.next_batch(100, 1);  // the first partition always fits
   EXPECT_EQ(one.size(), 1u);
 }
+
+#include <cstdlib>
+
+#include "common/config.h"
+#include "daemon/config.h"
+
+using bytecomp::daemon::DaemonConfig;
+namespace config = bytecomp::config;
+
+TEST(DaemonConfig, ExampleFileParses) {
+  const std::string root = std::getenv("BYTECOMP_SOURCE_ROOT");
+  DaemonConfig c = DaemonConfig::parse(config::Document::load_file(root + "/configs/daemon.yaml"));
+  EXPECT_EQ(c.socket_path, "/run/bytecomp/bytecompd.sock");
+  EXPECT_EQ(c.socket_mode, 0666u);
+  EXPECT_EQ(c.partition_bytes, 4u << 20);
+  EXPECT_EQ(c.max_job_bytes, 16ull << 30);
+}
+
+TEST(DaemonConfig, ErrorsNameTheKey) {
+  auto err = [](const std::string& text) {
+    try {
+      DaemonConfig::parse(config::Document::parse(text, "d.yaml"));
+    } catch (const config::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(err("version: 1\ncontrol: {socket: rel.sock}\n").find("control.socket"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nshm: {instance: 'a.b'}\n").find("shm.instance"), std::string::npos);
+  EXPECT_NE(err("version: 1\nscheduler: {partition_bytes: 8MiB, max_inflight_bytes: 4MiB}\n")
+                .find("scheduler.max_inflight_bytes"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nscheduler: {thread: 2}\n").find("unknown key"), std::string::npos);
+}

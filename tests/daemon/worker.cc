@@ -5,6 +5,7 @@
 //   bc_worker SOCKET JOB RANK SIZE ITERATIONS SPEC [--threads] [--stall]
 //   SPEC: comma-separated dtype:count, e.g. f32:1,f64:3,i32:1000,f32:16777216
 //   --threads  one thread per tensor (exercises client thread-safety)
+//   --stall    start, then never push (the other ranks wait on it)
 //
 // Prints "running" after the first verified iteration, and on failure the
 // status name and message. Exit: 0 ok, 1 usage, 2 wrong result, 10+status
@@ -90,7 +91,11 @@ int main(int argc, char** argv) {
   const uint32_t size = static_cast<uint32_t>(std::atoi(argv[4]));
   const uint64_t iters = std::strtoull(argv[5], nullptr, 10);
   bool threads = false;
-  for (int i = 7; i < argc; ++i) threads |= std::strcmp(argv[i], "--threads") == 0;
+  bool stall = false;
+  for (int i = 7; i < argc; ++i) {
+    threads |= std::strcmp(argv[i], "--threads") == 0;
+    stall |= std::strcmp(argv[i], "--stall") == 0;
+  }
   std::vector<T> ts;
   std::string spec = argv[6];
   size_t at = 0;
@@ -128,6 +133,14 @@ int main(int argc, char** argv) {
     uint64_t bytes = 0;
     if ((s = bytecomp_tensor_buffer(c, t.id, &t.buf, &bytes)) != BYTECOMP_OK) die(s, "buffer");
     if (bytes != t.count * bytecomp_dtype_size(t.dtype)) die(BYTECOMP_ERR_INTERNAL, "buffer size");
+  }
+
+  if (stall) {
+    // Starts, then never pushes: the other ranks wait on it.
+    std::printf("stalling\n");
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
   }
 
   auto one_tensor = [&](const T& t, uint64_t it) -> int {
