@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -150,8 +151,18 @@ class DaemonEnv {
     instance_ = "t" + std::to_string(::getpid()) + "x" + std::to_string(counter()++);
     write_config(extra_yaml);
   }
+  // Stops the daemon gracefully (SIGTERM: it aborts jobs and removes their
+  // segments), then insists that nothing of this instance is left.
   ~DaemonEnv() {
-    daemon_.reset();
+    if (daemon_) {
+      daemon_->signal(SIGTERM);
+      (void)daemon_->wait(std::chrono::seconds(10));
+      daemon_.reset();
+    }
+    for (const auto& n : shm_entries(shm_prefix())) {
+      ADD_FAILURE() << "left in /dev/shm: " << n;
+      fs::remove("/dev/shm/" + n);
+    }
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
