@@ -324,10 +324,18 @@ class Transport {
 
  protected:
   Transport() = default;
+  // Upper bound the blocking wrappers wait for a completion that the
+  // transport guarantees to deliver (a safety net, not a timeout policy).
+  virtual Millis wait_bound() const { return Millis{600000}; }
 };
 
 // Backends compiled into this build ("zmq", and "rdma" with libibverbs).
 std::vector<std::string> available_backends();
+
+// Whether `backend` can run on this machine (built in and, for rdma, an RDMA
+// device present). When not, `reason` (if given) says why, for logs and test
+// skips.
+bool backend_usable(std::string_view backend, std::string* reason = nullptr);
 
 // The factory. Creates, binds config.listen and starts I/O (not dispatch:
 // see start()). Throws Error(kInvalidArgument) for an unknown backend,
