@@ -151,6 +151,10 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
                              const std::vector<ServerInfo>& servers,
                              uint64_t partition_bytes);
 
+// Seed shared by every node (and the servers) for one partition: the
+// CompressContext::shared_seed of its compressions (randomk index selection).
+uint64_t partition_seed(std::string_view job_name, uint64_t key);
+
 // Bytes a push / a pull answer of `count` elements may have under `plan`
 // (exact for raw formats, an upper bound for compressed ones).
 uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count);

@@ -87,9 +87,6 @@ namespace bytecomp::server {
 
 using Millis = std::chrono::milliseconds;
 
-// Seed shared by every node for a partition (randomk index selection).
-uint64_t partition_seed(std::string_view job_name, uint64_t key);
-
 // A strategy change, effective from `iteration` on (for every node and
 // server alike). plans[i] is tensor i's plan from that iteration.
 struct StrategyChange {
