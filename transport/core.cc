@@ -17,9 +17,15 @@ void Dispatcher::start() {
 void Dispatcher::post(std::function<void()> fn) {
   {
     std::lock_guard lock(mu_);
-    queue_.push_back(std::move(fn));
+    if (!stopping_) {
+      queue_.push_back(std::move(fn));
+      cv_.notify_one();
+      return;
+    }
   }
-  cv_.notify_one();
+  // Stopped: nobody will run it later. Completions run now (each fires
+  // exactly once, also after shutdown); dropped handler work is released.
+  if (run_after_stop_) fn();
 }
 
 size_t Dispatcher::size() const {
@@ -32,6 +38,7 @@ void Dispatcher::stop(bool run_rest) {
   {
     std::lock_guard lock(mu_);
     stopping_ = true;
+    run_after_stop_ = run_rest;
     t = std::move(thread_);
   }
   cv_.notify_all();
@@ -69,7 +76,6 @@ TransportBase::TransportBase(const TransportConfig& config, std::string backend_
   for (int i = 0; i < config_.handler_threads; ++i)
     handler_threads_.push_back(std::make_unique<Dispatcher>("bc-tp-handler"));
   completions_.start();
-  next_heartbeat_round_ = Clock::now();
 }
 
 TransportBase::~TransportBase() {
@@ -187,6 +193,16 @@ void TransportBase::send(NodeId to, Message message, SendCallback done) {
 
 void TransportBase::enqueue(Outgoing out) {
   std::unique_lock lock(mu_);
+  // A lost peer fails sends at once instead of filling queues it will never
+  // drain; its heartbeats coming back make it reachable again.
+  if (auto it = peers_.find(out.to); it != peers_.end() && it->second.state == PeerState::kLost) {
+    lock.unlock();
+    out.bytes = 0;
+    complete_send(out, Status(ErrorCode::kPeerLost,
+                              "node " + std::to_string(out.to) + " is lost (silent for peer_timeout " +
+                                  std::to_string(config_.peer_timeout.count()) + " ms)"));
+    return;
+  }
   auto fits = [&] {
     // A message bigger than the whole budget is let through an empty queue,
     // otherwise it could never be sent.
@@ -524,6 +540,29 @@ wire::WireHeader TransportBase::heartbeat_header(NodeId to) const {
 }
 
 void TransportBase::log_malformed(const std::string& origin, const std::string& problem) const {
+  // A stream of garbage must not flood the log: per origin, at most
+  // kMalformedBurst lines per second, then one line saying how many were
+  // suppressed.
+  constexpr int kMalformedBurst = 20;
+  uint64_t suppressed = 0;
+  {
+    std::lock_guard lock(malformed_mu_);
+    if (malformed_.size() > 1024) malformed_.clear();  // bound the bookkeeping
+    MalformedLog& m = malformed_[origin];
+    auto now = Clock::now();
+    if (now - m.window_start >= std::chrono::seconds(1)) {
+      suppressed = m.suppressed;
+      m = MalformedLog{now, 0, 0};
+    }
+    if (++m.lines > kMalformedBurst) {
+      ++m.suppressed;
+      return;
+    }
+  }
+  if (suppressed > 0)
+    BC_LOG(LogTransport(), kError) << "node " << self() << ": " << suppressed
+                                   << " more malformed messages from " << origin
+                                   << " were dropped without a log line";
   BC_LOG(LogTransport(), kError) << "node " << self() << ": malformed message from " << origin
                                  << " dropped: " << problem;
 }

@@ -63,6 +63,7 @@ class Dispatcher {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stopping_ = false;
+  bool run_after_stop_ = true;
   std::thread thread_;
 };
 
@@ -169,7 +170,13 @@ class TransportBase : public Transport {
   Dispatcher completions_{"bc-tp-complete"};
   std::vector<std::unique_ptr<Dispatcher>> handler_threads_;
   std::atomic<size_t> receive_queued_{0};
-  Clock::time_point next_heartbeat_round_{};
+  struct MalformedLog {
+    Clock::time_point window_start{};
+    int lines = 0;
+    uint64_t suppressed = 0;
+  };
+  mutable std::mutex malformed_mu_;  // leaf lock
+  mutable std::map<std::string, MalformedLog> malformed_;
 };
 
 }  // namespace bytecomp::transport
