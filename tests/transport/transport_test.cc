@@ -33,7 +33,7 @@ using std::chrono::steady_clock;
 
 struct Param {
   std::string backend;
-  std::string scheme;  // tcp | ipc | rdma
+  std::string scheme;  // tcp | ipc (zmq) | cm (rdma, librdmacm)
 };
 
 std::string param_name(const ::testing::TestParamInfo<Param>& p) {
@@ -47,7 +47,7 @@ std::vector<Param> all_params() {
       v.push_back({b, "tcp"});
       v.push_back({b, "ipc"});
     } else {
-      v.push_back({b, b});
+      v.push_back({b, "cm"});
     }
   }
   return v;
@@ -147,7 +147,7 @@ class TransportTest : public ::testing::TestWithParam<Param> {
 
   std::string listen_endpoint(const std::string& name) const {
     if (GetParam().scheme == "ipc") return "ipc://" + dir_ + "/" + name + ".sock";
-    if (GetParam().scheme == "rdma") return "rdma://127.0.0.1:0";
+    if (GetParam().backend == "rdma") return "rdma://127.0.0.1:0";
     return "tcp://127.0.0.1:0";
   }
 
@@ -457,7 +457,7 @@ TEST_P(TransportTest, UnreachablePeerIsReported) {
 }
 
 TEST_P(TransportTest, BackpressureBoundsTheSendQueue) {
-  if (GetParam().scheme == "rdma") GTEST_SKIP() << "queue bounds are exercised through zmq";
+  if (GetParam().backend == "rdma") GTEST_SKIP() << "queue bounds are exercised through zmq";
   Transport& t = parent("  send_queue_messages: 8\n  backpressure: fail\n");
   // The peer's handler stalls and its receive queue is tiny: it stops reading.
   auto peer = spawn(1, "  receive_queue_messages: 2\n");
@@ -487,7 +487,7 @@ TEST_P(TransportTest, BackpressureBoundsTheSendQueue) {
 }
 
 TEST_P(TransportTest, BlockingBackpressureTimesOut) {
-  if (GetParam().scheme == "rdma") GTEST_SKIP() << "queue bounds are exercised through zmq";
+  if (GetParam().backend == "rdma") GTEST_SKIP() << "queue bounds are exercised through zmq";
   Transport& t = parent("  send_queue_messages: 2\n  send_block_timeout_ms: 300\n");
   auto peer = spawn(1, "  receive_queue_messages: 1\n");
   t.add_peer(1, peer->address());

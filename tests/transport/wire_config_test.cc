@@ -227,6 +227,23 @@ TEST(Factory, RejectsUnknownBackendAndBadAddresses) {
   EXPECT_EQ(t->call(1, {}, Millis{100}).status.code(), ErrorCode::kUnavailable);
 }
 
+TEST(Factory, RdmaWithoutDeviceFailsWithTheReason) {
+  std::string reason;
+  bool built = false;
+  for (const std::string& b : available_backends()) built |= b == "rdma";
+  if (!built) GTEST_SKIP() << "rdma backend not built (libibverbs/librdmacm missing)";
+  if (backend_usable("rdma", &reason)) GTEST_SKIP() << "an RDMA device exists; the backend tests cover it";
+  TransportConfig c;
+  c.listen = {"rdma://127.0.0.1:0"};
+  try {
+    make_transport("rdma", c);
+    ADD_FAILURE() << "rdma transport created without a device";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnavailable);
+    EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+  }
+}
+
 TEST(Buffer, ReleasesOnceAfterLastReference) {
   std::atomic<int> released{0};
   char data[16] = "abcdefghijklmno";
