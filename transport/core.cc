@@ -272,13 +272,23 @@ void TransportBase::complete_send(Outgoing& out, Status status) {
 }
 
 void TransportBase::request(NodeId to, Message message, Millis timeout, ResponseCallback done) {
+  start_request(to, std::move(message), timeout, std::move(done), false);
+}
+
+void TransportBase::request_for_call(NodeId to, Message message, Millis timeout,
+                                     ResponseCallback done) {
+  start_request(to, std::move(message), timeout, std::move(done), true);
+}
+
+void TransportBase::start_request(NodeId to, Message message, Millis timeout,
+                                  ResponseCallback done, bool run_inline) {
   if (timeout.count() <= 0) timeout = config_.default_request_timeout;
   uint64_t id;
   {
     std::lock_guard lock(mu_);
     id = next_request_id_++;
     auto dl = deadlines_.emplace(Clock::now() + timeout, id);
-    pending_.emplace(id, Pending{to, std::move(done), dl});
+    pending_.emplace(id, Pending{to, std::move(done), run_inline, dl});
   }
   backend_wakeup();  // the loop's next deadline may have moved earlier
   Outgoing out;
@@ -344,15 +354,19 @@ void TransportBase::send_error_reply(const Incoming& request, ErrorCode code,
 
 void TransportBase::finish_request(uint64_t id, Response response) {
   ResponseCallback done;
+  bool run_inline = false;
   {
     std::lock_guard lock(mu_);
     auto it = pending_.find(id);
     if (it == pending_.end()) return;  // already finished (first outcome wins)
     done = std::move(it->second.done);
+    run_inline = it->second.run_inline;
     deadlines_.erase(it->second.deadline);
     pending_.erase(it);
   }
-  if (done)
+  if (done && run_inline)
+    done(std::move(response));
+  else if (done)
     completions_.post([done = std::move(done), r = std::move(response)]() mutable {
       done(std::move(r));
     });

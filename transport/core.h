@@ -92,6 +92,7 @@ class TransportBase : public Transport {
  protected:
   TransportBase(const TransportConfig& config, std::string backend_name);
   Millis wait_bound() const override;
+  void request_for_call(NodeId to, Message message, Millis timeout, ResponseCallback done) override;
 
   // --- backend hooks (called without locks held) ---
   // Make the I/O loop look at the send queue / control commands soon.
@@ -131,6 +132,7 @@ class TransportBase : public Transport {
   struct Pending {
     NodeId peer;
     ResponseCallback done;
+    bool run_inline;  // internal waiter (call()): run on the finishing thread
     std::multimap<Clock::time_point, uint64_t>::iterator deadline;
   };
   struct Peer {
@@ -141,6 +143,7 @@ class TransportBase : public Transport {
   };
 
   void enqueue(Outgoing out);
+  void start_request(NodeId to, Message message, Millis timeout, ResponseCallback done, bool run_inline);
   void finish_request(uint64_t id, Response response);
   void fail_requests_to(NodeId peer, const Status& status);
   void dispatch(Incoming incoming);
