@@ -7,6 +7,9 @@ namespace {
 
 // Runs the caller's release function when the last reference goes.
 struct Releaser {
+  Releaser() = default;
+  Releaser(const Releaser&) = delete;
+  Releaser& operator=(const Releaser&) = delete;
   std::function<void()> release;
   ~Releaser() {
     if (release) release();
@@ -16,7 +19,8 @@ struct Releaser {
 }  // namespace
 
 Buffer Buffer::wrap(const void* data, size_t size, std::function<void()> release) {
-  auto owner = std::make_shared<Releaser>(Releaser{std::move(release)});
+  auto owner = std::make_shared<Releaser>();
+  owner->release = std::move(release);
   return Buffer(std::move(owner), static_cast<const std::byte*>(data), size, false);
 }
 

@@ -17,9 +17,15 @@ void Dispatcher::start() {
 void Dispatcher::post(std::function<void()> fn) {
   {
     std::lock_guard lock(mu_);
-    queue_.push_back(std::move(fn));
+    if (!stopping_) {
+      queue_.push_back(std::move(fn));
+      cv_.notify_one();
+      return;
+    }
   }
-  cv_.notify_one();
+  // Stopped: nobody will run it later. Completions run now (each fires
+  // exactly once, also after shutdown); dropped handler work is released.
+  if (run_after_stop_) fn();
 }
 
 size_t Dispatcher::size() const {
@@ -32,6 +38,7 @@ void Dispatcher::stop(bool run_rest) {
   {
     std::lock_guard lock(mu_);
     stopping_ = true;
+    run_after_stop_ = run_rest;
     t = std::move(thread_);
   }
   cv_.notify_all();
@@ -69,7 +76,6 @@ TransportBase::TransportBase(const TransportConfig& config, std::string backend_
   for (int i = 0; i < config_.handler_threads; ++i)
     handler_threads_.push_back(std::make_unique<Dispatcher>("bc-tp-handler"));
   completions_.start();
-  next_heartbeat_round_ = Clock::now();
 }
 
 TransportBase::~TransportBase() {
@@ -187,6 +193,16 @@ void TransportBase::send(NodeId to, Message message, SendCallback done) {
 
 void TransportBase::enqueue(Outgoing out) {
   std::unique_lock lock(mu_);
+  // A lost peer fails sends at once instead of filling queues it will never
+  // drain; its heartbeats coming back make it reachable again.
+  if (auto it = peers_.find(out.to); it != peers_.end() && it->second.state == PeerState::kLost) {
+    lock.unlock();
+    out.bytes = 0;
+    complete_send(out, Status(ErrorCode::kPeerLost,
+                              "node " + std::to_string(out.to) + " is lost (silent for peer_timeout " +
+                                  std::to_string(config_.peer_timeout.count()) + " ms)"));
+    return;
+  }
   auto fits = [&] {
     // A message bigger than the whole budget is let through an empty queue,
     // otherwise it could never be sent.
@@ -256,13 +272,23 @@ void TransportBase::complete_send(Outgoing& out, Status status) {
 }
 
 void TransportBase::request(NodeId to, Message message, Millis timeout, ResponseCallback done) {
+  start_request(to, std::move(message), timeout, std::move(done), false);
+}
+
+void TransportBase::request_for_call(NodeId to, Message message, Millis timeout,
+                                     ResponseCallback done) {
+  start_request(to, std::move(message), timeout, std::move(done), true);
+}
+
+void TransportBase::start_request(NodeId to, Message message, Millis timeout,
+                                  ResponseCallback done, bool run_inline) {
   if (timeout.count() <= 0) timeout = config_.default_request_timeout;
   uint64_t id;
   {
     std::lock_guard lock(mu_);
     id = next_request_id_++;
     auto dl = deadlines_.emplace(Clock::now() + timeout, id);
-    pending_.emplace(id, Pending{to, std::move(done), dl});
+    pending_.emplace(id, Pending{to, std::move(done), run_inline, dl});
   }
   backend_wakeup();  // the loop's next deadline may have moved earlier
   Outgoing out;
@@ -328,15 +354,19 @@ void TransportBase::send_error_reply(const Incoming& request, ErrorCode code,
 
 void TransportBase::finish_request(uint64_t id, Response response) {
   ResponseCallback done;
+  bool run_inline = false;
   {
     std::lock_guard lock(mu_);
     auto it = pending_.find(id);
     if (it == pending_.end()) return;  // already finished (first outcome wins)
     done = std::move(it->second.done);
+    run_inline = it->second.run_inline;
     deadlines_.erase(it->second.deadline);
     pending_.erase(it);
   }
-  if (done)
+  if (done && run_inline)
+    done(std::move(response));
+  else if (done)
     completions_.post([done = std::move(done), r = std::move(response)]() mutable {
       done(std::move(r));
     });
@@ -524,6 +554,29 @@ wire::WireHeader TransportBase::heartbeat_header(NodeId to) const {
 }
 
 void TransportBase::log_malformed(const std::string& origin, const std::string& problem) const {
+  // A stream of garbage must not flood the log: per origin, at most
+  // kMalformedBurst lines per second, then one line saying how many were
+  // suppressed.
+  constexpr int kMalformedBurst = 20;
+  uint64_t suppressed = 0;
+  {
+    std::lock_guard lock(malformed_mu_);
+    if (malformed_.size() > 1024) malformed_.clear();  // bound the bookkeeping
+    MalformedLog& m = malformed_[origin];
+    auto now = Clock::now();
+    if (now - m.window_start >= std::chrono::seconds(1)) {
+      suppressed = m.suppressed;
+      m = MalformedLog{now, 0, 0};
+    }
+    if (++m.lines > kMalformedBurst) {
+      ++m.suppressed;
+      return;
+    }
+  }
+  if (suppressed > 0)
+    BC_LOG(LogTransport(), kError) << "node " << self() << ": " << suppressed
+                                   << " more malformed messages from " << origin
+                                   << " were dropped without a log line";
   BC_LOG(LogTransport(), kError) << "node " << self() << ": malformed message from " << origin
                                  << " dropped: " << problem;
 }

@@ -63,6 +63,7 @@ class Dispatcher {
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   bool stopping_ = false;
+  bool run_after_stop_ = true;
   std::thread thread_;
 };
 
@@ -91,6 +92,7 @@ class TransportBase : public Transport {
  protected:
   TransportBase(const TransportConfig& config, std::string backend_name);
   Millis wait_bound() const override;
+  void request_for_call(NodeId to, Message message, Millis timeout, ResponseCallback done) override;
 
   // --- backend hooks (called without locks held) ---
   // Make the I/O loop look at the send queue / control commands soon.
@@ -130,6 +132,7 @@ class TransportBase : public Transport {
   struct Pending {
     NodeId peer;
     ResponseCallback done;
+    bool run_inline;  // internal waiter (call()): run on the finishing thread
     std::multimap<Clock::time_point, uint64_t>::iterator deadline;
   };
   struct Peer {
@@ -140,6 +143,7 @@ class TransportBase : public Transport {
   };
 
   void enqueue(Outgoing out);
+  void start_request(NodeId to, Message message, Millis timeout, ResponseCallback done, bool run_inline);
   void finish_request(uint64_t id, Response response);
   void fail_requests_to(NodeId peer, const Status& status);
   void dispatch(Incoming incoming);
@@ -169,7 +173,13 @@ class TransportBase : public Transport {
   Dispatcher completions_{"bc-tp-complete"};
   std::vector<std::unique_ptr<Dispatcher>> handler_threads_;
   std::atomic<size_t> receive_queued_{0};
-  Clock::time_point next_heartbeat_round_{};
+  struct MalformedLog {
+    Clock::time_point window_start{};
+    int lines = 0;
+    uint64_t suppressed = 0;
+  };
+  mutable std::mutex malformed_mu_;  // leaf lock
+  mutable std::map<std::string, MalformedLog> malformed_;
 };
 
 }  // namespace bytecomp::transport

@@ -53,7 +53,8 @@ Status Transport::send_wait(NodeId to, Message message) {
 Response Transport::call(NodeId to, Message message, Millis timeout) {
   auto promise = std::make_shared<std::promise<Response>>();
   std::future<Response> result = promise->get_future();
-  request(to, std::move(message), timeout, [promise](Response r) { promise->set_value(std::move(r)); });
+  request_for_call(to, std::move(message), timeout,
+                   [promise](Response r) { promise->set_value(std::move(r)); });
   if (result.wait_for(wait_bound() + timeout) != std::future_status::ready)
     return {Status(ErrorCode::kTimeout, "request to node " + std::to_string(to) +
                                             " did not complete within its bound"),

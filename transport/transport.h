@@ -327,6 +327,11 @@ class Transport {
   // Upper bound the blocking wrappers wait for a completion that the
   // transport guarantees to deliver (a safety net, not a timeout policy).
   virtual Millis wait_bound() const { return Millis{600000}; }
+  // request() for call(): `done` only fulfils a promise, so a backend may
+  // run it on its I/O thread and spare the completion-thread hop.
+  virtual void request_for_call(NodeId to, Message message, Millis timeout, ResponseCallback done) {
+    request(to, std::move(message), timeout, std::move(done));
+  }
 };
 
 // Backends compiled into this build ("zmq", and "rdma" with libibverbs).

@@ -51,8 +51,7 @@ TEST(Wire, RoundTripsEveryField) {
   EXPECT_EQ(d.correlation, 99u);
   EXPECT_EQ(d.payload_sizes, h.payload_sizes);
   // Little-endian on the wire regardless of the host.
-  EXPECT_EQ(std::to_integer<int>(b[0]), 'P');
-  EXPECT_EQ(std::to_integer<int>(b[3]), 'B');
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(b.data()), 4), "BCTP");
 }
 
 TEST(Wire, RejectsEveryBadField) {
@@ -226,6 +225,23 @@ TEST(Factory, RejectsUnknownBackendAndBadAddresses) {
   t->shutdown();
   EXPECT_EQ(t->send_wait(1, {}).code(), ErrorCode::kUnavailable);
   EXPECT_EQ(t->call(1, {}, Millis{100}).status.code(), ErrorCode::kUnavailable);
+}
+
+TEST(Factory, RdmaWithoutDeviceFailsWithTheReason) {
+  std::string reason;
+  bool built = false;
+  for (const std::string& b : available_backends()) built |= b == "rdma";
+  if (!built) GTEST_SKIP() << "rdma backend not built (libibverbs/librdmacm missing)";
+  if (backend_usable("rdma", &reason)) GTEST_SKIP() << "an RDMA device exists; the backend tests cover it";
+  TransportConfig c;
+  c.listen = {"rdma://127.0.0.1:0"};
+  try {
+    make_transport("rdma", c);
+    ADD_FAILURE() << "rdma transport created without a device";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnavailable);
+    EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+  }
 }
 
 TEST(Buffer, ReleasesOnceAfterLastReference) {
