@@ -26,11 +26,14 @@ BC_CLONES float k_sumsq(const float* x, size_t n) {
   v8f a0 = {}, a1 = {};
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    v8f v = load8(x + i), w = load8(x + i + 8);
+    v8f v, w;
+    BC_V8_LOAD(v, x + i);
+    BC_V8_LOAD(w, x + i + 8);
     a0 += v * v;
     a1 += w * w;
   }
-  float s = hsum(a0 + a1);
+  v8f t = a0 + a1;
+  float s = hsum(t);
   for (; i < n; ++i) s += x[i] * x[i];
   return s;
 }
@@ -39,10 +42,11 @@ BC_CLONES void k_moments(const float* x, size_t n, float* sum, float* sumsq, flo
   v8f a = {}, b = {}, m = {};
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    v8f v = load8(x + i);
+    v8f v;
+    BC_V8_LOAD(v, x + i);
     a += v;
     b += v * v;
-    v8f f = abs8(v);
+    v8f f = BC_V8_ABS(v);
     m = f > m ? f : m;
   }
   float s = hsum(a), q = hsum(b), mx = hmax(m);

@@ -23,10 +23,14 @@ BC_CLONES float k_abs_sum(const float* x, size_t n) {
   v8f a0 = {}, a1 = {};
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    a0 += abs8(load8(x + i));
-    a1 += abs8(load8(x + i + 8));
+    v8f v, w;
+    BC_V8_LOAD(v, x + i);
+    BC_V8_LOAD(w, x + i + 8);
+    a0 += BC_V8_ABS(v);
+    a1 += BC_V8_ABS(w);
   }
-  float s = hsum(a0 + a1);
+  v8f t = a0 + a1;
+  float s = hsum(t);
   for (; i < n; ++i) s += std::fabs(x[i]);
   return s;
 }
@@ -38,9 +42,10 @@ BC_CLONES void k_pos_neg(const float* x, size_t n, float* pos, float* neg, uint3
   v8u c = {};
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    v8f v = load8(x + i);
+    v8f v;
+    BC_V8_LOAD(v, x + i);
     s += v;
-    a += abs8(v);
+    a += BC_V8_ABS(v);
     c += reinterpret_cast<v8u>(v) >> 31;
   }
   float ss = hsum(s), as = hsum(a);

@@ -6,10 +6,14 @@
 
 #include <cstdint>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #if defined(__x86_64__) && !defined(BYTECOMP_NO_CLONES)
 #define BC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #define BC_TARGET_F16C __attribute__((target("avx2,f16c")))
-#define BC_TARGET_AVX2 __attribute__((target("avx2,bmi2,popcnt")))
+#define BC_TARGET_AVX2 __attribute__((target("avx2")))
 #else
 #define BC_CLONES
 #define BC_TARGET_F16C
@@ -20,8 +24,11 @@ namespace bytecomp::compress {
 
 inline bool cpu_has_f16c() {
 #if defined(__x86_64__)
+  // clang 14's __builtin_cpu_supports does not know "f16c": ask cpuid (leaf
+  // 1, ECX bit 29); the avx2 probe covers the OS saving YMM state.
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  unsigned a, b, c, d;
+  return __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
 #else
   return false;
 #endif
@@ -30,7 +37,7 @@ inline bool cpu_has_f16c() {
 inline bool cpu_has_avx2() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
+  return __builtin_cpu_supports("avx2");
 #else
   return false;
 #endif
@@ -48,18 +55,19 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
-__attribute__((always_inline)) inline v8f load8(const float* p) {
-  v8f v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-__attribute__((always_inline)) inline v8f abs8(v8f v) { return reinterpret_cast<v8f>(reinterpret_cast<v8u>(v) & 0x7fffffffu); }
-__attribute__((always_inline)) inline float hsum(v8f v) {
+// Macros and by-reference helpers rather than by-value vector functions:
+// clang rejects passing 32-byte vectors by value in the baseline clone.
+#define BC_V8_LOAD(dst, p) __builtin_memcpy(&(dst), (p), sizeof(dst))
+#define BC_V8_ABS(v)                                                        \
+  reinterpret_cast<::bytecomp::compress::simd::v8f>(                        \
+      reinterpret_cast<::bytecomp::compress::simd::v8u>(v) & 0x7fffffffu)
+
+inline float hsum(const v8f& v) {
   float s = 0;
   for (int l = 0; l < 8; ++l) s += v[l];
   return s;
 }
-__attribute__((always_inline)) inline float hmax(v8f v) {
+inline float hmax(const v8f& v) {
   float s = 0;
   for (int l = 0; l < 8; ++l) s = v[l] > s ? v[l] : s;
   return s;

@@ -195,8 +195,12 @@ class RandomK final : public Base {
       ps.push_back(p);
     }
     size_t n = ps[0].count;
-    if (out.size() < max_compressed_bytes(n) && out.size() < kHeaderBytes + 16 + 4 * first.k)
-      throw Error(ErrorCode::kInvalidArgument, "aggregate: output buffer too small");
+    // k comes from the inputs, which may have been made with another ratio.
+    size_t need = kHeaderBytes + 16 + 4 * first.k;
+    if (out.size() < need)
+      throw Error(ErrorCode::kInvalidArgument, "aggregate: output buffer of " +
+                                                   std::to_string(out.size()) + " bytes, the sum needs " +
+                                                   std::to_string(need));
     if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
       throw Error(ErrorCode::kInvalidArgument, "aggregate: output must be 8-byte aligned");
     std::byte* vp = out.data() + kHeaderBytes + 16;

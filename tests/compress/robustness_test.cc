@@ -147,6 +147,17 @@ TEST_P(Robust, ForgedHeadersWithValidChecksumAreRejectedOrHarmless) {
     std::memcpy(&count, t.data() + 16, 8);
     size_t out_n = count <= 4 * n ? count : n;
     accepted += try_decode(*c, t, out_n, trial % 2 == 0);
+    if (c->additive()) {  // aggregate() reads the same fields
+      std::vector<std::byte> agg(c->max_compressed_bytes(out_n));
+      std::vector<std::span<const std::byte>> ins{b, t};
+      if (trial % 2) ins = {t, t};
+      try {
+        c->aggregate(ins, agg, {});
+      } catch (const Error& e) {
+        EXPECT_TRUE(e.code() == ErrorCode::kMalformed || e.code() == ErrorCode::kInvalidArgument)
+            << e.what();
+      }
+    }
   }
   // Some forgeries are harmless (e.g. a different norm); most are not.
   EXPECT_LT(accepted, 1500u);
