@@ -179,7 +179,9 @@ void print_text(const Report& r, const Problem& p, std::ostream& out) {
       << "%\n";
   out << "decision time: " << std::setprecision(2) << r.stats.decision_ms
       << " ms (Algorithm 1 " << r.stats.algorithm1_ms << " ms, Algorithm 2 "
-      << r.stats.algorithm2_ms << " ms, " << r.stats.simulations << " simulations)\n";
+      << r.stats.algorithm2_ms << " ms; CPU " << r.stats.decision_cpu_ms
+      << " ms); with refinement " << r.stats.total_ms << " ms (CPU " << r.stats.total_cpu_ms
+      << " ms), " << r.stats.simulations << " simulations\n";
 }
 
 std::string report_json(const Report& r) {
@@ -196,6 +198,9 @@ std::string report_json(const Report& r) {
      << jnum(r.ours / r.ub - 1.0) << ",\"decision_ms\":" << jnum(r.stats.decision_ms)
      << ",\"algorithm1_ms\":" << jnum(r.stats.algorithm1_ms)
      << ",\"algorithm2_ms\":" << jnum(r.stats.algorithm2_ms)
+     << ",\"decision_cpu_ms\":" << jnum(r.stats.decision_cpu_ms)
+     << ",\"total_ms\":" << jnum(r.stats.total_ms)
+     << ",\"total_cpu_ms\":" << jnum(r.stats.total_cpu_ms)
      << ",\"simulations\":" << r.stats.simulations << ",\"strategy\":[";
   for (size_t i = 0; i < r.rows.size(); ++i)
     os << (i ? "," : "") << "{\"tensor\":" << jstr(r.rows[i].first)

@@ -185,7 +185,7 @@ CostTable CostTable::parse(std::string_view text, std::string name) {
     raw = YAML::Load(std::string(text));
   } catch (const YAML::Exception&) {
   }
-  if (child(raw, "gpu_compression_cost_us_v100").IsDefined())
+  if (child(raw, "gpu_compression_cost_us_v100").IsMap())
     return from_paper_results(text, name);
   Document doc = Document::parse(text, name);
   Reader root = doc.root("");

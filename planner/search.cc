@@ -380,7 +380,12 @@ Assignment baseline(Problem& p, Baseline b, uint64_t min_compress_bytes) {
       c.comp_device = c.decomp_device = Device::kGpu;
       break;
   }
-  const int raw_idx = p.find_option(raw);
+  int raw_idx = p.find_option(raw);
+  if (raw_idx < 0) {
+    // E.g. the CPU runtime: its uncompressed path reduces to one buffer.
+    raw.intra = Collective::kReduceBroadcast;
+    raw_idx = p.find_option(raw);
+  }
   const int c_idx = b == Baseline::kFp32 ? raw_idx : p.find_option(c);
   if (raw_idx < 0 || c_idx < 0) return {};
   Assignment a(p.tensors());
