@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <sstream>
 
 #include <time.h>
 
@@ -477,6 +478,27 @@ double upper_bound_us(const Problem& p) {
   Assignment a = plan(z);
   Evaluator ev(z);
   return ev.evaluate(a);
+}
+
+Problem random_small_problem(std::mt19937& rng, const CostTable& costs, int tensors) {
+  std::uniform_real_distribution<double> u(0, 1);
+  std::ostringstream prof;
+  prof << "version: 1\nmodel: random\nforward_us: " << static_cast<int>(u(rng) * 2000)
+       << "\ntensors:\n";
+  for (int i = 0; i < tensors; ++i)
+    prof << "  - {name: t" << i
+         << ", elements: " << static_cast<uint64_t>(std::pow(10, 2 + 5 * u(rng)))
+         << ", gap_us: " << static_cast<int>(u(rng) * 3000) << "}\n";
+  std::ostringstream cl;
+  cl << "version: 1\nname: random\nmachines: 2\ngpus_per_machine: 2\n"
+     << "intra: {gbps: " << 50 + static_cast<int>(u(rng) * 500) << ", latency_us: 5}\n"
+     << "inter: {gbps: " << 5 + static_cast<int>(u(rng) * 50) << ", latency_us: 20}\n"
+     << "cpu_cores: " << 1 + static_cast<int>(u(rng) * 8) << "\n";
+  const char* comps[] = {"randomk:0.01", "dgc:0.01", "efsignsgd"};
+  Constraints c;
+  c.include_fp16 = false;
+  return Problem(Profile::parse(prof.str(), "random.yaml"), Cluster::parse(cl.str(), "random.yaml"),
+                 costs, CompressorSpec::parse(comps[rng() % 3]), c);
 }
 
 Strategy to_strategy(const Problem& p, const Assignment& a) {

@@ -5,6 +5,7 @@
 // concurrently on the same Problem (its chain cache).
 #pragma once
 
+#include <random>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,12 @@ Assignment exact(Problem& p, double* best_value, uint64_t max_leaves = 50'000'00
 // The paper's Upper Bound: the planner on a copy where compression is free
 // and causes no contention. Returns the iteration time.
 double upper_bound_us(const Problem& p);
+
+// A random small instance for quality studies: `tensors` tensors of 10^2 to
+// 10^7 elements with random gaps, 2 machines x 2 GPUs with random link
+// speeds and cores, one of randomk/dgc/efsignsgd (fp16 excluded so that the
+// exact solver stays fast).
+Problem random_small_problem(std::mt19937& rng, const CostTable& costs, int tensors = 3);
 
 // Strategy file for a plan: one exact entry per tensor.
 Strategy to_strategy(const Problem& p, const Assignment& a);

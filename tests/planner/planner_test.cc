@@ -225,30 +225,9 @@ TEST(Options, UserConstraints) {
   for (const Option& o : rt) EXPECT_NE(runtime_inter_mode(o), "") << o.describe();
 }
 
-namespace {
-
-// Random small instance: 3 tensors, 2 machines x 2 GPUs.
 Problem random_instance(std::mt19937& rng, const CostTable& costs) {
-  std::uniform_real_distribution<double> u(0, 1);
-  std::ostringstream prof;
-  prof << "version: 1\nmodel: random\nforward_us: " << static_cast<int>(u(rng) * 2000)
-       << "\ntensors:\n";
-  for (int i = 0; i < 3; ++i)
-    prof << "  - {name: t" << i << ", elements: " << static_cast<uint64_t>(std::pow(10, 2 + 5 * u(rng)))
-         << ", gap_us: " << static_cast<int>(u(rng) * 3000) << "}\n";
-  std::ostringstream cl;
-  cl << "version: 1\nname: r\nmachines: 2\ngpus_per_machine: 2\n"
-     << "intra: {gbps: " << 50 + static_cast<int>(u(rng) * 500) << ", latency_us: 5}\n"
-     << "inter: {gbps: " << 5 + static_cast<int>(u(rng) * 50) << ", latency_us: 20}\n"
-     << "cpu_cores: " << 1 + static_cast<int>(u(rng) * 8) << "\n";
-  const char* comps[] = {"randomk:0.01", "dgc:0.01", "efsignsgd"};
-  Constraints c;
-  c.include_fp16 = false;
-  return Problem(Profile::parse(prof.str(), "random.yaml"), Cluster::parse(cl.str(), "r.yaml"),
-                 costs, CompressorSpec::parse(comps[rng() % 3]), c);
+  return random_small_problem(rng, costs, 3);
 }
-
-}  // namespace
 
 TEST(Search, HeuristicVersusExactAndBaselines) {
   const CostTable costs = CostTable::load_file(data("profiles/paper-results.yaml"));
