@@ -208,6 +208,37 @@ bool sweep(Evaluator& ev, const std::vector<int>& order,
   return improved;
 }
 
+// Moves every tensor of a size group to the same candidate option.
+bool group_sweep(Problem& p, Evaluator& ev, const std::vector<std::vector<int>>& cands,
+                 double& f, double stop_at) {
+  std::map<uint64_t, std::vector<int>> groups;
+  for (int i = 0; i < p.tensors(); ++i) groups[p.profile().tensors[i].elements].push_back(i);
+  bool improved = false;
+  for (auto it = groups.rbegin(); it != groups.rend(); ++it) {
+    const std::vector<int>& members = it->second;
+    if (members.size() < 2 || f <= stop_at) continue;
+    double best = f;
+    int best_opt = -1;
+    for (int o : cands[members.front()]) {
+      std::vector<std::pair<int, int>> changes;
+      for (int i : members)
+        if (ev.base()[i] != o) changes.push_back({i, o});
+      if (changes.empty()) continue;
+      const double v = ev.try_changes(changes, best - kEps);
+      if (v < best - kEps) {
+        best = v;
+        best_opt = o;
+      }
+    }
+    if (best_opt >= 0) {
+      for (int i : members) ev.commit(i, best_opt);
+      f = best;
+      improved = true;
+    }
+  }
+  return improved;
+}
+
 }  // namespace
 
 Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
@@ -268,13 +299,15 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   std::stable_sort(glist.begin(), glist.end(),
                    [](const auto& a, const auto& b) { return a.first.first > b.first.first; });
   st.offload_groups = static_cast<int>(glist.size());
-  for (int round = 0; round < 2; ++round) {
+  for (int round = 0; round < 1; ++round) {
     bool changed = false;
     for (const auto& [key, members] : glist) {
       // Candidate offloaded variants: CPU for compression, decompression, or both.
       std::vector<int> variants;
+      // Both on the CPU, or only the decompression (on the GPU it costs a
+      // piece per sender); compressing on the CPU while decompressing on the
+      // GPU is left to the refinement.
       for (auto [cd, dd] : {std::pair{Device::kCpu, Device::kCpu},
-                            std::pair{Device::kCpu, Device::kGpu},
                             std::pair{Device::kGpu, Device::kCpu}}) {
         Option v = p.options()[key.second];
         v.comp_device = cd;
@@ -311,9 +344,14 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
 
   all_candidates(p, cand);
   // Refinement over the whole option set (the published code restricts
-  // itself to a handful of options; we sweep all non-dominated ones).
-  for (int r = 0; r < opts.refine_rounds; ++r)
-    if (!sweep(ev, order, cand.all, f, lb)) break;
+  // itself to a handful of options; we sweep all non-dominated ones): single
+  // tensors, then whole size groups at once (a group often only pays off
+  // when all its members move, e.g. to the CPU pool).
+  for (int r = 0; r < opts.refine_rounds; ++r) {
+    bool improved = sweep(ev, order, cand.all, f, lb);
+    improved |= group_sweep(p, ev, cand.all, f, lb);
+    if (!improved) break;
+  }
 
   Assignment result = ev.base();
   if (opts.consider_baselines) {
@@ -323,8 +361,11 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
       ev.set_base(a);
       double fb = ev.base_value();
       if (fb >= f - kEps) continue;
-      for (int r = 0; r < opts.refine_rounds; ++r)
-        if (!sweep(ev, order, cand.all, fb, lb)) break;
+      for (int r = 0; r < opts.refine_rounds; ++r) {
+        bool improved = sweep(ev, order, cand.all, fb, lb);
+        improved |= group_sweep(p, ev, cand.all, fb, lb);
+        if (!improved) break;
+      }
       if (fb < f - kEps) {
         BC_LOG(LogPlanner(), kInfo) << "refined baseline " << to_string(b) << " beats the plan";
         f = fb;
