@@ -38,6 +38,7 @@ struct Daemon::Conn {
   uint32_t rank = 0;
   bool bye = false;
   bool closed = false;  // to be swept
+  Clock::time_point accepted_at = Clock::now();
   std::vector<ipc::Declare> decls;
   std::string who() const {
     return "local rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
@@ -499,6 +500,13 @@ void Daemon::reap_failed_jobs() {
 
 void Daemon::check_setup_deadlines() {
   const auto now = Clock::now();
+  // A connection that never says HELLO must not hold a descriptor forever.
+  const auto hello_bound = std::chrono::milliseconds(tunables_.setup_timeout_ms.load());
+  for (auto& [fd, c] : conns_) {
+    if (!c->closed && c->state == Conn::State::kNew && now - c->accepted_at > hello_bound) {
+      reject(*c, ErrorCode::kTimeout, "no HELLO within control.setup_timeout_ms");
+    }
+  }
   std::vector<Job*> late;
   for (auto& [k, j] : jobs_) {
     if (!j->engine && now > j->setup_deadline) late.push_back(j.get());
