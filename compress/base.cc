@@ -1,0 +1,291 @@
+// Wire header codec and the checks every compressor shares.
+#include <boost/crc.hpp>
+
+#include <cmath>
+
+#include "compress/internal.h"
+#include "compress/simd.h"
+
+namespace bytecomp::compress {
+
+std::string_view to_string(DType d) noexcept {
+  switch (d) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "unknown-dtype";
+}
+
+std::string_view to_string(Device d) noexcept {
+  switch (d) {
+    case Device::kCPU: return "cpu";
+    case Device::kCUDA: return "cuda";
+  }
+  return "unknown-device";
+}
+
+size_t dtype_size(DType d) noexcept { return d == DType::kFloat32 ? 4 : 2; }
+
+void TensorState::copy_residual(std::span<float>) const {
+  throw Error(ErrorCode::kInvalidArgument, "copy_residual: this compressor keeps no residual");
+}
+
+size_t Compressor::aggregate(std::span<const std::span<const std::byte>>, std::span<std::byte>,
+                             const CompressContext&) const {
+  throw Error(ErrorCode::kInvalidArgument,
+              "aggregate: compressor '" + name() +
+                  "' is not additive (additive: fp16, bf16, randomk); decompress and sum instead");
+}
+
+WireInfo inspect(std::span<const std::byte> in) {
+  detail::Parsed p = detail::parse_wire(in);
+  WireInfo w;
+  w.algorithm = detail::algo_name(p.algo);
+  w.count = p.count;
+  w.dtype = p.dtype;
+  w.payload_bytes = p.payload.size();
+  w.total_bytes = in.size();
+  return w;
+}
+
+namespace detail {
+
+const char* algo_name(Algo a) noexcept {
+  switch (a) {
+    case Algo::kFp16: return "fp16";
+    case Algo::kBf16: return "bf16";
+    case Algo::kRandomK: return "randomk";
+    case Algo::kTopK: return "topk";
+    case Algo::kDgc: return "dgc";
+    case Algo::kSignSgd: return "signsgd";
+    case Algo::kSignum: return "signum";
+    case Algo::kEfSignSgd: return "efsignsgd";
+    case Algo::kOneBit: return "onebit";
+    case Algo::kQsgd: return "qsgd";
+    case Algo::kTernGrad: return "terngrad";
+  }
+  return nullptr;
+}
+
+void malformed(const std::string& what) {
+  throw Error(ErrorCode::kMalformed, "compressed buffer rejected: " + what);
+}
+
+namespace {
+uint32_t header_crc(std::span<const std::byte> hdr_and_params) {
+  boost::crc_32_type crc;
+  std::byte h[kHeaderBytes];
+  std::memcpy(h, hdr_and_params.data(), kHeaderBytes);
+  std::memset(h + 12, 0, 4);
+  crc.process_bytes(h, kHeaderBytes);
+  crc.process_bytes(hdr_and_params.data() + kHeaderBytes, hdr_and_params.size() - kHeaderBytes);
+  return crc.checksum();
+}
+}  // namespace
+
+Parsed parse_wire(std::span<const std::byte> in) {
+  if (in.size() < kHeaderBytes)
+    malformed(std::to_string(in.size()) + " bytes is shorter than the " +
+              std::to_string(kHeaderBytes) + "-byte header");
+  const std::byte* b = in.data();
+  if (load<uint32_t>(b) != kMagic) malformed("bad magic (not a ByteComp compressed tensor)");
+  uint8_t version = load<uint8_t>(b + 4);
+  if (version != kVersion)
+    malformed("wire version " + std::to_string(version) + " (this build reads version " +
+              std::to_string(kVersion) + ")");
+  uint8_t algo = load<uint8_t>(b + 5);
+  if (algo_name(static_cast<Algo>(algo)) == nullptr)
+    malformed("unknown algorithm id " + std::to_string(algo));
+  uint8_t dtype = load<uint8_t>(b + 6);
+  if (dtype != static_cast<uint8_t>(DType::kFloat32))
+    malformed("dtype id " + std::to_string(dtype) + " (this build decodes float32 tensors only)");
+  if (load<uint8_t>(b + 7) != 0) malformed("unknown flags " + std::to_string(load<uint8_t>(b + 7)));
+  uint32_t params_len = load<uint32_t>(b + 8);
+  uint64_t count = load<uint64_t>(b + 16);
+  uint64_t payload_len = load<uint64_t>(b + 24);
+  if (params_len % 8 != 0 || params_len > 256)
+    malformed("params_len " + std::to_string(params_len) + " (accepted: multiple of 8, <= 256)");
+  if (count > kMaxCount)
+    malformed("element count " + std::to_string(count) + " exceeds " + std::to_string(kMaxCount));
+  uint64_t avail = in.size() - kHeaderBytes;
+  if (params_len > avail)
+    malformed("params_len " + std::to_string(params_len) + " but only " + std::to_string(avail) +
+              " bytes follow the header");
+  avail -= params_len;
+  if (payload_len != avail)
+    malformed("payload_len " + std::to_string(payload_len) + " but " + std::to_string(avail) +
+              " bytes follow the parameters (" +
+              (payload_len > avail ? "truncated" : "trailing bytes") + ")");
+  uint32_t crc = header_crc(in.first(kHeaderBytes + params_len));
+  if (crc != load<uint32_t>(b + 12)) malformed("header checksum mismatch (corrupted header)");
+  Parsed p;
+  p.algo = static_cast<Algo>(algo);
+  p.dtype = DType::kFloat32;
+  p.count = count;
+  p.params = in.subspan(kHeaderBytes, params_len);
+  p.payload = in.subspan(kHeaderBytes + params_len);
+  return p;
+}
+
+size_t write_wire(std::span<std::byte> out, Algo algo, uint64_t count,
+                  std::span<const std::byte> params, uint64_t payload_len) {
+  size_t plen = pad8(params.size());
+  std::byte* b = out.data();
+  store<uint32_t>(b, kMagic);
+  store<uint8_t>(b + 4, kVersion);
+  store<uint8_t>(b + 5, static_cast<uint8_t>(algo));
+  store<uint8_t>(b + 6, static_cast<uint8_t>(DType::kFloat32));
+  store<uint8_t>(b + 7, 0);
+  store<uint32_t>(b + 8, static_cast<uint32_t>(plen));
+  store<uint32_t>(b + 12, 0);
+  store<uint64_t>(b + 16, count);
+  store<uint64_t>(b + 24, payload_len);
+  std::memset(b + kHeaderBytes, 0, plen);
+  if (!params.empty()) std::memcpy(b + kHeaderBytes, params.data(), params.size());
+  store<uint32_t>(b + 12, header_crc(out.first(kHeaderBytes + plen)));
+  return kHeaderBytes + plen + payload_len;
+}
+
+ParamReader::ParamReader(std::span<const std::byte> p, size_t expected, const char* algo)
+    : p_(p) {
+  if (p.size() != pad8(expected))
+    malformed(std::string(algo) + " parameters are " + std::to_string(p.size()) +
+              " bytes (expected " + std::to_string(pad8(expected)) + ")");
+}
+
+void for_chunks(ThreadPool* pool, size_t n, const std::function<void(size_t, size_t, size_t)>& f) {
+  size_t chunks = num_chunks(n);
+  auto body = [&](size_t cb, size_t ce) {
+    for (size_t c = cb; c < ce; ++c) f(c, c * kChunk, std::min(n, (c + 1) * kChunk));
+  };
+  if (pool == nullptr || pool->concurrency() < 2 || chunks < 2) {
+    body(0, chunks);
+    return;
+  }
+  pool->parallel_for(chunks, 1, body);
+}
+
+namespace {
+BC_CLONES void k_apply_lazy(const float* __restrict g, float beta, float* __restrict r,
+                            float pos, float neg, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float c = std::signbit(r[i]) ? neg : pos;
+    r[i] = g[i] + beta * (r[i] - c);
+  }
+}
+BC_CLONES void k_add_scaled(const float* __restrict g, float beta, float* __restrict r, size_t n) {
+  for (size_t i = 0; i < n; ++i) r[i] = g[i] + beta * r[i];
+}
+}  // namespace
+
+void apply_lazy(const float* g, float beta, Residual& res, size_t b, size_t e) {
+  if (res.lazy) k_apply_lazy(g + b, beta, res.r.data() + b, res.pos, res.neg, e - b);
+  else k_add_scaled(g + b, beta, res.r.data() + b, e - b);
+}
+
+void add_scaled(const float* g, float beta, float* r, size_t b, size_t e) {
+  k_add_scaled(g + b, beta, r + b, e - b);
+}
+
+void VectorState::copy_residual(std::span<float> out) const {
+  if (!residual_) TensorState::copy_residual(out);
+  if (out.size() != n_)
+    throw Error(ErrorCode::kInvalidArgument, "copy_residual: out has " + std::to_string(out.size()) +
+                                                 " elements, state has " + std::to_string(n_));
+  std::memcpy(out.data(), v_.back().data(), n_ * sizeof(float));
+}
+
+void FeedbackState::copy_residual(std::span<float> out) const {
+  if (out.size() != res.r.size())
+    throw Error(ErrorCode::kInvalidArgument, "copy_residual: out has " + std::to_string(out.size()) +
+                                                 " elements, state has " +
+                                                 std::to_string(res.r.size()));
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = res.lazy ? res.r[i] - (std::signbit(res.r[i]) ? res.neg : res.pos) : res.r[i];
+}
+
+// --- Base ---------------------------------------------------------------------
+
+std::unique_ptr<TensorState> Base::make_state(size_t n) const {
+  if (n > kMaxCount)
+    throw Error(ErrorCode::kInvalidArgument, "make_state: " + std::to_string(n) +
+                                                 " elements exceeds the limit " +
+                                                 std::to_string(kMaxCount));
+  return new_state(n);
+}
+
+namespace {
+void check_cpu_f32(const char* what, const std::string& name, Device dev, DType dt) {
+  if (dev != Device::kCPU)
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(what) + ": compressor '" + name + "' has no kernels for device " +
+                    std::string(to_string(dev)) + " yet (accepted: cpu)");
+  if (dt != DType::kFloat32)
+    throw Error(ErrorCode::kInvalidArgument, std::string(what) + ": compressor '" + name +
+                                                 "' takes float32 tensors, got " +
+                                                 std::string(to_string(dt)));
+}
+}  // namespace
+
+size_t Base::compress(ConstTensorView in, std::span<std::byte> out, TensorState& state,
+                      const CompressContext& ctx) const {
+  check_cpu_f32("compress", name(), in.device, in.dtype);
+  if (in.count > kMaxCount)
+    throw Error(ErrorCode::kInvalidArgument, "compress: " + std::to_string(in.count) +
+                                                 " elements exceeds the limit");
+  if (in.data == nullptr && in.count != 0)
+    throw Error(ErrorCode::kInvalidArgument, "compress: null input");
+  size_t need = max_compressed_bytes(in.count);
+  if (out.size() < need)
+    throw Error(ErrorCode::kInvalidArgument,
+                "compress: output buffer of " + std::to_string(out.size()) + " bytes, '" + name() +
+                    "' needs max_compressed_bytes(" + std::to_string(in.count) +
+                    ") = " + std::to_string(need));
+  if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
+    throw Error(ErrorCode::kInvalidArgument, "compress: output buffer must be 8-byte aligned");
+  if (state.count() != in.count)
+    throw Error(ErrorCode::kInvalidArgument,
+                "compress: state was made for " + std::to_string(state.count()) +
+                    " elements, tensor has " + std::to_string(in.count));
+  return encode(static_cast<const float*>(in.data), in.count, out.data(), state, ctx);
+}
+
+Parsed Base::parse_own(std::span<const std::byte> in, size_t expected_count) const {
+  Parsed p = parse_wire(in);
+  if (p.algo != algo_)
+    malformed(std::string("buffer holds '") + algo_name(p.algo) + "' data, this compressor decodes '" +
+              algo_name(algo_) + "'");
+  if (p.count != expected_count)
+    malformed("buffer holds " + std::to_string(p.count) + " elements, output has " +
+              std::to_string(expected_count));
+  return p;
+}
+
+void Base::decompress(std::span<const std::byte> in, TensorView out, bool accumulate,
+                      const CompressContext& ctx) const {
+  check_cpu_f32("decompress", name(), out.device, out.dtype);
+  if (out.data == nullptr && out.count != 0)
+    throw Error(ErrorCode::kInvalidArgument, "decompress: null output");
+  std::vector<std::byte> aligned;
+  if (reinterpret_cast<uintptr_t>(in.data()) % 8 != 0) {
+    aligned.assign(in.begin(), in.end());
+    in = aligned;
+  }
+  Parsed p = parse_own(in, out.count);
+  decode(p, static_cast<float*>(out.data), accumulate ? Mode::kAdd : Mode::kSet, ctx.pool);
+}
+
+size_t Base::encode_ef(const float* g, size_t n, float beta, Residual& res, TensorState& st,
+                       std::byte* out, const CompressContext& ctx) const {
+  // p = g + beta * r, held in r; then r = p - decode(encode(p)).
+  for_chunks(ctx.pool, n, [&](size_t, size_t b, size_t e) { apply_lazy(g, beta, res, b, e); });
+  res.lazy = false;
+  size_t len = encode(res.r.data(), n, out, st, ctx);
+  Parsed p = parse_wire({out, len});
+  decode(p, res.r.data(), Mode::kSub, ctx.pool);
+  return len;
+}
+
+}  // namespace detail
+}  // namespace bytecomp::compress

@@ -1,0 +1,158 @@
+// Bit-packing kernels shared by the sign and quantising compressors: AVX2
+// versions chosen at run time, portable versions otherwise (same output).
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "compress/internal.h"
+#include "compress/simd.h"
+
+namespace bytecomp::compress::detail {
+namespace {
+
+const bool kAvx2 = cpu_has_avx2();
+
+void pack_block_scalar(const uint8_t* c, unsigned bits, std::byte* w) {
+  for (unsigned j = 0; j < bits; ++j) {
+    uint64_t word = 0;
+    for (unsigned e = 0; e < 64; ++e) word |= static_cast<uint64_t>((c[e] >> j) & 1u) << e;
+    store<uint64_t>(w + 8 * j, word);
+  }
+}
+
+BC_TARGET_AVX2 void pack_block_avx2(const uint8_t* c, unsigned bits, std::byte* w) {
+  __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
+  for (unsigned j = 0; j < bits; ++j) {
+    // Shifting 16-bit lanes left by 7-j brings bit j of both bytes to their
+    // top bit, which movemask collects.
+    __m128i sh = _mm_cvtsi32_si128(static_cast<int>(7 - j));
+    uint32_t lo = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_sll_epi16(a, sh)));
+    uint32_t hi = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_sll_epi16(b, sh)));
+    store<uint64_t>(w + 8 * j, lo | (static_cast<uint64_t>(hi) << 32));
+  }
+}
+
+void unpack_block_scalar(const std::byte* w, unsigned bits, uint8_t* c) {
+  for (unsigned e = 0; e < 64; ++e) c[e] = 0;
+  for (unsigned j = 0; j < bits; ++j) {
+    uint64_t word = load<uint64_t>(w + 8 * j);
+    for (unsigned e = 0; e < 64; ++e) c[e] |= static_cast<uint8_t>(((word >> e) & 1u) << j);
+  }
+}
+
+// 32 mask bits -> 32 bytes of 0xFF / 0x00.
+BC_TARGET_AVX2 inline __m256i expand32(uint32_t m) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+  __m256i x = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), shuf);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(x, sel), sel);
+}
+
+BC_TARGET_AVX2 void unpack_block_avx2(const std::byte* w, unsigned bits, uint8_t* c) {
+  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+  for (unsigned j = 0; j < bits; ++j) {
+    uint64_t word = load<uint64_t>(w + 8 * j);
+    __m256i bit = _mm256_set1_epi8(static_cast<char>(1u << j));
+    a = _mm256_or_si256(a, _mm256_and_si256(expand32(static_cast<uint32_t>(word)), bit));
+    b = _mm256_or_si256(b, _mm256_and_si256(expand32(static_cast<uint32_t>(word >> 32)), bit));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), a);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 32), b);
+}
+
+uint64_t signs_scalar(const float* x, size_t len) {
+  uint64_t w = 0;
+  for (size_t e = 0; e < len; ++e) w |= static_cast<uint64_t>(std::signbit(x[e]) ? 1 : 0) << e;
+  return w;
+}
+
+BC_TARGET_AVX2 uint64_t signs_avx2(const float* x) {
+  uint64_t w = 0;
+  for (unsigned q = 0; q < 8; ++q)
+    w |= static_cast<uint64_t>(_mm256_movemask_ps(_mm256_loadu_ps(x + 8 * q))) << (8 * q);
+  return w;
+}
+
+template <Mode M>
+BC_TARGET_AVX2 void unpack_signs_avx2(uint64_t w, float pos, float neg, float* out) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256 vp = _mm256_set1_ps(pos), vn = _mm256_set1_ps(neg);
+  for (unsigned q = 0; q < 8; ++q) {
+    __m256i m = _mm256_set1_epi32(static_cast<int>((w >> (8 * q)) & 0xffu));
+    __m256 mask = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(m, sel), sel));
+    __m256 v = _mm256_blendv_ps(vp, vn, mask);
+    float* o = out + 8 * q;
+    if constexpr (M == Mode::kSet) _mm256_storeu_ps(o, v);
+    else if constexpr (M == Mode::kAdd) _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), v));
+    else _mm256_storeu_ps(o, _mm256_sub_ps(_mm256_loadu_ps(o), v));
+  }
+}
+
+template <Mode M>
+void unpack_signs_scalar(uint64_t w, size_t len, float pos, float neg, float* out) {
+  for (size_t e = 0; e < len; ++e) {
+    float v = (w >> e) & 1u ? neg : pos;
+    if constexpr (M == Mode::kSet) out[e] = v;
+    else if constexpr (M == Mode::kAdd) out[e] += v;
+    else out[e] -= v;
+  }
+}
+
+template <Mode M>
+void unpack_signs_t(const std::byte* words, size_t len, float pos, float neg, float* out) {
+  size_t full = len / 64;
+  for (size_t blk = 0; blk < full; ++blk) {
+    uint64_t w = load<uint64_t>(words + 8 * blk);
+    if (kAvx2) unpack_signs_avx2<M>(w, pos, neg, out + 64 * blk);
+    else unpack_signs_scalar<M>(w, 64, pos, neg, out + 64 * blk);
+  }
+  if (len % 64)
+    unpack_signs_scalar<M>(load<uint64_t>(words + 8 * full), len % 64, pos, neg, out + 64 * full);
+}
+
+}  // namespace
+
+void pack_planes(const uint8_t* codes, size_t len, unsigned bits, std::byte* words) {
+  size_t full = len / 64;
+  for (size_t blk = 0; blk < full; ++blk) {
+    if (kAvx2) pack_block_avx2(codes + 64 * blk, bits, words + 8 * bits * blk);
+    else pack_block_scalar(codes + 64 * blk, bits, words + 8 * bits * blk);
+  }
+  if (len % 64) {
+    uint8_t tmp[64] = {};
+    std::memcpy(tmp, codes + 64 * full, len % 64);
+    pack_block_scalar(tmp, bits, words + 8 * bits * full);
+  }
+}
+
+void unpack_planes(const std::byte* words, size_t len, unsigned bits, uint8_t* codes) {
+  size_t full = len / 64;
+  for (size_t blk = 0; blk < full; ++blk) {
+    if (kAvx2) unpack_block_avx2(words + 8 * bits * blk, bits, codes + 64 * blk);
+    else unpack_block_scalar(words + 8 * bits * blk, bits, codes + 64 * blk);
+  }
+  if (len % 64) {
+    uint8_t tmp[64];
+    unpack_block_scalar(words + 8 * bits * full, bits, tmp);
+    std::memcpy(codes + 64 * full, tmp, len % 64);
+  }
+}
+
+void pack_signs(const float* x, size_t len, std::byte* words) {
+  size_t full = len / 64;
+  for (size_t blk = 0; blk < full; ++blk)
+    store<uint64_t>(words + 8 * blk, kAvx2 ? signs_avx2(x + 64 * blk) : signs_scalar(x + 64 * blk, 64));
+  if (len % 64) store<uint64_t>(words + 8 * full, signs_scalar(x + 64 * full, len % 64));
+}
+
+void unpack_signs(const std::byte* words, size_t len, float pos, float neg, float* out, Mode m) {
+  switch (m) {
+    case Mode::kSet: unpack_signs_t<Mode::kSet>(words, len, pos, neg, out); break;
+    case Mode::kAdd: unpack_signs_t<Mode::kAdd>(words, len, pos, neg, out); break;
+    case Mode::kSub: unpack_signs_t<Mode::kSub>(words, len, pos, neg, out); break;
+  }
+}
+
+}  // namespace bytecomp::compress::detail

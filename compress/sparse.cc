@@ -1,0 +1,468 @@
+// Sparsifiers: randomk (shared-seed indices, values only on the wire), exact
+// topk, and DGC. topk/dgc payload: k strictly increasing u32 indices, then k
+// f32 values; the decoder checks the order and range of every index before it
+// writes anything.
+#include <algorithm>
+#include <cmath>
+
+#include "compress/internal.h"
+#include "compress/simd.h"
+
+namespace bytecomp::compress::detail {
+namespace {
+
+__extension__ typedef unsigned __int128 u128;
+
+size_t k_of(size_t n, double ratio) {
+  if (n == 0) return 0;
+  double k = std::floor(ratio * static_cast<double>(n) + 0.5);
+  return std::clamp<size_t>(static_cast<size_t>(k), 1, n);
+}
+
+constexpr size_t kSub = 4096;
+constexpr uint64_t kMaxIndexed = 0xffffffffull;  // u32 indices on the wire
+
+void check_indexed(const std::string& name, size_t n) {
+  if (n > kMaxIndexed)
+    throw Error(ErrorCode::kInvalidArgument,
+                "compress: '" + name + "' sends 32-bit indices; " + std::to_string(n) +
+                    " elements is too many (split the tensor into partitions)");
+}
+
+// --- shared sparse payload (topk, dgc) ---------------------------------------
+
+size_t sparse_bytes(size_t k) { return kHeaderBytes + 8 + 8 * k; }
+
+void decode_sparse(const char* algo, const Parsed& p, float* out, Mode mode, ThreadPool* pool) {
+  ParamReader pr(p.params, 8, algo);
+  uint64_t k = pr.get<uint64_t>();
+  if (k > p.count)
+    malformed(std::string(algo) + " sends " + std::to_string(k) + " elements of " +
+              std::to_string(p.count));
+  if (p.payload.size() != 8 * k)
+    malformed(std::string(algo) + " payload is " + std::to_string(p.payload.size()) +
+              " bytes for k = " + std::to_string(k) + " (expected " + std::to_string(8 * k) + ")");
+  const std::byte* ip = p.payload.data();
+  const std::byte* vp = ip + 4 * k;
+  uint64_t prev = 0;
+  for (uint64_t j = 0; j < k; ++j) {
+    uint64_t i = load<uint32_t>(ip + 4 * j);
+    if (i >= p.count || (j > 0 && i <= prev))
+      malformed(std::string(algo) + " index #" + std::to_string(j) + " = " + std::to_string(i) +
+                (i >= p.count ? " is out of range (count " + std::to_string(p.count) + ")"
+                              : " is not above the previous index " + std::to_string(prev)));
+    prev = i;
+  }
+  if (mode == Mode::kSet)
+    for_chunks(pool, p.count, [&](size_t, size_t b, size_t e) {
+      std::memset(out + b, 0, (e - b) * sizeof(float));
+    });
+  float sign = mode == Mode::kSub ? -1.0f : 1.0f;
+  for_chunks(pool, k, [&](size_t, size_t b, size_t e) {
+    for (size_t j = b; j < e; ++j) out[load<uint32_t>(ip + 4 * j)] += sign * load<float>(vp + 4 * j);
+  });
+}
+
+// Writes the payload for sorted `idx`, taking values from v and, when
+// `zero` is set, clearing them there (the residual / DGC masking).
+size_t write_sparse(std::byte* out, Algo algo, size_t n, const std::vector<uint32_t>& idx,
+                    float* v, float* zero2, bool zero, ThreadPool* pool) {
+  size_t k = idx.size();
+  std::byte* ip = out + kHeaderBytes + 8;
+  std::byte* vp = ip + 4 * k;
+  if (k) std::memcpy(ip, idx.data(), 4 * k);
+  for_chunks(pool, k, [&](size_t, size_t b, size_t e) {
+    for (size_t j = b; j < e; ++j) {
+      uint32_t i = idx[j];
+      store<float>(vp + 4 * j, v[i]);
+      if (zero) v[i] = 0.0f;
+      if (zero2) zero2[i] = 0.0f;
+    }
+  });
+  ParamWriter pw;
+  pw.put<uint64_t>(k);
+  return write_wire({out, sparse_bytes(k)}, algo, n, pw.bytes(), 8 * k);
+}
+
+// --- randomk -------------------------------------------------------------------
+
+class RandomK final : public Base {
+ public:
+  RandomK(CompressorSpec s, double ratio) : Base(std::move(s), Algo::kRandomK), ratio_(ratio) {}
+
+  size_t max_compressed_bytes(size_t n) const override {
+    return kHeaderBytes + 16 + 4 * k_of(n, ratio_);
+  }
+  bool additive() const override { return true; }
+  bool deterministic_size() const override { return true; }
+
+  static uint64_t seed_of(const CompressContext& ctx) {
+    return splitmix64(ctx.shared_seed ^ splitmix64(ctx.iteration ^ 0x72616E646B00ull));
+  }
+  // Element i of the k indices: a uniform pick within the i-th of k equal
+  // strata of [0, n). Sorted, distinct, and computable in any order.
+  static uint64_t lo(uint64_t i, uint64_t n, uint64_t k) {
+    return static_cast<uint64_t>(static_cast<u128>(i) * n / k);
+  }
+  static uint64_t index(uint64_t seed, uint64_t i, uint64_t n, uint64_t k) {
+    uint64_t a = lo(i, n, k), len = lo(i + 1, n, k) - a;
+    uint32_t h = hash32(static_cast<uint32_t>(seed ^ (seed >> 32) ^ ((i >> 32) * 0x9E3779B1u)),
+                        static_cast<uint32_t>(i));
+    return a + static_cast<uint64_t>((static_cast<u128>(h) * len) >> 32);
+  }
+
+  size_t encode(const float* x, size_t n, std::byte* out, TensorState&,
+                const CompressContext& ctx) const override {
+    uint64_t seed = seed_of(ctx), k = k_of(n, ratio_);
+    std::byte* vp = out + kHeaderBytes + 16;
+    for_chunks(ctx.pool, k, [&](size_t, size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) store<float>(vp + 4 * i, x[index(seed, i, n, k)]);
+    });
+    return finish(out, n, seed, k);
+  }
+
+  size_t encode_ef(const float* g, size_t n, float beta, Residual& res, TensorState&,
+                   std::byte* out, const CompressContext& ctx) const override {
+    uint64_t seed = seed_of(ctx), k = k_of(n, ratio_);
+    std::byte* vp = out + kHeaderBytes + 16;
+    float* r = res.r.data();
+    // One pass: p = g + beta * r into r, then, while that block is in cache,
+    // send and clear the picked elements that fall inside it.
+    for_chunks(ctx.pool, n, [&](size_t, size_t cb, size_t ce) {
+      for (size_t b = cb; b < ce; b += kSub) {
+        size_t e = std::min(ce, b + kSub);
+        apply_lazy(g, beta, res, b, e);
+        uint64_t i = static_cast<uint64_t>(static_cast<u128>(b) * k / n);
+        i = i > 0 ? i - 1 : 0;
+        for (; i < k && lo(i, n, k) < e; ++i) {
+          uint64_t j = index(seed, i, n, k);
+          if (j < b || j >= e) continue;
+          store<float>(vp + 4 * i, r[j]);
+          r[j] = 0.0f;
+        }
+      }
+    });
+    return finish(out, n, seed, k);
+  }
+
+  size_t finish(std::byte* out, size_t n, uint64_t seed, uint64_t k) const {
+    ParamWriter pw;
+    pw.put<uint64_t>(seed).put<uint64_t>(k);
+    return write_wire({out, max_compressed_bytes(n)}, algo(), n, pw.bytes(), 4 * k);
+  }
+
+  struct Info {
+    uint64_t seed, k;
+  };
+  static Info check(const Parsed& p) {
+    ParamReader pr(p.params, 16, "randomk");
+    Info in{pr.get<uint64_t>(), pr.get<uint64_t>()};
+    if (in.k > p.count || (in.k == 0 && p.count != 0))
+      malformed("randomk k = " + std::to_string(in.k) + " for " + std::to_string(p.count) +
+                " elements (accepted: 1..count)");
+    if (p.payload.size() != 4 * in.k)
+      malformed("randomk payload is " + std::to_string(p.payload.size()) + " bytes for k = " +
+                std::to_string(in.k) + " (expected " + std::to_string(4 * in.k) + ")");
+    return in;
+  }
+
+  void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const override {
+    Info in = check(p);
+    size_t n = p.count;
+    const std::byte* vp = p.payload.data();
+    if (mode == Mode::kSet)
+      for_chunks(pool, n, [&](size_t, size_t b, size_t e) {
+        std::memset(out + b, 0, (e - b) * sizeof(float));
+      });
+    float sign = mode == Mode::kSub ? -1.0f : 1.0f;
+    for_chunks(pool, in.k, [&](size_t, size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) out[index(in.seed, i, n, in.k)] += sign * load<float>(vp + 4 * i);
+    });
+  }
+
+  size_t aggregate(std::span<const std::span<const std::byte>> inputs, std::span<std::byte> out,
+                   const CompressContext& ctx) const override {
+    if (inputs.empty()) throw Error(ErrorCode::kInvalidArgument, "aggregate: no inputs");
+    std::vector<Parsed> ps;
+    Info first{};
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      Parsed p = parse_own(inputs[j], j == 0 ? parse_wire(inputs[j]).count : ps[0].count);
+      Info in = check(p);
+      if (j == 0) first = in;
+      else if (in.seed != first.seed || in.k != first.k)
+        malformed("randomk input #" + std::to_string(j) +
+                  " was made with a different seed or k (another iteration or tensor?)");
+      ps.push_back(p);
+    }
+    size_t n = ps[0].count;
+    if (out.size() < max_compressed_bytes(n) && out.size() < kHeaderBytes + 16 + 4 * first.k)
+      throw Error(ErrorCode::kInvalidArgument, "aggregate: output buffer too small");
+    if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
+      throw Error(ErrorCode::kInvalidArgument, "aggregate: output must be 8-byte aligned");
+    std::byte* vp = out.data() + kHeaderBytes + 16;
+    for_chunks(ctx.pool, first.k, [&](size_t, size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i) {
+        float s = 0;
+        for (const auto& p : ps) s += load<float>(p.payload.data() + 4 * i);
+        store<float>(vp + 4 * i, s);
+      }
+    });
+    ParamWriter pw;
+    pw.put<uint64_t>(first.seed).put<uint64_t>(first.k);
+    return write_wire(out, algo(), n, pw.bytes(), 4 * first.k);
+  }
+
+ private:
+  double ratio_;
+};
+
+// --- exact topk --------------------------------------------------------------------
+
+constexpr unsigned kBucketShift = 19;  // 4096 buckets of |x|'s top bits
+constexpr size_t kBuckets = size_t{1} << (31 - kBucketShift);
+
+inline uint32_t key_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u & 0x7fffffffu;
+}
+
+BC_CLONES void k_hist(const float* x, size_t n, uint32_t* h) {
+  for (size_t i = 0; i < n; ++i) ++h[key_of(x[i]) >> kBucketShift];
+}
+
+// Sorted indices of the k largest |v| (ties: lower index), exact. prepare(b, e)
+// makes v[b, e) ready first (the error-feedback add), fused into the
+// histogram pass.
+template <class Prepare>
+std::vector<uint32_t> select_topk(const float* v, size_t n, size_t k, ThreadPool* pool,
+                                  const Prepare& prepare) {
+  size_t chunks = num_chunks(n);
+  std::vector<uint32_t> hist(chunks * kBuckets, 0);
+  for_chunks(pool, n, [&](size_t c, size_t cb, size_t ce) {
+    uint32_t* h = hist.data() + c * kBuckets;
+    for (size_t b = cb; b < ce; b += kSub) {
+      size_t e = std::min(ce, b + kSub);
+      prepare(b, e);
+      k_hist(v + b, e - b, h);
+    }
+  });
+  std::vector<uint64_t> total(kBuckets, 0);
+  for (size_t c = 0; c < chunks; ++c)
+    for (size_t j = 0; j < kBuckets; ++j) total[j] += hist[c * kBuckets + j];
+  std::vector<uint32_t> idx;
+  if (k == 0) return idx;
+  size_t t = kBuckets - 1;
+  uint64_t above = 0;
+  while (above + total[t] < k) above += total[t--];
+  size_t need = k - above;
+  // Offsets of each chunk's sure picks and candidates.
+  std::vector<uint64_t> sure_off(chunks + 1, 0), cand_off(chunks + 1, 0);
+  for (size_t c = 0; c < chunks; ++c) {
+    const uint32_t* h = hist.data() + c * kBuckets;
+    uint64_t s = 0;
+    for (size_t j = t + 1; j < kBuckets; ++j) s += h[j];
+    sure_off[c + 1] = sure_off[c] + s;
+    cand_off[c + 1] = cand_off[c] + h[t];
+  }
+  std::vector<uint32_t> sure(above);
+  std::vector<uint64_t> cand(total[t]);  // (key << 32) | index
+  for_chunks(pool, n, [&](size_t c, size_t b, size_t e) {
+    uint32_t* sp = sure.data() + sure_off[c];
+    uint64_t* cp = cand.data() + cand_off[c];
+    const uint32_t tb = static_cast<uint32_t>(t);
+    for (size_t i = b; i < e; ++i) {
+      uint32_t key = key_of(v[i]);
+      uint32_t bucket = key >> kBucketShift;
+      if (bucket > tb) *sp++ = static_cast<uint32_t>(i);
+      else if (bucket == tb) *cp++ = (static_cast<uint64_t>(key) << 32) | i;
+    }
+  });
+  if (need < cand.size()) {
+    // Larger key first, then lower index: order by (key desc, index asc).
+    auto better = [](uint64_t a, uint64_t b) {
+      uint32_t ka = static_cast<uint32_t>(a >> 32), kb = static_cast<uint32_t>(b >> 32);
+      return ka != kb ? ka > kb : static_cast<uint32_t>(a) < static_cast<uint32_t>(b);
+    };
+    std::nth_element(cand.begin(), cand.begin() + static_cast<ptrdiff_t>(need) - 1, cand.end(), better);
+    cand.resize(need);
+    for (auto& c : cand) c &= 0xffffffffull;
+    std::sort(cand.begin(), cand.end());
+  } else {
+    for (auto& c : cand) c &= 0xffffffffull;  // already in index order
+  }
+  idx.resize(k);
+  std::merge(sure.begin(), sure.end(), cand.begin(), cand.end(), idx.begin(),
+             [](uint64_t a, uint64_t b) { return a < b; });
+  return idx;
+}
+
+class TopK final : public Base {
+ public:
+  TopK(CompressorSpec s, double ratio) : Base(std::move(s), Algo::kTopK), ratio_(ratio) {}
+
+  size_t max_compressed_bytes(size_t n) const override { return sparse_bytes(k_of(n, ratio_)); }
+  bool additive() const override { return false; }
+  bool deterministic_size() const override { return true; }
+
+  size_t encode(const float* x, size_t n, std::byte* out, TensorState&,
+                const CompressContext& ctx) const override {
+    check_indexed(name(), n);
+    auto idx = select_topk(x, n, k_of(n, ratio_), ctx.pool, [](size_t, size_t) {});
+    return write_sparse(out, algo(), n, idx, const_cast<float*>(x), nullptr, false, ctx.pool);
+  }
+
+  size_t encode_ef(const float* g, size_t n, float beta, Residual& res, TensorState&,
+                   std::byte* out, const CompressContext& ctx) const override {
+    check_indexed(name(), n);
+    auto idx = select_topk(res.r.data(), n, k_of(n, ratio_), ctx.pool,
+                           [&](size_t b, size_t e) { apply_lazy(g, beta, res, b, e); });
+    res.lazy = false;
+    return write_sparse(out, algo(), n, idx, res.r.data(), nullptr, true, ctx.pool);
+  }
+
+  void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const override {
+    decode_sparse("topk", p, out, mode, pool);
+  }
+
+ private:
+  double ratio_;
+};
+
+// --- DGC --------------------------------------------------------------------------
+
+BC_CLONES void k_dgc_update(const float* __restrict g, float* __restrict u, float* __restrict v,
+                            float m, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    float ui = m * u[i] + g[i];
+    u[i] = ui;
+    v[i] += ui;
+  }
+}
+
+class Dgc final : public Base {
+ public:
+  Dgc(CompressorSpec s, double ratio, double momentum, double sample_ratio, uint64_t warmup,
+      unsigned refine)
+      : Base(std::move(s), Algo::kDgc),
+        ratio_(ratio),
+        momentum_(static_cast<float>(momentum)),
+        stride_(std::max<size_t>(1, static_cast<size_t>(std::llround(1.0 / sample_ratio)))),
+        warmup_(warmup),
+        refine_(refine) {}
+
+  // Warm-up: exponentially shrinking ratios (DGC paper, section 3.3).
+  double ratio_at(uint64_t iteration) const {
+    static constexpr double kStages[] = {0.25, 0.0625, 0.015625, 0.004};
+    if (warmup_ == 0) return ratio_;
+    uint64_t stage = iteration / warmup_;
+    return stage < 4 ? std::max(ratio_, kStages[stage]) : ratio_;
+  }
+  size_t max_k(size_t n) const {
+    size_t k = k_of(n, warmup_ ? std::max(ratio_, 0.25) : ratio_);
+    return std::min(n, k + k * 3 / 10 + 1);
+  }
+
+  size_t max_compressed_bytes(size_t n) const override { return sparse_bytes(max_k(n)); }
+  bool additive() const override { return false; }
+  bool deterministic_size() const override { return false; }
+
+  std::unique_ptr<TensorState> new_state(size_t n) const override {
+    return std::make_unique<VectorState>(n, 2, true, algo());  // u (momentum), v (accumulated)
+  }
+
+  size_t encode(const float* g, size_t n, std::byte* out, TensorState& st,
+                const CompressContext& ctx) const override {
+    check_indexed(name(), n);
+    auto& vs = state_as<VectorState>(st, name());
+    float* u = vs.data(0);
+    float* v = vs.data(1);
+    size_t k = k_of(n, ratio_at(ctx.iteration));
+    // Pass 1: momentum correction, accumulation and strided sampling of |v|.
+    std::vector<float> sample((n + stride_ - 1) / stride_);
+    for_chunks(ctx.pool, n, [&](size_t, size_t cb, size_t ce) {
+      for (size_t b = cb; b < ce; b += kSub) {
+        size_t e = std::min(ce, b + kSub);
+        k_dgc_update(g + b, u + b, v + b, momentum_, e - b);
+        for (size_t i = (b + stride_ - 1) / stride_ * stride_; i < e; i += stride_)
+          sample[i / stride_] = std::fabs(v[i]);
+      }
+    });
+    std::vector<uint32_t> idx;
+    if (k > 0) idx = select(v, n, k, sample, ctx.pool);
+    return write_sparse(out, algo(), n, idx, v, u, true, ctx.pool);
+  }
+
+  void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const override {
+    decode_sparse("dgc", p, out, mode, pool);
+  }
+
+ private:
+  std::vector<uint32_t> select(const float* v, size_t n, size_t k, std::vector<float>& sample,
+                               ThreadPool* pool) const {
+    size_t s = sample.size();
+    std::sort(sample.begin(), sample.end(), std::greater<float>());
+    auto rank_thr = [&](double rank) {
+      size_t r = static_cast<size_t>(std::clamp(std::ceil(rank), 1.0, static_cast<double>(s)));
+      return sample[r - 1];
+    };
+    double rank = static_cast<double>(s) * static_cast<double>(k) / static_cast<double>(n);
+    float thr = rank_thr(rank);
+    std::vector<uint32_t> idx;
+    for (unsigned attempt = 0;; ++attempt) {
+      idx = collect(v, n, thr, pool);
+      size_t got = idx.size();
+      if (got * 10 > k * 13) return trim(v, idx, k);
+      if (got * 10 >= k * 7 || attempt >= refine_ || thr <= 0.0f) return idx;
+      // Too few: move down the sample in proportion, at least halfway to 0.
+      rank *= static_cast<double>(k) / static_cast<double>(std::max<size_t>(got, 1));
+      float next = rank_thr(rank);
+      thr = next < thr ? next : thr * 0.5f;
+    }
+  }
+
+  static std::vector<uint32_t> collect(const float* v, size_t n, float thr, ThreadPool* pool) {
+    std::vector<std::vector<uint32_t>> part(num_chunks(n));
+    for_chunks(pool, n, [&](size_t c, size_t b, size_t e) {
+      auto& out = part[c];
+      for (size_t i = b; i < e; ++i)
+        if (std::fabs(v[i]) >= thr) out.push_back(static_cast<uint32_t>(i));
+    });
+    std::vector<uint32_t> idx;
+    for (auto& p : part) idx.insert(idx.end(), p.begin(), p.end());
+    return idx;
+  }
+
+  // Exactly k of the candidates, largest |v| first (ties: lower index).
+  static std::vector<uint32_t> trim(const float* v, std::vector<uint32_t>& idx, size_t k) {
+    std::nth_element(idx.begin(), idx.begin() + static_cast<ptrdiff_t>(k) - 1, idx.end(),
+                     [&](uint32_t a, uint32_t b) {
+                       uint32_t ka = key_of(v[a]), kb = key_of(v[b]);
+                       return ka != kb ? ka > kb : a < b;
+                     });
+    idx.resize(k);
+    std::sort(idx.begin(), idx.end());
+    return idx;
+  }
+
+  double ratio_;
+  float momentum_;
+  size_t stride_;
+  uint64_t warmup_;
+  unsigned refine_;
+};
+
+}  // namespace
+
+std::unique_ptr<Base> make_randomk(CompressorSpec s, double ratio) {
+  return std::make_unique<RandomK>(std::move(s), ratio);
+}
+std::unique_ptr<Base> make_topk(CompressorSpec s, double ratio) {
+  return std::make_unique<TopK>(std::move(s), ratio);
+}
+std::unique_ptr<Base> make_dgc(CompressorSpec s, double ratio, double momentum, double sample_ratio,
+                               uint64_t warmup_iters, unsigned refine) {
+  return std::make_unique<Dgc>(std::move(s), ratio, momentum, sample_ratio, warmup_iters, refine);
+}
+
+}  // namespace bytecomp::compress::detail
