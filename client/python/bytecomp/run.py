@@ -11,6 +11,7 @@ Starts, in a private temporary directory:
   - N training processes per node running COMMAND (a *.py first argument
     runs under this Python), with RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, GROUP_RANK and BYTECOMP_* set (bytecomp.env).
+Every process started carries BYTECOMP_RUN_ID=<job id> in its environment.
 Every output line is forwarded with a prefix ("[rank 3] ", "[daemon 1] ").
 The first process to fail decides the exit status; the others get
 --grace seconds to notice (their bytecomp calls raise) and are then
@@ -222,6 +223,7 @@ class Cluster:
         self.tmp = None
         self.stopping = False
         self.build_root = find_build_root(args.build_root)
+        self.job = args.job_id or "run%d" % os.getpid()
 
     def log(self, msg):
         self.output.write("bytecomp-run: " + msg)
@@ -230,6 +232,7 @@ class Cluster:
     def _daemon_env(self):
         env = dict(os.environ)
         env.setdefault("BYTECOMP_LOG", "warn")
+        env["BYTECOMP_RUN_ID"] = self.job
         return env
 
     def start_daemons(self):
@@ -279,8 +282,9 @@ class Cluster:
     def start_workers(self):
         nodes, per = self.args.nodes, self.args.nproc_per_node
         world = nodes * per
-        job = self.args.job_id or "run%d" % os.getpid()
+        job = self.job
         base = dict(os.environ)
+        base["BYTECOMP_RUN_ID"] = job
         pp = base.get("PYTHONPATH", "")
         base["PYTHONPATH"] = _PYTHON_ROOT + (os.pathsep + pp if pp else "")
         base["PYTHONUNBUFFERED"] = "1"
