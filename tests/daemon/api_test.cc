@@ -248,3 +248,19 @@ TEST_F(Api, CppWrapper) {
   run(0);
   f.get();
 }
+
+TEST_F(Api, MultiNodeJobsAreRefusedUntilTheInterNodePathExists) {
+  bytecomp_connect_options o;
+  bytecomp_connect_options_init(&o);
+  o.socket_path = env_.socket().c_str();
+  o.job_id = "multi";
+  o.node_rank = 0;
+  o.num_nodes = 2;
+  bytecomp_client* c = nullptr;
+  ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << last();
+  ASSERT_EQ(bytecomp_declare_tensor(c, "w", 10, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
+            BYTECOMP_OK);
+  EXPECT_EQ(bytecomp_start(c, 5000), BYTECOMP_ERR_UNAVAILABLE);
+  EXPECT_NE(last().find("spans 2 nodes"), std::string::npos) << last();
+  bytecomp_close(c);
+}
