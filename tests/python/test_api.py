@@ -11,7 +11,7 @@ import torch
 import helpers
 import bytecomp
 import bytecomp.torch as bc
-from bytecomp import _lib, strategy as bstrategy
+from bytecomp import strategy as bstrategy
 
 
 def model():
@@ -198,11 +198,16 @@ class Api(unittest.TestCase):
                     "    option: {compressor: none}\n")
         self.raises(ValueError, "'nope.weight'", make, unknown)
         demo = os.path.join(helpers.SOURCE_ROOT, "configs", "demo-strategy.yaml")
-        if getattr(_lib.library(), "bytecomp_set_strategy", None) is None:
-            self.raises(bytecomp.UnsupportedError, "cannot hand a strategy to the daemon",
-                        make, demo)
         self.assertTrue(bstrategy.load(demo).compresses_anything())
-
+        # The daemons run their configured strategy: asking for another one
+        # (or for one while the daemons' is unknown) is refused, not ignored.
+        e = self.raises(bytecomp.UnsupportedError, "bytecomp-run --strategy", make, demo)
+        self.assertIn("BYTECOMP_STRATEGY is not set", str(e))
+        bc.shutdown()
+        os.environ["BYTECOMP_STRATEGY"] = unknown   # read at init()
+        bc.init()
+        self.raises(bytecomp.UnsupportedError, "BYTECOMP_STRATEGY is '%s'" % unknown,
+                    make, demo)
 
 if __name__ == "__main__":
     unittest.main()

@@ -14,7 +14,8 @@ systemd setup (docs/torch.md).
                                 /run/bytecomp/bytecompd.sock)
   BYTECOMP_TIMEOUT_MS           bound on every wait for the other processes (30000)
   BYTECOMP_START_TIMEOUT_MS     bound on waiting for every local process to join (60000)
-  BYTECOMP_STRATEGY             default compression strategy file (none: uncompressed)
+  BYTECOMP_STRATEGY             the strategy file the node daemons run (bytecomp-run
+                                --strategy sets it; unset: unknown / uncompressed)
 
 A missing or inconsistent value raises `EnvironmentConfigError`, whose
 message names the variable, the value found and the value expected.

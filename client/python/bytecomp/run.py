@@ -7,7 +7,7 @@ Starts, in a private temporary directory:
   - parameter servers (bytecomp-server) when the cluster has more than one
     node (inter-node path; see `_cluster_supported`),
   - one bytecompd per emulated node, each with its own control socket and
-    shared-memory namespace,
+    shared-memory namespace, running the --strategy file if given,
   - N training processes per node running COMMAND (a *.py first argument
     runs under this Python), with RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, GROUP_RANK and BYTECOMP_* set (bytecomp.env).
@@ -255,8 +255,10 @@ class Cluster:
                         "  setup_timeout_ms: %d\n"
                         "shm:\n  instance: %s\n"
                         "scheduler:\n  threads: %d\n"
+                        "strategy:\n  file: \"%s\"\n"
                         % (sock, int(self.args.start_timeout * 1000), instance,
-                           self.args.daemon_threads))
+                           self.args.daemon_threads,
+                           os.path.abspath(self.args.strategy) if self.args.strategy else ""))
             self.instances.append(instance)
             child = _Child("daemon %d" % n, [bytecompd, "--config", cfg], self._daemon_env(),
                            None, self.output, self.events, "[daemon %d] " % n)
@@ -395,8 +397,8 @@ def _parser():
                    help="training processes per node (default 1)")
     p.add_argument("--servers", type=int, default=1,
                    help="parameter servers when --nodes > 1 (default 1)")
-    p.add_argument("--strategy", help="compression strategy file for every process "
-                   "(sets BYTECOMP_STRATEGY)")
+    p.add_argument("--strategy", help="compression strategy file the daemons execute "
+                   "(docs/strategy-format.md); also exported as BYTECOMP_STRATEGY")
     p.add_argument("--job-id", help="job name (default run<pid>)")
     p.add_argument("--timeout-ms", type=int, default=0,
                    help="BYTECOMP_TIMEOUT_MS for the workers (default: theirs, 30000)")

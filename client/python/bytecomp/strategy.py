@@ -1,10 +1,18 @@
 """Compression strategies on the Python side.
 
 A strategy is a YAML file in the planner's format (docs/strategy-format.md,
-planner/strategy.h). The daemon validates and executes it; this module only
-reads it early so that a wrong path or a file that is not a version-1
-strategy fails in the training script with the file's name, and hands it to
-the daemon for the job.
+planner/strategy.h). The node daemons validate and execute it: today each
+bytecompd runs the one strategy of its configuration (`strategy.file` in
+daemon.yaml) for every job; bytecomp-run writes it there from --strategy and
+exports the same path as BYTECOMP_STRATEGY. This module reads a strategy
+early, so a wrong path or a file that is not a version-1 strategy fails in
+the training script naming the file, and makes sure that the strategy a
+script asks for is the one its daemons run (libbytecomp has no call to hand
+a job its own strategy; see `apply`).
+
+Tensor names starting with "bytecomp." belong to bytecomp.torch's control
+job (a float64 scratch tensor for broadcasts): a strategy must leave them
+uncompressed (the daemon refuses to compress float64 tensors).
 """
 
 import os
@@ -74,17 +82,30 @@ def check(strategy, declared):
                                               ", ".join(sorted(names))))
 
 
-def apply(client, strategy):
-    """Hands the strategy to the daemon for the client's job (before start)."""
-    lib = _lib.library()
-    setter = getattr(lib, "bytecomp_set_strategy", None)
-    if setter is None:
-        if strategy.compresses_anything():
-            raise _lib.UnsupportedError(
-                "BYTECOMP_ERR_UNSUPPORTED",
-                "strategy %s compresses tensors, but this libbytecomp (%s) cannot hand a "
-                "strategy to the daemon (no bytecomp_set_strategy): run uncompressed "
-                "(strategy=None) or install a newer release" %
-                (strategy.path, _lib.version_string()))
+def _same_file(a, b):
+    try:
+        if os.path.samefile(a, b):
+            return True
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
+
+
+def apply(strategy, daemon_strategy):
+    """Makes sure the job runs `strategy`. The daemons run their configured
+    strategy (daemon_strategy: $BYTECOMP_STRATEGY, the path bytecomp-run gave
+    them, or None when unknown); a different one cannot be handed to them
+    per job with this libbytecomp, so that is an error, not a silent
+    uncompressed (or differently compressed) run."""
+    if daemon_strategy is not None and _same_file(strategy.path, daemon_strategy):
         return
-    client.set_strategy(strategy.text, strategy.path)
+    raise _lib.UnsupportedError(
+        "BYTECOMP_ERR_UNSUPPORTED",
+        "strategy=%s: the node daemons run the strategy of their own configuration "
+        "(daemon.yaml strategy.file), and this libbytecomp (%s) cannot give a job another "
+        "one. Start the job with `bytecomp-run --strategy %s` (it configures the daemons and "
+        "sets BYTECOMP_STRATEGY), or configure the daemons with it and export "
+        "BYTECOMP_STRATEGY=%s; BYTECOMP_STRATEGY is %s" %
+        (strategy.path, _lib.version_string(), strategy.path, strategy.path,
+         repr(daemon_strategy) if daemon_strategy else "not set"))

@@ -3,8 +3,8 @@
 
 Run under a launcher, e.g. from the source tree:
 
-    scripts/bytecomp-run --nodes 2 --nproc-per-node 2 \\
-        client/python/bytecomp/examples/digits.py --strategy configs/demo-strategy.yaml
+    scripts/bytecomp-run --nodes 2 --nproc-per-node 2 --strategy configs/demo-strategy.yaml \\
+        client/python/bytecomp/examples/digits.py
 
 Each process trains on its shard of every global batch; gradients are
 summed by the ByteComp daemons (compressed per the strategy) and averaged.
@@ -14,6 +14,7 @@ samples/s) and, with --out, writes the run's figures as JSON.
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -53,7 +54,9 @@ def main():
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--strategy", default=None, help="strategy file (default: uncompressed)")
+    ap.add_argument("--strategy", default=os.environ.get("BYTECOMP_STRATEGY"),
+                    help="strategy file the daemons run (default: $BYTECOMP_STRATEGY, set by "
+                         "bytecomp-run --strategy; none: uncompressed)")
     ap.add_argument("--label", default="", help="name of this run in the output")
     ap.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
     args = ap.parse_args()
@@ -69,6 +72,9 @@ def main():
     opt = bc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                   strategy=args.strategy)
     bc.broadcast_optimizer_state(opt, root_rank=0)
+    # Cosine decay to zero: the last epochs settle instead of oscillating, so
+    # final accuracies of two runs are comparable.
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
 
     global_batch = args.batch_size * size
     steps = len(y_train) // global_batch
@@ -97,6 +103,7 @@ def main():
             opt.step()
             loss_sum += loss.item()
         dt = time.perf_counter() - t0
+        sched.step()
         # Each process times its own loop; the slowest sets the pace.
         dt = float(bc.allreduce(torch.tensor([dt]), average=False).item()) / size
         train_time += dt

@@ -462,8 +462,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_passes = backward_passes_per_step
         self._bc_timeout_ms = c.settings.timeout_ms
         self._bc_params = self._bytecomp_names(named_parameters)
-        self._bc_strategy = _strategy.load(strategy if strategy is not None
-                                           else c.settings.strategy)
+        # None: whatever the daemons run (BYTECOMP_STRATEGY says what that is).
+        self._bc_strategy = _strategy.load(strategy)
         self._bc_client = None
         self._bc_iteration = 0
         self._bc_failed = None
@@ -544,7 +544,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 _strategy.check(self._bc_strategy,
                                 [(n, p.numel() * _ELEMENT_BYTES[p.dtype])
                                  for n, p in self._bc_params])
-                _strategy.apply(client, self._bc_strategy)
+                _strategy.apply(self._bc_strategy, s.strategy)
             client.start(s.start_timeout_ms)
             self._bc_slots = []
             for tid, (name, p) in zip(ids, self._bc_params):
@@ -691,8 +691,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
         updates; the names are the tensor names the strategy matches (without
         it, parameters are called param.0, param.1, ... in optimizer order).
     strategy: path of a strategy file (docs/strategy-format.md) choosing per
-        tensor whether and how to compress; None: $BYTECOMP_STRATEGY, else
-        uncompressed.
+        tensor whether and how to compress. The node daemons execute it; they
+        run the strategy of their configuration, so this must be that file
+        ($BYTECOMP_STRATEGY, set by `bytecomp-run --strategy`), else
+        UnsupportedError. None: whatever the daemons run (uncompressed unless
+        they were given a strategy).
     backward_passes_per_step: backward passes accumulated locally per step.
 
     The result is an instance of the optimizer's own class (isinstance and LR
