@@ -3,10 +3,11 @@
     python3 -m bytecomp.bench small RUNS ITERS BC_BENCH   # Python path overhead
     python3 -m bytecomp.bench resnet RUNS ITERS PORT      # ResNet-18: bytecomp vs gloo
 
-small: every run, all local processes do ITERS round trips of one 4-byte
-    tensor through the Python binding (push_pull + wait), then the same with
-    the C client (BC_BENCH, tests/daemon/bc_bench) on the same daemon. Rank 0
-    prints 'small RUN py_us C_us' (medians of the run).
+small: every run, all local processes do round trips of one 4-byte tensor
+    through the Python binding (push_pull + wait) and with the C client
+    (BC_BENCH, tests/daemon/bc_bench) on the same daemon, in 10 alternating
+    blocks of ITERS/10. Rank 0 prints 'small RUN py_us C_us overhead_us'
+    (medians over the blocks; overhead: median of paired differences).
 resnet: the 62 gradient tensors of ResNet-18 (11.7M parameters) are averaged
     over every process, alternately through bytecomp.torch (a
     DistributedOptimizer's synchronize(): push all, wait all, divide) and
@@ -31,9 +32,13 @@ import bytecomp.torch as bc
 from bytecomp import _lib
 
 
-def _small(runs, iters, bc_bench):
+def _small(runs, iters, bc_bench, blocks=10):
+    """Per run: `blocks` pairs of (Python block, C block) of iters/blocks round
+    trips each, alternating, so both sides see the same machine load; the
+    run's overhead is the median of the pairs' differences of medians."""
     bc.init()
     s = bc._ctx.settings
+    per = max(50, iters // blocks)
     for run in range(runs):
         job = "%s.small%d" % (s.job_id, run)
         c = _lib.Client(job, s.local_rank, s.local_size, socket_path=s.socket_path)
@@ -41,24 +46,32 @@ def _small(runs, iters, bc_bench):
         c.start(30000)
         addr, n = c.buffer(t)
         ctypes.memset(addr, 0, n)  # zeros stay zeros however often summed
-        rtt = []
-        for it in range(iters + 3):
-            t0 = time.perf_counter()
-            h = c.push_pull(t, it)
-            while not c.wait_once(h, 60000):
-                pass
-            if it >= 3:
-                rtt.append(time.perf_counter() - t0)
+        it = 0
+        pairs = []
+        for b in range(blocks):
+            rtt = []
+            for k in range(per + 3):
+                t0 = time.perf_counter()
+                h = c.push_pull(t, it)
+                while not c.wait_once(h, 60000):
+                    pass
+                it += 1
+                if k >= 3:
+                    rtt.append(time.perf_counter() - t0)
+            out = subprocess.run([bc_bench, s.socket_path, "%s.c%d.%d" % (s.job_id, run, b),
+                                  str(s.local_rank), str(s.local_size), "small", str(per)],
+                                 capture_output=True, text=True, timeout=120)
+            if out.returncode != 0:
+                raise SystemExit("bc_bench failed: " + out.stderr)
+            if s.rank == 0:
+                pairs.append((1e6 * statistics.median(rtt), float(out.stdout.split()[1])))
         c.close()
-        out = subprocess.run([bc_bench, s.socket_path, "%s.c%d" % (s.job_id, run),
-                              str(s.local_rank), str(s.local_size), "small", str(iters)],
-                             capture_output=True, text=True, timeout=120)
-        if out.returncode != 0:
-            raise SystemExit("bc_bench failed: " + out.stderr)
         bc.barrier()
         if s.rank == 0:
-            c_us = float(out.stdout.split()[1])
-            print("small %d %.2f %.2f" % (run, 1e6 * statistics.median(rtt), c_us), flush=True)
+            py_us = statistics.median(p for p, _ in pairs)
+            c_us = statistics.median(q for _, q in pairs)
+            diff = statistics.median(p - q for p, q in pairs)
+            print("small %d %.2f %.2f %.2f" % (run, py_us, c_us, diff), flush=True)
 
 
 def resnet18_shapes():
