@@ -297,6 +297,11 @@ class ClientImpl final : public PsClient {
     });
     core_->tp->start();
     core_->tp->add_peer(cluster.coordinator, cluster.coordinator_info().address);
+    // Servers with a fixed address are reachable before any admission (for
+    // stats()); the others are learnt from the coordinator at join().
+    for (const ServerInfo& s : cluster.servers)
+      if (s.id != cluster.coordinator && !s.address.ends_with(":0"))
+        core_->tp->add_peer(s.id, s.address);
   }
   ~ClientImpl() override { close(); }
 

@@ -194,7 +194,9 @@ class PsClient {
   // when the coordinator cannot be reached.
   virtual std::shared_ptr<PsJob> join(const JobSpec& spec, Millis timeout = Millis{0}) = 0;
 
-  // Asks one server for its counters (tests, monitoring).
+  // Asks one server for its counters (tests, monitoring). Reaches the
+  // coordinator, servers with a fixed (non-0) port in the cluster config, and
+  // servers learnt at a join(). Throws Error on failure.
   virtual ServerStats stats(NodeId server, Millis timeout = Millis{5000}) = 0;
 
   // Closes every job (kUnavailable) and the transport; idempotent.
