@@ -102,9 +102,15 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     m.header.type = proto::kSetStrategy;
     m.header.aux = info_.uid;
     m.header.arg = iteration;
-    m.payloads.push_back(Buffer::take(std::move(yaml)));
+    m.payloads.push_back(Buffer::copy_of(yaml));
+    // The coordinator's update message and its reply travel separately; the
+    // requester applies the change itself first so its on_strategy_change
+    // always runs before done (the later update is then a duplicate).
+    std::weak_ptr<JobImpl> weak = weak_from_this();
     start(core_->cluster.coordinator, std::move(m), Millis{0},
-          [done = std::move(done)](const Status& s, Buffer) {
+          [weak, yaml, iteration, done = std::move(done)](const Status& s, Buffer) {
+            if (s.ok())
+              if (auto self = weak.lock()) self->apply_change(iteration, yaml);
             if (done) done(s);
           });
   }
@@ -173,6 +179,8 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     std::vector<StrategyCallback> cbs;
     {
       std::lock_guard lk(mu_);
+      for (const StrategyChange& known : changes_)
+        if (known.iteration == iteration) return;  // already applied
       changes_.push_back(c);
       std::stable_sort(changes_.begin(), changes_.end(),
                        [](const StrategyChange& a, const StrategyChange& b) {
