@@ -166,6 +166,9 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
   void fail(const Status& why) { close(why, true); }
 
   void apply_change(uint64_t iteration, const std::string& yaml) {
+    // Held through the callbacks: whichever of the update message and the
+    // requester's reply comes second returns only once they ran.
+    std::lock_guard apply(apply_mu_);
     StrategyChange c;
     c.iteration = iteration;
     c.strategy_yaml = yaml;
@@ -276,6 +279,7 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
   std::shared_ptr<Core> core_;
   const JobInfo info_;
+  std::mutex apply_mu_;  // serialises apply_change (taken before mu_)
   mutable std::mutex mu_;
   Status failed_;
   bool closed_ = false;

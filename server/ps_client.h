@@ -157,6 +157,8 @@ class PsJob {
 
   // Register before pushing (callbacks added later miss earlier events,
   // except on_failure, which runs at once if the job already failed).
+  // Strategy callbacks of one job run one at a time; a job's callbacks may
+  // start new async operations but must not wait for their completion.
   virtual void on_strategy_change(StrategyCallback callback) = 0;
   virtual void on_failure(FailureCallback callback) = 0;
   // kOk while the job runs; the abort reason afterwards.

@@ -485,6 +485,7 @@ TEST_F(ServerTest, RefusesBadPushesAndPullsNamingWhatWasWrong) {
   // A pull that arrives early waits for the round.
   auto early = std::async(std::launch::async, [&] { return pull(*ja, key, 0); });
   EXPECT_EQ(early.wait_for(300ms), std::future_status::timeout);
+  expect_refused(pull(*ja, key, 0).first, "duplicate pull from node 100");
   ASSERT_TRUE(push(*jb, key, 0, 1000, 2.0f).ok());
   auto [st, res] = early.get();
   ASSERT_TRUE(st.ok()) << st.to_string();
