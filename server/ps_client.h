@@ -7,9 +7,11 @@
 //   auto client = server::PsClient::create(cluster, tc);
 //   std::shared_ptr<server::PsJob> job = client->join(spec);  // blocks until admitted
 //   for (it = spec.start_iteration; ...; ++it)
-//     for (const Partition& p : job->my_partitions())          // all of them
+//     // every node pushes every partition (of kSharded/kSingle tensors)
+//     for (const Partition& p : job->info().assignment.partitions) {
 //       job->push(p.key, it, buffer_of(p), [](const Status& s) {...});
 //       job->pull(p.key, it, [](const Status& s, transport::Buffer sum) {...});
+//     }
 //   job->barrier(std::chrono::seconds(30)).throw_if_error();
 //   job->leave();
 //
