@@ -763,6 +763,26 @@ TEST_F(ServerTest, ServerKilledWorkersGetAnErrorNotAHang) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 }
 
+TEST_F(ServerTest, SecondServerKilledAbortsTheJobAndReleasesTheCoordinatorsShare) {
+  start_server(5000, /*servers=*/2);
+  const std::vector<NodeId> nodes = {100, 101};
+  worker("w0", {"--node", "100", "--job", "half", "--nodes", nodes_arg(nodes), "--tensors",
+                "a:40000,b:40000", "--iterations", "50", "--timeout-ms", "30000"});
+  worker("w1", {"--node", "101", "--job", "half", "--nodes", nodes_arg(nodes), "--tensors",
+                "a:40000,b:40000", "--iterations", "50", "--timeout-ms", "30000", "--pause-at",
+                "2:0"});
+  ASSERT_TRUE(workers_[1]->wait_for_output("PAUSED", 30s)) << workers_[1]->err();
+  EXPECT_EQ(stats(0).jobs, 1u);
+  auto t0 = std::chrono::steady_clock::now();
+  server1_->kill(SIGKILL);
+  server1_.reset();
+  ASSERT_TRUE(workers_[0]->wait(10s)) << "worker hangs after server 1 died";
+  EXPECT_EQ(workers_[0]->exit_code(), 3) << workers_[0]->out();
+  EXPECT_NE(workers_[0]->out().find("server 1 lost"), std::string::npos) << workers_[0]->out();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  expect_released();  // the coordinator dropped the job and its memory too
+}
+
 TEST_F(ServerTest, SigtermShutsDownCleanlyWithAJobRunning) {
   start_server();
   auto a = client(100);
