@@ -239,6 +239,87 @@ bool group_sweep(Problem& p, Evaluator& ev, const std::vector<std::vector<int>>&
   return improved;
 }
 
+// Exchanges the options of two tensors (among the largest ones): greedy
+// single moves cannot leave an optimum where two tensors hold each other's
+// best option, e.g. which of them goes to the CPU pool.
+bool swap_sweep(Problem& p, Evaluator& ev, const std::vector<int>& order, double& f,
+                double stop_at) {
+  constexpr size_t kLargest = 16;
+  const size_t m = std::min(order.size(), kLargest);
+  bool improved = false;
+  for (size_t x = 0; x < m; ++x) {
+    for (size_t y = x + 1; y < m; ++y) {
+      if (f <= stop_at) return improved;
+      int i = order[x], j = order[y];
+      if (i > j) std::swap(i, j);
+      const int oi = ev.base()[i], oj = ev.base()[j];
+      if (oi == oj) continue;
+      const double v = ev.try_changes({{i, oj}, {j, oi}}, f - kEps);
+      if (v < f - kEps) {
+        ev.commit(i, oj);
+        ev.commit(j, oi);
+        f = v;
+        improved = true;
+      }
+    }
+  }
+  (void)p;
+  return improved;
+}
+
+// Algorithm 2's grouped offloading; returns the number of groups.
+int offload_pass(Problem& p, Evaluator& ev, double& f, int rounds, bool all_splits) {
+  const int n = p.tensors();
+  std::map<std::pair<uint64_t, int>, std::vector<int>> groups;
+  for (int i = 0; i < n; ++i) {
+    const Option& o = p.options()[ev.base()[i]];
+    if (o.compressed() && (o.comp_device == Device::kGpu || o.decomp_device == Device::kGpu))
+      groups[{p.profile().tensors[i].elements, ev.base()[i]}].push_back(i);
+  }
+  std::vector<std::pair<std::pair<uint64_t, int>, std::vector<int>>> glist(groups.begin(),
+                                                                           groups.end());
+  std::stable_sort(glist.begin(), glist.end(),
+                   [](const auto& a, const auto& b) { return a.first.first > b.first.first; });
+  std::vector<std::pair<Device, Device>> splits = {{Device::kCpu, Device::kCpu},
+                                                   {Device::kGpu, Device::kCpu}};
+  if (all_splits) splits.push_back({Device::kCpu, Device::kGpu});
+  for (int round = 0; round < rounds; ++round) {
+    bool changed = false;
+    for (const auto& [key, members] : glist) {
+      std::vector<int> variants;
+      for (auto [cd, dd] : splits) {
+        Option v = p.options()[key.second];
+        v.comp_device = cd;
+        v.decomp_device = dd;
+        if (int idx = p.find_option(v); idx >= 0) variants.push_back(idx);
+      }
+      for (int var : variants) {
+        double best = f;
+        size_t best_j = 0;
+        std::vector<std::pair<int, int>> changes;
+        for (size_t j = 1; j <= members.size(); ++j) {
+          if (ev.base()[members[j - 1]] == var) continue;
+          changes.push_back({members[j - 1], var});
+          std::vector<std::pair<int, int>> sorted = changes;
+          std::sort(sorted.begin(), sorted.end());
+          const double v = ev.try_changes(sorted, best - kEps);
+          if (v < best - kEps) {
+            best = v;
+            best_j = changes.size();
+          }
+        }
+        for (size_t j = 0; j < best_j; ++j) ev.commit(changes[j].first, changes[j].second);
+        if (best_j > 0) {
+          f = best;
+          changed = true;
+        }
+      }
+    }
+    if (!changed) break;
+  }
+  return static_cast<int>(glist.size());
+}
+
 }  // namespace
 
 Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
@@ -286,58 +367,11 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   // Algorithm 2: offload GPU compression to the CPU pool. Tensors of equal
   // size and option are interchangeable up to position, so per group the
   // choice is how many to offload (those closest to the output first, whose
-  // CPU work overlaps most of the remaining backward pass).
+  // CPU work overlaps most of the remaining backward pass). Here: both
+  // operations or only the decompression (on the GPU it costs a piece per
+  // sender), one round; the refinement repeats it with every device split.
   const auto t1 = Clock::now();
-  std::map<std::pair<uint64_t, int>, std::vector<int>> groups;
-  for (int i = 0; i < n; ++i) {
-    const Option& o = p.options()[ev.base()[i]];
-    if (o.compressed() && (o.comp_device == Device::kGpu || o.decomp_device == Device::kGpu))
-      groups[{p.profile().tensors[i].elements, ev.base()[i]}].push_back(i);
-  }
-  std::vector<std::pair<std::pair<uint64_t, int>, std::vector<int>>> glist(groups.begin(),
-                                                                           groups.end());
-  std::stable_sort(glist.begin(), glist.end(),
-                   [](const auto& a, const auto& b) { return a.first.first > b.first.first; });
-  st.offload_groups = static_cast<int>(glist.size());
-  for (int round = 0; round < 1; ++round) {
-    bool changed = false;
-    for (const auto& [key, members] : glist) {
-      // Candidate offloaded variants: CPU for compression, decompression, or both.
-      std::vector<int> variants;
-      // Both on the CPU, or only the decompression (on the GPU it costs a
-      // piece per sender); compressing on the CPU while decompressing on the
-      // GPU is left to the refinement.
-      for (auto [cd, dd] : {std::pair{Device::kCpu, Device::kCpu},
-                            std::pair{Device::kGpu, Device::kCpu}}) {
-        Option v = p.options()[key.second];
-        v.comp_device = cd;
-        v.decomp_device = dd;
-        if (int idx = p.find_option(v); idx >= 0) variants.push_back(idx);
-      }
-      for (int var : variants) {
-        double best = f;
-        size_t best_j = 0;
-        std::vector<std::pair<int, int>> changes;
-        for (size_t j = 1; j <= members.size(); ++j) {
-          if (ev.base()[members[j - 1]] == var) continue;
-          changes.push_back({members[j - 1], var});
-          std::vector<std::pair<int, int>> sorted = changes;
-          std::sort(sorted.begin(), sorted.end());
-          const double v = ev.try_changes(sorted, best - kEps);
-          if (v < best - kEps) {
-            best = v;
-            best_j = changes.size();
-          }
-        }
-        for (size_t j = 0; j < best_j; ++j) ev.commit(changes[j].first, changes[j].second);
-        if (best_j > 0) {
-          f = best;
-          changed = true;
-        }
-      }
-    }
-    if (!changed) break;
-  }
+  st.offload_groups = offload_pass(p, ev, f, 1, false);
   st.algorithm2_ms = ms_since(t1);
   st.decision_ms = ms_since(t0);
   st.decision_cpu_ms = thread_cpu_ms() - c0;
@@ -348,8 +382,12 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   // tensors, then whole size groups at once (a group often only pays off
   // when all its members move, e.g. to the CPU pool).
   for (int r = 0; r < opts.refine_rounds; ++r) {
-    bool improved = sweep(ev, order, cand.all, f, lb);
+    const double before = f;
+    offload_pass(p, ev, f, 2, true);
+    bool improved = f < before - kEps;
+    improved |= sweep(ev, order, cand.all, f, lb);
     improved |= group_sweep(p, ev, cand.all, f, lb);
+    improved |= swap_sweep(p, ev, order, f, lb);
     if (!improved) break;
   }
 
@@ -364,6 +402,7 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
       for (int r = 0; r < opts.refine_rounds; ++r) {
         bool improved = sweep(ev, order, cand.all, fb, lb);
         improved |= group_sweep(p, ev, cand.all, fb, lb);
+        improved |= swap_sweep(p, ev, order, fb, lb);
         if (!improved) break;
       }
       if (fb < f - kEps) {
