@@ -40,9 +40,11 @@ struct Summary {
 Summary summarize(Problem& p, int tensor, int opt) {
   Summary s;
   s.latency = 0;
+  thread_local std::vector<Op> scratch;
   for (int c = p.first_chunk(tensor); c < p.first_chunk(tensor + 1); ++c) {
     double lat = 0;
-    for (const Op& op : p.chain(p.chunks()[c].elements, opt)) {
+    p.chain_into(p.chunks()[c].elements, opt, scratch);
+    for (const Op& op : scratch) {
       s.r[static_cast<int>(op.resource)] += op.duration_us;
       lat += op.duration_us;
     }
@@ -339,7 +341,18 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   }
   ev.set_base(start);
   double f = ev.base_value();
-  const double lb = ev.lower_bound() + kEps;
+  // Algorithm 1 stops when no bubble is left: F equals the backward pass
+  // plus the shortest tail the options it considers allow for the last
+  // tensor (FP32 or a GPU candidate). The refinement, which may use any
+  // option, stops at the same point.
+  double tail = std::numeric_limits<double>::infinity();
+  {
+    const int last = n - 1;
+    std::vector<int> tail_opts = cand.gpu[last];
+    tail_opts.push_back(start[last]);
+    for (int o : tail_opts) tail = std::min(tail, summarize(p, last, o).latency);
+  }
+  const double lb = p.forward_us() + p.profile().backward_us() + tail + kEps;
   const std::vector<int> order = size_order(p);
 
   // Algorithm 1: GPU compression with bubble elimination.
