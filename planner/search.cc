@@ -596,9 +596,11 @@ Problem random_small_problem(std::mt19937& rng, const CostTable& costs, int tens
 
 Strategy to_strategy(const Problem& p, const Assignment& a) {
   Strategy s;
+  // The default (tensors not in the plan) is uncompressed in the form every
+  // runtime executes, the CPU daemon included (intra reduce, PS).
   Option raw;
   raw.compressor = "none";
-  raw.intra = Collective::kReduceScatterAllgather;
+  raw.intra = Collective::kReduceBroadcast;
   s.set_default(raw);
   for (int i = 0; i < p.tensors(); ++i)
     s.add_entry({p.profile().tensors[i].name, p.options()[a[i]]});
