@@ -169,7 +169,7 @@ BYTECOMP_API bytecomp_status bytecomp_push_pull(bytecomp_client* client, uint32_
                                                 uint64_t iteration,
                                                 bytecomp_handle* out_handle);
 
-/* Waits at most timeout_ms for the push_pull to finish. BYTECOMP_OK: the
+/* Waits at most timeout_ms (0: just look) for the push_pull to finish. BYTECOMP_OK: the
  * buffer holds the result and the handle is released. BYTECOMP_ERR_TIMEOUT:
  * not finished yet, the handle stays valid (wait again). Any other error: the
  * operation failed and the handle is released. */
