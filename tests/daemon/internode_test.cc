@@ -130,3 +130,92 @@ TEST_F(TwoNodes, KilledDaemonAbortsTheOtherNode) {
   EXPECT_TRUE(no_shm_left(nodes_[0]->shm_prefix()));
   nodes_[1]->drop_daemon();
 }
+
+#include <bytecomp/bytecomp.h>
+
+#include <cmath>
+#include <future>
+
+#include "compress/reduce.h"
+
+namespace {
+
+float grad(uint32_t grank, uint64_t it, uint64_t i) {
+  return static_cast<float>(std::sin(0.11 * static_cast<double>(i) + 0.7 * static_cast<double>(it) +
+                                     1.9 * grank)) *
+         static_cast<float>(1 + i % 7);
+}
+
+float h(float v) {
+  return bytecomp::compress::fp16_to_fp32(bytecomp::compress::fp32_to_fp16(v));
+}
+
+}  // namespace
+
+// fp16 through the servers under both placements of the strategy format:
+// dense sum of decompressed pushes answered as fp16 (alltoall_allgather) and
+// a compressed-domain sum (allreduce). Reference: each node's exact local
+// sum, cast to fp16, summed in fp32, cast to fp16 again.
+TEST_F(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
+  start(1,
+        "version: 1\nrules:\n"
+        "  - match: dense\n    option: {compressor: fp16, inter: alltoall_allgather}\n"
+        "  - match: summed\n    option: {compressor: fp16, inter: allreduce}\n");
+  constexpr uint64_t kN = 70000;  // 280000 bytes: two 256 KiB partitions
+  constexpr int kIters = 8;
+  std::vector<std::vector<float>> got[2];
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = "fp16";
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    uint32_t ids[2];
+    ASSERT_EQ(bytecomp_declare_tensor(c, "dense", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0,
+                                      &ids[0]),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_declare_tensor(c, "summed", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0,
+                                      &ids[1]),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      bytecomp_handle hs[2];
+      float* p[2];
+      for (int k = 0; k < 2; ++k) {
+        uint64_t bytes = 0;
+        ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                  BYTECOMP_OK);
+        for (uint64_t i = 0; i < kN; ++i) p[k][i] = grad(grank, it, i);
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hs[k]), BYTECOMP_OK);
+      }
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK) << bytecomp_last_error();
+        if (grank == 0) got[k].emplace_back(p[k], p[k] + kN);
+      }
+    }
+    bytecomp_close(c);
+  };
+  std::vector<std::future<void>> others;
+  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
+  run(0, 0);
+  for (auto& f : others) f.get();
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_EQ(got[k].size(), static_cast<size_t>(kIters));
+    for (uint64_t it = 0; it < kIters; ++it) {
+      size_t mismatches = 0;
+      for (uint64_t i = 0; i < kN; ++i) {
+        const float s0 = grad(0, it, i) + grad(1, it, i);
+        const float s1 = grad(2, it, i) + grad(3, it, i);
+        const float expect = h(h(s0) + h(s1));
+        mismatches += got[k][it][i] != expect;
+      }
+      EXPECT_EQ(mismatches, 0u) << (k == 0 ? "dense" : "summed") << " iteration " << it;
+    }
+  }
+}
