@@ -656,9 +656,17 @@ void Daemon::reload() {
     for (auto& [key, j] : jobs_) {
       if (!j->engine) continue;
       if (j->num_nodes > 1) {
-        BC_LOG(LogDaemon(), kWarn) << "SIGHUP: multi-node job " << j->id
-                                   << " keeps its strategy (changes go through the coordinator; "
-                                      "not implemented here yet)";
+        // One node asks the coordinator, which announces the change to
+        // every node and server for the same iteration.
+        if (j->node_rank == 0) {
+          try {
+            if (strategy_) (void)make_plans(*strategy_, config_.strategy_file, j->specs);
+            j->engine->request_strategy(strategy_text_);
+          } catch (const Error& e) {
+            BC_LOG(LogDaemon(), kError) << "SIGHUP: job " << j->id << " keeps its strategy: "
+                                        << e.what();
+          }
+        }
         continue;
       }
       try {

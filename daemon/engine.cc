@@ -138,11 +138,43 @@ void Engine::set_plans(std::vector<TensorPlan> plans) {
   }
 }
 
+void Engine::request_strategy(std::string strategy_yaml) {
+  {
+    std::lock_guard lock(pending_mu_);
+    pending_yaml_ = std::move(strategy_yaml);
+  }
+  try {
+    header_->doorbell.post();
+  } catch (...) {
+  }
+}
+
 void Engine::adopt_pending() {
   std::optional<std::vector<TensorPlan>> p;
+  std::optional<std::string> yaml;
   {
     std::lock_guard lock(pending_mu_);
     p.swap(pending_);
+    if (ps_) yaml.swap(pending_yaml_);
+  }
+  if (yaml) {
+    int64_t latest = -1;
+    for (const Round& r : rounds_) {
+      latest = std::max(latest, r.last_done);
+      if (r.arrived > 0) latest = std::max(latest, static_cast<int64_t>(r.iteration));
+    }
+    // Two ahead: the servers may already collect latest + 1 for some tensor.
+    const auto at = static_cast<uint64_t>(latest + 2);
+    const std::string job = job_;
+    ps_->set_strategy(std::move(*yaml), at, [job, at](const Status& s) {
+      if (s.ok()) {
+        BC_LOG(LogEngine(), kInfo) << "job " << job << ": strategy change applies on every node "
+                                   << "from iteration " << at;
+      } else {
+        BC_LOG(LogEngine(), kError) << "job " << job << ": strategy change refused: "
+                                    << s.to_string();
+      }
+    });
   }
   if (!p) return;
   // The switch iteration is after every round already begun, so no tensor

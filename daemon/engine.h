@@ -92,6 +92,10 @@ class Engine {
   // Installs new plans (one per tensor, already checked) at the next
   // iteration boundary. Thread-safe.
   void set_plans(std::vector<TensorPlan> plans);
+  // Multi-node jobs: asks the coordinator to switch every node and server to
+  // `strategy_yaml` at one iteration (a little after the latest begun here).
+  // Thread-safe; the outcome is logged.
+  void request_strategy(std::string strategy_yaml);
   // Iteration from which the last set_plans() applies, -1 before the engine
   // adopted it. Thread-safe.
   int64_t plans_switch_iteration() const { return switch_published_.load(); }
@@ -154,6 +158,7 @@ class Engine {
   uint64_t partition_bytes_;
   std::mutex pending_mu_;
   std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
+  std::optional<std::string> pending_yaml_;          // guarded by pending_mu_
   int64_t switch_iteration_ = -1;
   std::atomic<int64_t> switch_published_{-1};
   Scheduler sched_;

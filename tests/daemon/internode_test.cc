@@ -219,3 +219,79 @@ TEST_F(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
     }
   }
 }
+
+#include <barrier>
+#include <regex>
+
+// SIGHUP on node 0 with a new strategy file: the coordinator switches every
+// node and server at one iteration; before it sums are exact, from it on
+// they are the fp16 reference.
+TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
+  start(1, "version: 1\ndefault: {compressor: none}\n");
+  constexpr uint64_t kN = 3000;
+  constexpr int kIters = 12;
+  std::vector<std::vector<float>> got;
+  std::barrier sync(4);
+  int64_t switch_at = -1;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = "switch";
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 5) {
+        sync.arrive_and_wait();  // every rank finished iteration 4
+        if (grank == 0) {
+          write("strategy.yaml", "version: 1\ndefault: {compressor: fp16, inter: allreduce}\n");
+          nodes_[0]->daemon().signal(SIGHUP);
+          const bool ok = nodes_[0]->daemon().wait_output("applies on every node from iteration",
+                                                          std::chrono::seconds(10));
+          EXPECT_TRUE(ok) << nodes_[0]->daemon().output();
+          std::smatch m;
+          const std::string log = nodes_[0]->daemon().output();
+          if (std::regex_search(log, m, std::regex("from iteration ([0-9]+)"))) {
+            switch_at = std::stoll(m[1]);
+          }
+        }
+        sync.arrive_and_wait();
+      }
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (grank == 0) got.emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  std::vector<std::future<void>> others;
+  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
+  run(0, 0);
+  for (auto& f : others) f.get();
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+  ASSERT_GE(switch_at, 5);
+  ASSERT_LT(switch_at, kIters);
+  for (uint64_t it = 0; it < kIters; ++it) {
+    size_t mismatches = 0;
+    for (uint64_t i = 0; i < kN; ++i) {
+      const float s0 = grad(0, it, i) + grad(1, it, i);
+      const float s1 = grad(2, it, i) + grad(3, it, i);
+      const float expect = static_cast<int64_t>(it) >= switch_at ? h(h(s0) + h(s1)) : s0 + s1;
+      mismatches += got[it][i] != expect;
+    }
+    EXPECT_EQ(mismatches, 0u) << "iteration " << it << " (switch at " << switch_at << ")";
+  }
+}
