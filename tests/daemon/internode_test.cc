@@ -295,3 +295,22 @@ TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
     EXPECT_EQ(mismatches, 0u) << "iteration " << it << " (switch at " << switch_at << ")";
   }
 }
+
+TEST_F(TwoNodes, KilledServerIsReportedOnBothNodes) {
+  start(1);
+  auto w = workers("ks", 1000000, "f32:100000");
+  for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
+  const auto t0 = std::chrono::steady_clock::now();
+  servers_[0]->signal(SIGKILL);
+  for (auto& p : w) {
+    auto st = p->wait(15s);
+    ASSERT_TRUE(st.has_value()) << p->output();
+    EXPECT_EQ(*st, 16) << p->output();  // BYTECOMP_ERR_ABORTED, naming the cause
+  }
+  // peer_timeout is 1 s; the request deadline (10 s) is the outer bound.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 12s);
+  for (auto& n : nodes_) {
+    EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+    EXPECT_FALSE(n->daemon().wait(0ms).has_value()) << "the daemon keeps serving";
+  }
+}
