@@ -127,7 +127,13 @@ TEST_F(TwoNodes, KilledDaemonAbortsTheOtherNode) {
     ASSERT_TRUE(st.has_value()) << w[static_cast<size_t>(i)]->output();
     EXPECT_EQ(*st, 16) << w[static_cast<size_t>(i)]->output();  // BYTECOMP_ERR_ABORTED
   }
+  for (size_t i = 2; i < 4; ++i) {  // node 1's clients lost their daemon
+    auto st = w[i]->wait(10s);
+    ASSERT_TRUE(st.has_value()) << w[i]->output();
+    EXPECT_EQ(*st, 17) << w[i]->output();  // BYTECOMP_ERR_UNAVAILABLE
+  }
   EXPECT_TRUE(no_shm_left(nodes_[0]->shm_prefix()));
+  EXPECT_TRUE(no_shm_left(nodes_[1]->shm_prefix()));  // removed by its clients
   nodes_[1]->drop_daemon();
 }
 
