@@ -320,3 +320,89 @@ TEST_F(TwoNodes, KilledServerIsReportedOnBothNodes) {
     EXPECT_FALSE(n->daemon().wait(0ms).has_value()) << "the daemon keeps serving";
   }
 }
+
+#include "compress/compressor.h"
+
+// topk with error feedback through the servers (alltoall_allgather: each
+// node compresses its sum with its own residual, the server decompresses,
+// sums and recompresses with its residual). Reference: the same steps with
+// compress/ in this process, per 256 KiB partition.
+TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
+  namespace cz = bytecomp::compress;
+  start(1,
+        "version: 1\ndefault: {compressor: topk, params: {ratio: '0.05'}, error_feedback: true, "
+        "inter: alltoall_allgather}\n");
+  constexpr uint64_t kN = 70000;  // partitions of 65536 and 4464 elements
+  constexpr int kIters = 6;
+  std::vector<std::vector<float>> got;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = "topk";
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (grank == 0) got.emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  std::vector<std::future<void>> others;
+  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
+  run(0, 0);
+  for (auto& f : others) f.get();
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+
+  auto topk = cz::make_compressor(cz::parse_compressor_spec("topk:0.05,ef=true"));
+  const uint64_t part = 65536;
+  std::vector<std::unique_ptr<cz::TensorState>> node_state[2], server_state;
+  for (uint64_t b = 0; b < kN; b += part) {
+    const size_t n = static_cast<size_t>(std::min(part, kN - b));
+    for (auto& s : node_state) s.push_back(topk->make_state(n));
+    server_state.push_back(topk->make_state(n));
+  }
+  for (uint64_t it = 0; it < kIters; ++it) {
+    std::vector<float> expect(kN);
+    for (size_t p = 0; p * part < kN; ++p) {
+      const size_t n = static_cast<size_t>(std::min(part, kN - p * part));
+      cz::CompressContext ctx;
+      ctx.iteration = it;
+      std::vector<float> sum(n, 0.0f);
+      for (uint32_t node = 0; node < 2; ++node) {
+        std::vector<float> local(n);
+        for (size_t i = 0; i < n; ++i) {
+          const uint64_t g = p * part + i;
+          local[i] = grad(node * 2, it, g) + grad(node * 2 + 1, it, g);
+        }
+        std::vector<std::byte> wire(topk->max_compressed_bytes(n));
+        const size_t len =
+            topk->compress(cz::ConstTensorView::cpu(local.data(), n), wire, *node_state[node][p], ctx);
+        topk->decompress({wire.data(), len}, cz::TensorView::cpu(sum.data(), n), node > 0, ctx);
+      }
+      std::vector<std::byte> wire(topk->max_compressed_bytes(n));
+      const size_t len =
+          topk->compress(cz::ConstTensorView::cpu(sum.data(), n), wire, *server_state[p], ctx);
+      topk->decompress({wire.data(), len}, cz::TensorView::cpu(expect.data() + p * part, n), false,
+                       ctx);
+    }
+    size_t mismatches = 0;
+    for (uint64_t i = 0; i < kN; ++i) mismatches += got[it][i] != expect[i];
+    EXPECT_EQ(mismatches, 0u) << "iteration " << it;
+  }
+}
