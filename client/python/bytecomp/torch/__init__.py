@@ -136,8 +136,12 @@ class _Context:
             else:
                 chunk.zero_()
             self.ctl_iteration += 1
-            h = self.ctl.push_pull(self.ctl_tensor, self.ctl_iteration)
-            _wait(self.ctl, h, self.settings.timeout_ms, what)
+            try:
+                h = self.ctl.push_pull(self.ctl_tensor, self.ctl_iteration)
+                _wait(self.ctl, h, self.settings.timeout_ms, what)
+            except BytecompError:
+                self.failed = True  # no exit barrier: the job is broken
+                raise
             flat[off:off + k].copy_(chunk)
             off += k
 
@@ -161,6 +165,7 @@ class _Context:
 _ctx = None
 _ctx_lock = threading.Lock()
 _exit_failed = False
+_hooks_installed = []
 
 
 def _ctx_or_raise(call):
@@ -189,8 +194,10 @@ def init():
             return
         settings = Settings.from_environ()
         _ctx = _Context(settings)
-        sys.excepthook = _record_failure_excepthook(sys.excepthook)
-        atexit.register(_atexit)
+        if not _hooks_installed:
+            _hooks_installed.append(True)
+            sys.excepthook = _record_failure_excepthook(sys.excepthook)
+            atexit.register(_atexit)
 
 
 def is_initialized():
@@ -600,6 +607,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration + 1)
         except BytecompError as e:
             self._bc_failed = e
+            self._bc_ctx.failed = True
             raise
 
     # -- public ------------------------------------------------------------
@@ -620,6 +628,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                       "push_pull of gradient %r (step %d)" % (slot.name, self._bc_iteration + 1))
         except BytecompError as e:
             self._bc_failed = e
+            self._bc_ctx.failed = True  # no exit barrier: the job is broken
             raise
         for slot in self._bc_slots:
             slot.passes = 0
