@@ -82,19 +82,21 @@ def _shm_tensor(addr, nbytes, dtype, shape=None):
     return t.view(shape) if shape is not None else t
 
 
-def _wait(client, handle, timeout_ms, what):
+def _wait(client, handle, timeout_ms, what, *what_args):
     """Waits for one push_pull within timeout_ms, in slices so that signals
-    (Ctrl-C) are handled; raises BytecompTimeout naming `what`."""
+    (Ctrl-C) are handled; raises BytecompTimeout naming `what % what_args`
+    (formatted only then: this is the per-tensor hot path)."""
     left = timeout_ms
     while left > 0:
-        step = min(left, _WAIT_SLICE_MS)
+        step = left if left < _WAIT_SLICE_MS else _WAIT_SLICE_MS
         if client.wait_once(handle, step):
             return
         left -= step
     raise _lib.BytecompTimeout(
         "BYTECOMP_ERR_TIMEOUT",
         "%s did not finish within BYTECOMP_TIMEOUT_MS=%d ms: another process of the job is "
-        "stuck or far behind (every process must run the same steps)" % (what, timeout_ms))
+        "stuck or far behind (every process must run the same steps)" %
+        (what % what_args, timeout_ms))
 
 
 class _Context:
@@ -138,7 +140,7 @@ class _Context:
             self.ctl_iteration += 1
             try:
                 h = self.ctl.push_pull(self.ctl_tensor, self.ctl_iteration)
-                _wait(self.ctl, h, self.settings.timeout_ms, what)
+                _wait(self.ctl, h, self.settings.timeout_ms, "%s", what)
             except BytecompError:
                 self.failed = True  # no exit barrier: the job is broken
                 raise
@@ -625,7 +627,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for slot in self._bc_slots:
                 h, slot.handle = slot.handle, None
                 _wait(self._bc_client, h, self._bc_timeout_ms,
-                      "push_pull of gradient %r (step %d)" % (slot.name, self._bc_iteration + 1))
+                      "push_pull of gradient %r (step %d)", slot.name, self._bc_iteration + 1)
         except BytecompError as e:
             self._bc_failed = e
             self._bc_ctx.failed = True  # no exit barrier: the job is broken
