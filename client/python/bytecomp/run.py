@@ -326,7 +326,8 @@ class Cluster:
         deadline = (time.monotonic() + self.args.time_limit) if self.args.time_limit else None
         first = None
         grace_deadline = None
-        while any(w.returncode is None for w in self.workers):
+        finished = set()  # workers whose exit event was handled (one event each)
+        while len(finished) < len(self.workers):
             now = time.monotonic()
             limits = [x for x in (deadline, grace_deadline) if x is not None]
             timeout = max(0.0, min(limits) - now) if limits else 1.0
@@ -345,6 +346,7 @@ class Cluster:
                     return first[1]
                 continue
             if child in self.workers:
+                finished.add(child)
                 if code != 0 and first is None:
                     first = (child.label, exit_code_of(code))
                     self.log("%s failed first (%s)" % (child.label, describe_status(code)))
