@@ -260,8 +260,12 @@ class Cluster:
                            self.args.daemon_threads,
                            os.path.abspath(self.args.strategy) if self.args.strategy else ""))
             self.instances.append(instance)
-            child = _Child("daemon %d" % n, [bytecompd, "--config", cfg], self._daemon_env(),
-                           None, self.output, self.events, "[daemon %d] " % n)
+            try:
+                child = _Child("daemon %d" % n, [bytecompd, "--config", cfg],
+                               self._daemon_env(), None, self.output, self.events,
+                               "[daemon %d] " % n)
+            except OSError as e:
+                raise LaunchError("cannot start bytecompd %s: %s" % (bytecompd, e.strerror))
             child.socket = sock
             self.daemons.append(child)
         deadline = time.monotonic() + self.args.daemon_timeout
