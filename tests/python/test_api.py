@@ -155,6 +155,16 @@ class Api(unittest.TestCase):
                         m(torch.randn(3, 4)).sum().backward)
         self.assertIn("backward_passes_per_step=1", str(e))
 
+    def test_optimizer_built_under_no_grad(self):
+        bc.init()
+        m = model()
+        with torch.no_grad():
+            opt = bc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1),
+                                          named_parameters=m.named_parameters())
+        m(torch.randn(3, 4)).sum().backward()
+        self.assertTrue(all(s.handle is not None for s in opt._bc_slots))
+        opt.step()
+
     def test_backward_passes_per_step(self):
         bc.init()
         m = model()

@@ -574,7 +574,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for slot in self._bc_slots:
             # The gradient accumulator of a leaf runs after autograd has added
             # this backward's gradient into p.grad: the moment it is ready.
-            acc = slot.param.expand_as(slot.param).grad_fn.next_functions[0][0]
+            with torch.enable_grad():  # the optimizer may be built under no_grad()
+                acc = slot.param.expand_as(slot.param).grad_fn.next_functions[0][0]
             acc.register_hook(self._bytecomp_hook(slot))
             self._bc_hooks.append(acc)  # keep the accumulator alive
 
