@@ -40,6 +40,7 @@ struct Daemon::Conn {
   bool closed = false;  // to be swept
   Clock::time_point accepted_at = Clock::now();
   std::vector<ipc::Declare> decls;
+  uint64_t declared_bytes = 0;
   std::string who() const {
     return "local rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
   }
@@ -68,6 +69,9 @@ struct Daemon::Job {
 };
 
 namespace {
+
+// Bound on what one connection's declarations may cost the daemon.
+constexpr uint64_t kMaxDeclaredBytes = 64ull << 20;
 
 void send_msg(int fd, const std::vector<uint8_t>& m) {
   // Never block the control thread on a slow client.
@@ -235,7 +239,8 @@ void Daemon::reject(Conn& c, ErrorCode code, const std::string& message) {
 
 void Daemon::on_readable(Conn& c) {
   std::vector<uint8_t> buf(ipc::kMaxMessageBytes + 1);
-  for (;;) {
+  // A bounded number per turn, so one chatty client cannot starve the rest.
+  for (int turn = 0; turn < 256; ++turn) {
     const ssize_t n = ::recv(c.fd, buf.data(), buf.size(), MSG_DONTWAIT | MSG_TRUNC);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n < 0 && errno == EINTR) continue;
@@ -332,6 +337,12 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
       if (m.device != ipc::Device::kCpu) {
         return reject(c, ErrorCode::kInvalidArgument,
                       "tensor '" + m.name + "': GPU tensors are not supported by this bytecompd");
+      }
+      c.declared_bytes += m.name.size() + sizeof(ipc::Declare);
+      if (c.declared_bytes > kMaxDeclaredBytes) {
+        return reject(c, ErrorCode::kResourceExhausted,
+                      "declarations exceed " + std::to_string(kMaxDeclaredBytes >> 20) +
+                          " MiB of names and metadata");
       }
       c.decls.push_back(std::move(m));
       return;

@@ -324,10 +324,23 @@ class Transport {
 
  protected:
   Transport() = default;
+  // Upper bound the blocking wrappers wait for a completion that the
+  // transport guarantees to deliver (a safety net, not a timeout policy).
+  virtual Millis wait_bound() const { return Millis{600000}; }
+  // request() for call(): `done` only fulfils a promise, so a backend may
+  // run it on its I/O thread and spare the completion-thread hop.
+  virtual void request_for_call(NodeId to, Message message, Millis timeout, ResponseCallback done) {
+    request(to, std::move(message), timeout, std::move(done));
+  }
 };
 
 // Backends compiled into this build ("zmq", and "rdma" with libibverbs).
 std::vector<std::string> available_backends();
+
+// Whether `backend` can run on this machine (built in and, for rdma, an RDMA
+// device present). When not, `reason` (if given) says why, for logs and test
+// skips.
+bool backend_usable(std::string_view backend, std::string* reason = nullptr);
 
 // The factory. Creates, binds config.listen and starts I/O (not dispatch:
 // see start()). Throws Error(kInvalidArgument) for an unknown backend,
