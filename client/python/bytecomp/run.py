@@ -80,6 +80,9 @@ def find_program(name, build_root, subdir):
     return shutil.which(name)
 
 
+_SETPRIV = shutil.which("setpriv")  # util-linux, essential on Debian
+
+
 class _Output:
     """Forwards child output line by line with a prefix. One thread per
     stream; writes are serialised by a lock so lines never interleave."""
@@ -127,6 +130,11 @@ class _Child:
 
     def __init__(self, label, argv, env, cwd, output, events, prefix):
         self.label = label
+        if _SETPRIV:
+            # If the launcher itself is SIGKILLed (no cleanup runs), the
+            # kernel sends its children SIGTERM: daemons still remove their
+            # segments and workers end. (preexec_fn is unsafe with threads.)
+            argv = [_SETPRIV, "--pdeathsig", "TERM", "--"] + list(argv)
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
