@@ -57,7 +57,12 @@ class Launcher(unittest.TestCase):
         rc, out, _ = helpers.launch(["--bytecompd", "/nonexistent/bytecompd", "x.py"],
                                     timeout=30)
         self.assertEqual(rc, 1, out)
-        self.assertIn("error: cannot start bytecompd /nonexistent/bytecompd: No such file", out)
+        self.assertIn("error: cannot start bytecompd /nonexistent/bytecompd: no such executable",
+                      out)
+        rc, out, _ = helpers.launch(["--", "no-such-program-here"], timeout=30)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("'no-such-program-here' is not an executable file or a program on PATH",
+                      out)
 
     def test_multi_node_refused_until_the_daemons_support_it(self):
         from bytecomp.run import _cluster_supported

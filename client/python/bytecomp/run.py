@@ -248,6 +248,8 @@ class Cluster:
         if not bytecompd:
             raise LaunchError("bytecompd not found: build the project (meson compile -C build), "
                               "set BYTECOMP_BUILD_ROOT, or pass --bytecompd PATH")
+        if not os.access(bytecompd, os.X_OK):
+            raise LaunchError("cannot start bytecompd %s: no such executable file" % bytecompd)
         why = _cluster_supported(self.args.nodes, self.build_root)
         if why:
             raise LaunchError(why)
@@ -314,6 +316,10 @@ class Cluster:
         if "OMP_NUM_THREADS" not in base:
             base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, per)))
         argv = self._worker_argv()
+        exe = argv[0] if os.sep in argv[0] else shutil.which(argv[0])
+        if not exe or not os.access(exe, os.X_OK):
+            raise LaunchError("cannot start the training command: %r is not an executable "
+                              "file or a program on PATH" % argv[0])
         for n in range(nodes):
             for lr in range(per):
                 r = n * per + lr
