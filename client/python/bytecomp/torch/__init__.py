@@ -100,7 +100,7 @@ def _wait(client, handle, timeout_ms, what, *what_args):
 
 
 class _Context:
-    """Process-wide state between init() and shutdown(). Guarded by _lock for
+    """Process-wide state between init() and shutdown(). Guarded by _ctx_lock for
     creation/teardown; the operations themselves run on the caller's thread."""
 
     def __init__(self, settings):
