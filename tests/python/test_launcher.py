@@ -1,6 +1,5 @@
 """bytecomp-run itself: prefixes, environment, exit statuses, usage errors."""
 
-import os
 import re
 import unittest
 import uuid
