@@ -475,6 +475,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_strategy = _strategy.load(strategy)
         self._bc_client = None
         self._bc_iteration = 0
+        self._bc_synced = False  # synchronize() done, step() not yet
         self._bc_failed = None
         index = c.next_optimizer
         c.next_optimizer += 1
@@ -616,11 +617,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- public ------------------------------------------------------------
     def synchronize(self):
         """Pushes the gradients backward did not produce, waits for all of
-        them (bounded by BYTECOMP_TIMEOUT_MS) and averages (op=Average)."""
+        them (bounded by BYTECOMP_TIMEOUT_MS) and averages (op=Average).
+        Call it before working on the averaged gradients (e.g. clipping):
+        the next step() then does not sum them again (nor does a second
+        synchronize() before that step)."""
         if self._bc_client is None:
             raise NotInitializedError("DistributedOptimizer used after bytecomp.torch.shutdown()")
         if self._bc_failed is not None:
             raise self._bc_failed
+        if self._bc_synced:
+            return
         try:
             for slot in self._bc_slots:
                 if slot.handle is None:
@@ -636,6 +642,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for slot in self._bc_slots:
             slot.passes = 0
         self._bc_iteration += 1
+        self._bc_synced = True
         if self._bc_op == Average and self._bc_ctx.settings.size > 1:
             bufs = [s.buf for s in self._bc_slots]
             with torch.no_grad():
@@ -648,6 +655,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.synchronize()
         super(self.__class__, self).step()
+        self._bc_synced = False  # the next step() sums the next gradients
         return loss
 
     def zero_grad(self, set_to_none=False):
