@@ -1,6 +1,8 @@
 """bytecomp-run itself: prefixes, environment, exit statuses, usage errors."""
 
+import os
 import re
+import tempfile
 import unittest
 import uuid
 
@@ -62,6 +64,24 @@ class Launcher(unittest.TestCase):
         self.assertEqual(rc, 1, out)
         self.assertIn("'no-such-program-here' is not an executable file or a program on PATH",
                       out)
+
+    def test_strategy_compressing_the_control_tensor_is_explained(self):
+        src = os.path.join(helpers.SOURCE_ROOT, "configs", "demo-strategy.yaml")
+        with open(src) as f:
+            text = f.read().replace('  - match: "bytecomp.*"\n    option: {compressor: none}\n',
+                                    "")
+        self.assertNotIn("bytecomp.*", text)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "no-control-rule.yaml")
+            with open(path, "w") as f:
+                f.write(text)
+            rc, out, _ = helpers.launch(
+                ["--nproc-per-node", "2", "--strategy", path, "--time-limit", "30",
+                 os.path.join(helpers.PYTHON_ROOT, "bytecomp", "examples", "digits.py")],
+                timeout=60)
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("this one is float64", out)
+        self.assertIn("give the daemons' strategy a first rule '- match: \"bytecomp.*\"'", out)
 
     def test_multi_node_refused_until_the_daemons_support_it(self):
         from bytecomp.run import _cluster_supported

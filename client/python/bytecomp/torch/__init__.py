@@ -118,6 +118,15 @@ class _Context:
             tid = ctl.declare("bytecomp.control", _SCRATCH_ELEMENTS, _lib.FLOAT64)
             ctl.start(settings.start_timeout_ms)
             addr, nbytes = ctl.buffer(tid)
+        except _lib.InvalidArgumentError as e:
+            ctl.close()
+            if "bytecomp.control" not in e.message:
+                raise
+            raise _lib.InvalidArgumentError(
+                e.status, e.message + "; bytecomp.torch's control tensor 'bytecomp.control' "
+                "must stay uncompressed: give the daemons' strategy a first rule "
+                "'- match: \"bytecomp.*\"' with 'option: {compressor: none}' (docs/torch.md)"
+            ) from None
         except BaseException:
             ctl.close()
             raise
