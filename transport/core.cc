@@ -352,7 +352,7 @@ void TransportBase::send_error_reply(const Incoming& request, ErrorCode code,
   enqueue(std::move(out));
 }
 
-void TransportBase::finish_request(uint64_t id, Response response) {
+void TransportBase::finish_request(uint64_t id, Response response, Assembler assemble) {
   ResponseCallback done;
   bool run_inline = false;
   {
@@ -364,12 +364,17 @@ void TransportBase::finish_request(uint64_t id, Response response) {
     deadlines_.erase(it->second.deadline);
     pending_.erase(it);
   }
-  if (done && run_inline)
+  if (done && run_inline) {
+    // call()'s waiter: cheap, except for a multi-frame reply's copy.
+    if (assemble) assemble(response.response.payloads);
     done(std::move(response));
-  else if (done)
-    completions_.post([done = std::move(done), r = std::move(response)]() mutable {
+  } else if (done) {
+    completions_.post([done = std::move(done), r = std::move(response),
+                       assemble = std::move(assemble)]() mutable {
+      if (assemble) assemble(r.response.payloads);
       done(std::move(r));
     });
+  }
 }
 
 void TransportBase::fail_requests_to(NodeId peer, const Status& status) {
@@ -402,7 +407,8 @@ bool TransportBase::receive_paused() const {
   return receive_queued_.load(std::memory_order_relaxed) >= config_.receive_queue_messages;
 }
 
-void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payloads) {
+void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payloads,
+                                Assembler assemble) {
   note_alive(h.src);
   switch (h.kind) {
     case wire::Kind::kHeartbeat:
@@ -436,7 +442,8 @@ void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payl
         r.response.header = h.user;
         r.response.payloads = std::move(payloads);
       }
-      finish_request(h.correlation, std::move(r));
+      finish_request(h.correlation, std::move(r),
+                     h.kind == wire::Kind::kResponse ? std::move(assemble) : nullptr);
       return;
     }
     case wire::Kind::kData:
@@ -447,16 +454,17 @@ void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payl
       in.message.payloads = std::move(payloads);
       in.expects_reply = h.kind == wire::Kind::kRequest;
       in.request_id = h.correlation;
-      dispatch(std::move(in));
+      dispatch(std::move(in), std::move(assemble));
       return;
     }
   }
 }
 
-void TransportBase::dispatch(Incoming in) {
+void TransportBase::dispatch(Incoming in, Assembler assemble) {
   Dispatcher& d = *handler_threads_[in.from % handler_threads_.size()];
   receive_queued_.fetch_add(1, std::memory_order_relaxed);
-  d.post([this, in = std::move(in)]() mutable {
+  d.post([this, in = std::move(in), assemble = std::move(assemble)]() mutable {
+    if (assemble) assemble(in.message.payloads);
     Handler h;
     {
       std::lock_guard lock(mu_);
