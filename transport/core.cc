@@ -364,6 +364,11 @@ void TransportBase::finish_request(uint64_t id, Response response, Assembler ass
     deadlines_.erase(it->second.deadline);
     pending_.erase(it);
   }
+  deliver_response(std::move(done), run_inline, std::move(response), std::move(assemble));
+}
+
+void TransportBase::deliver_response(ResponseCallback done, bool run_inline, Response response,
+                                     Assembler assemble) {
   if (done && run_inline) {
     // call()'s waiter: cheap, except for a multi-frame reply's copy.
     if (assemble) assemble(response.response.payloads);
@@ -494,16 +499,26 @@ void TransportBase::dispatch(Incoming in, Assembler assemble) {
 }
 
 Clock::time_point TransportBase::tick(Clock::time_point now, std::vector<NodeId>& heartbeat_to) {
-  std::vector<uint64_t> expired;
+  struct Expired {
+    uint64_t id;
+    Pending pending;
+  };
+  std::vector<Expired> expired;
   std::vector<NodeId> lost;
   PeerFailureCallback on_fail;
   bool paused = receive_paused();
   Clock::time_point next = now + config_.heartbeat_interval;
   {
     std::lock_guard lock(mu_);
+    // Taken out of the table here, under the same lock, so no other
+    // thread can finish them meanwhile.
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-      expired.push_back(deadlines_.begin()->second);
+      uint64_t id = deadlines_.begin()->second;
       deadlines_.erase(deadlines_.begin());
+      auto it = pending_.find(id);
+      if (it == pending_.end()) continue;
+      expired.push_back({id, std::move(it->second)});
+      pending_.erase(it);
     }
     if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
     for (auto& [id, p] : peers_) {
@@ -525,21 +540,13 @@ Clock::time_point TransportBase::tick(Clock::time_point now, std::vector<NodeId>
     }
     on_fail = peer_failure_;
   }
-  for (uint64_t id : expired) {
+  for (Expired& e : expired) {
     Response r;
-    {
-      std::lock_guard lock(mu_);
-      auto it = pending_.find(id);
-      if (it == pending_.end()) continue;
-      r.from = it->second.peer;
-      // finish_request() erases the deadline entry; this one is gone
-      // already, so point it at a harmless fresh one.
-      it->second.deadline = deadlines_.emplace(now, id);
-    }
+    r.from = e.pending.peer;
     r.status = Status(ErrorCode::kTimeout, "no reply from node " + std::to_string(r.from) +
-                                               " to request " + std::to_string(id) +
+                                               " to request " + std::to_string(e.id) +
                                                " within its deadline");
-    finish_request(id, std::move(r));
+    deliver_response(std::move(e.pending.done), e.pending.run_inline, std::move(r), nullptr);
   }
   for (NodeId id : lost) {
     Status s(ErrorCode::kPeerLost, "node " + std::to_string(id) + " sent nothing for " +

@@ -151,6 +151,8 @@ class TransportBase : public Transport {
   void enqueue(Outgoing out);
   void start_request(NodeId to, Message message, Millis timeout, ResponseCallback done, bool run_inline);
   void finish_request(uint64_t id, Response response, Assembler assemble = nullptr);
+  void deliver_response(ResponseCallback done, bool run_inline, Response response,
+                        Assembler assemble);
   void fail_requests_to(NodeId peer, const Status& status);
   void dispatch(Incoming incoming, Assembler assemble);
   void send_error_reply(const Incoming& request, ErrorCode code, const std::string& message);
