@@ -241,8 +241,9 @@ TEST_P(TransportTest, RequestReplyKeepsHeaderAndPayloadShapes) {
     ASSERT_EQ(r.response.payloads.size(), shape.size());
     for (size_t i = 0; i < shape.size(); ++i) {
       ASSERT_EQ(r.response.payloads[i].size(), shape[i]);
-      if (shape[i] > 0)  // empty buffers may have null data
+      if (shape[i] > 0) {  // empty buffers may have null data
         EXPECT_EQ(0, std::memcmp(r.response.payloads[i].data(), sent[i].data(), shape[i]));
+      }
     }
   }
   // A request nobody handles is answered with an error, not silence.
