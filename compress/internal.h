@@ -259,6 +259,10 @@ void pack_signs(const float* x, size_t len, std::byte* words);
 // out = combine(out, bit ? neg : pos) over len elements.
 void unpack_signs(const std::byte* words, size_t len, float pos, float neg, float* out, Mode m);
 
+// Appends to out the indices i in [b, e) whose |v[i]| bit pattern (sign
+// cleared) is >= tkey, in order; returns how many. out must have room for e - b.
+size_t collect_at_least(const float* v, size_t b, size_t e, uint32_t tkey, uint32_t* out);
+
 // Parameter values for factories (validated text -> number).
 struct Values {
   std::map<std::string, double> v;

@@ -112,7 +112,40 @@ void unpack_signs_t(const std::byte* words, size_t len, float pos, float neg, fl
     unpack_signs_scalar<M>(load<uint64_t>(words + 8 * full), len % 64, pos, neg, out + 64 * full);
 }
 
+size_t collect_scalar(const float* v, size_t b, size_t e, uint32_t tkey, uint32_t* out) {
+  size_t o = 0;
+  for (size_t i = b; i < e; ++i) {
+    uint32_t u;
+    std::memcpy(&u, v + i, 4);
+    if ((u & 0x7fffffffu) >= tkey) out[o++] = static_cast<uint32_t>(i);
+  }
+  return o;
+}
+
+BC_TARGET_AVX2 size_t collect_avx2(const float* v, size_t b, size_t e, uint32_t tkey, uint32_t* out) {
+  size_t o = 0, i = b;
+  // Signed compare on keys < 2^31 is the unsigned order; tkey - 1 turns >= into >.
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+  if (tkey == 0) return collect_scalar(v, b, e, tkey, out);
+  const __m256i t = _mm256_set1_epi32(static_cast<int>(tkey - 1));
+  for (; i + 16 <= e; i += 16) {
+    __m256i k0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)), absmask);
+    __m256i k1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i + 8)), absmask);
+    uint32_t m = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k0, t)))) |
+                 (static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k1, t)))) << 8);
+    while (m) {
+      out[o++] = static_cast<uint32_t>(i + static_cast<unsigned>(__builtin_ctz(m)));
+      m &= m - 1;
+    }
+  }
+  return o + collect_scalar(v, i, e, tkey, out + o);
+}
+
 }  // namespace
+
+size_t collect_at_least(const float* v, size_t b, size_t e, uint32_t tkey, uint32_t* out) {
+  return kAvx2 ? collect_avx2(v, b, e, tkey, out) : collect_scalar(v, b, e, tkey, out);
+}
 
 void pack_planes(const uint8_t* codes, size_t len, unsigned bits, std::byte* words) {
   size_t full = len / 64;

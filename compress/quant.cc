@@ -20,35 +20,41 @@ uint32_t chunk_seed(const CompressContext& ctx, uint64_t salt, size_t first_inde
                                           ((first_index >> 32) * 0x9E3779B97F4A7C15ull)));
 }
 
+using namespace simd;
+
 BC_CLONES float k_sumsq(const float* x, size_t n) {
-  float acc[16] = {};
+  v8f a0 = {}, a1 = {};
   size_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (size_t l = 0; l < 16; ++l) acc[l] += x[i + l] * x[i + l];
-  float s = 0;
+  for (; i + 16 <= n; i += 16) {
+    v8f v, w;
+    BC_V8_LOAD(v, x + i);
+    BC_V8_LOAD(w, x + i + 8);
+    a0 += v * v;
+    a1 += w * w;
+  }
+  v8f t = a0 + a1;
+  float s = hsum(t);
   for (; i < n; ++i) s += x[i] * x[i];
-  for (float a : acc) s += a;
   return s;
 }
 
 BC_CLONES void k_moments(const float* x, size_t n, float* sum, float* sumsq, float* maxabs) {
-  float a[16] = {}, b[16] = {}, m[16] = {};
+  v8f a = {}, b = {}, m = {};
   size_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (size_t l = 0; l < 16; ++l) {
-      float v = x[i + l];
-      a[l] += v;
-      b[l] += v * v;
-      float f = std::fabs(v);
-      m[l] = f > m[l] ? f : m[l];
-    }
-  float s = 0, q = 0, mx = 0;
+  for (; i + 8 <= n; i += 8) {
+    v8f v;
+    BC_V8_LOAD(v, x + i);
+    a += v;
+    b += v * v;
+    v8f f = BC_V8_ABS(v);
+    m = f > m ? f : m;
+  }
+  float s = hsum(a), q = hsum(b), mx = hmax(m);
   for (; i < n; ++i) {
     s += x[i];
     q += x[i] * x[i];
     mx = std::max(mx, std::fabs(x[i]));
   }
-  for (size_t l = 0; l < 16; ++l) s += a[l], q += b[l], mx = std::max(mx, m[l]);
   *sum = s;
   *sumsq = q;
   *maxabs = mx;
@@ -81,26 +87,43 @@ BC_CLONES void k_tern_codes(const float* x, size_t n, uint32_t seed, uint32_t fi
   }
 }
 
-BC_CLONES void k_table_set(const uint8_t* c, size_t n, const float* t, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] = t[c[i]];
+// code -> value: (code & lmask) * unit, negated when bit `shift` is set.
+template <Mode M>
+inline void codes_to_float(const uint8_t* c, size_t n, uint32_t lmask, uint32_t shift, float unit,
+                           float* out) {
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t code = c[i];
+    float v = static_cast<float>(static_cast<int32_t>(code & lmask)) * unit;
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    u ^= ((code >> shift) & 1u) << 31;
+    std::memcpy(&v, &u, 4);
+    if constexpr (M == Mode::kSet) out[i] = v;
+    else if constexpr (M == Mode::kAdd) out[i] += v;
+    else out[i] -= v;
+  }
 }
-BC_CLONES void k_table_add(const uint8_t* c, size_t n, const float* t, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] += t[c[i]];
+BC_CLONES void k_codes_set(const uint8_t* c, size_t n, uint32_t m, uint32_t s, float u, float* o) {
+  codes_to_float<Mode::kSet>(c, n, m, s, u, o);
 }
-BC_CLONES void k_table_sub(const uint8_t* c, size_t n, const float* t, float* out) {
-  for (size_t i = 0; i < n; ++i) out[i] -= t[c[i]];
+BC_CLONES void k_codes_add(const uint8_t* c, size_t n, uint32_t m, uint32_t s, float u, float* o) {
+  codes_to_float<Mode::kAdd>(c, n, m, s, u, o);
+}
+BC_CLONES void k_codes_sub(const uint8_t* c, size_t n, uint32_t m, uint32_t s, float u, float* o) {
+  codes_to_float<Mode::kSub>(c, n, m, s, u, o);
 }
 
-void decode_codes(const std::byte* words, size_t n, unsigned bits, const float* table, float* out,
-                  Mode mode, ThreadPool* pool) {
+void decode_codes(const std::byte* words, size_t n, unsigned bits, float unit, float* out, Mode mode,
+                  ThreadPool* pool) {
+  uint32_t lmask = (1u << (bits - 1)) - 1, shift = bits - 1;
   for_chunks(pool, n, [&](size_t, size_t cb, size_t ce) {
     alignas(64) uint8_t codes[kSub];
     for (size_t b = cb; b < ce; b += kSub) {
       size_t e = std::min(ce, b + kSub);
       unpack_planes(words + (b / 64) * bits * 8, e - b, bits, codes);
-      if (mode == Mode::kSet) k_table_set(codes, e - b, table, out + b);
-      else if (mode == Mode::kAdd) k_table_add(codes, e - b, table, out + b);
-      else k_table_sub(codes, e - b, table, out + b);
+      if (mode == Mode::kSet) k_codes_set(codes, e - b, lmask, shift, unit, out + b);
+      else if (mode == Mode::kAdd) k_codes_add(codes, e - b, lmask, shift, unit, out + b);
+      else k_codes_sub(codes, e - b, lmask, shift, unit, out + b);
     }
   });
 }
@@ -156,13 +179,7 @@ class Qsgd final : public Base {
       malformed("qsgd levels " + std::to_string(levels) + " with " + std::to_string(bits) +
                 " bits per element (accepted: levels 1..127, bits = 1 + bit width of levels)");
     check_payload("qsgd", p, bits);
-    float table[256] = {};
-    uint32_t lmask = (1u << (bits - 1)) - 1;
-    for (uint32_t c = 0; c < (1u << bits); ++c) {
-      float v = static_cast<float>(c & lmask) * norm / static_cast<float>(levels);
-      table[c] = (c >> (bits - 1)) ? -v : v;
-    }
-    decode_codes(p.payload.data(), p.count, bits, table, out, mode, pool);
+    decode_codes(p.payload.data(), p.count, bits, norm / static_cast<float>(levels), out, mode, pool);
   }
 
  private:
@@ -222,8 +239,7 @@ class TernGrad final : public Base {
     ParamReader pr(p.params, 4, "terngrad");
     float scale = pr.get<float>();
     check_payload("terngrad", p, 2);
-    float table[256] = {0.0f, scale, 0.0f, -scale};
-    decode_codes(p.payload.data(), p.count, 2, table, out, mode, pool);
+    decode_codes(p.payload.data(), p.count, 2, scale, out, mode, pool);
   }
 };
 

@@ -17,41 +17,49 @@ struct ChunkStats {
   uint64_t neg_cnt = 0;
 };
 
-// 16 independent lanes so the compiler vectorises the reductions without
-// reassociating floating point on its own.
+using namespace simd;
+
 BC_CLONES float k_abs_sum(const float* x, size_t n) {
-  float acc[16] = {};
+  v8f a0 = {}, a1 = {};
   size_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (size_t l = 0; l < 16; ++l) acc[l] += std::fabs(x[i + l]);
-  float s = 0;
+  for (; i + 16 <= n; i += 16) {
+    v8f v, w;
+    BC_V8_LOAD(v, x + i);
+    BC_V8_LOAD(w, x + i + 8);
+    a0 += BC_V8_ABS(v);
+    a1 += BC_V8_ABS(w);
+  }
+  v8f t = a0 + a1;
+  float s = hsum(t);
   for (; i < n; ++i) s += std::fabs(x[i]);
-  for (float a : acc) s += a;
   return s;
 }
 
+// Sums of the non-negative and negative parts (by sign bit) and the count of
+// negatives, from plain sums: pos = (sum + |sum|) / 2 per element.
 BC_CLONES void k_pos_neg(const float* x, size_t n, float* pos, float* neg, uint32_t* negcnt) {
-  float p[16] = {}, q[16] = {};
-  uint32_t c[16] = {};
+  v8f s = {}, a = {};
+  v8u c = {};
   size_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (size_t l = 0; l < 16; ++l) {
-      float v = x[i + l];
-      bool s = std::signbit(v);
-      p[l] += s ? 0.0f : v;
-      q[l] += s ? v : 0.0f;
-      c[l] += s ? 1u : 0u;
-    }
-  float ps = 0, qs = 0;
-  uint32_t cs = 0;
-  for (; i < n; ++i) {
-    bool s = std::signbit(x[i]);
-    (s ? qs : ps) += x[i];
-    cs += s;
+  for (; i + 8 <= n; i += 8) {
+    v8f v;
+    BC_V8_LOAD(v, x + i);
+    s += v;
+    a += BC_V8_ABS(v);
+    c += reinterpret_cast<v8u>(v) >> 31;
   }
-  for (size_t l = 0; l < 16; ++l) ps += p[l], qs += q[l], cs += c[l];
-  *pos = ps;
-  *neg = qs;
+  float ss = hsum(s), as = hsum(a);
+  uint32_t cs = 0;
+  for (int l = 0; l < 8; ++l) cs += c[l];
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    ss += x[i];
+    as += std::fabs(x[i]);
+    cs += u >> 31;
+  }
+  *pos = 0.5f * (ss + as);
+  *neg = 0.5f * (ss - as);
   *negcnt = cs;
 }
 

@@ -195,8 +195,12 @@ class RandomK final : public Base {
       ps.push_back(p);
     }
     size_t n = ps[0].count;
-    if (out.size() < max_compressed_bytes(n) && out.size() < kHeaderBytes + 16 + 4 * first.k)
-      throw Error(ErrorCode::kInvalidArgument, "aggregate: output buffer too small");
+    // k comes from the inputs, which may have been made with another ratio.
+    size_t need = kHeaderBytes + 16 + 4 * first.k;
+    if (out.size() < need)
+      throw Error(ErrorCode::kInvalidArgument, "aggregate: output buffer of " +
+                                                   std::to_string(out.size()) + " bytes, the sum needs " +
+                                                   std::to_string(need));
     if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
       throw Error(ErrorCode::kInvalidArgument, "aggregate: output must be 8-byte aligned");
     std::byte* vp = out.data() + kHeaderBytes + 16;
@@ -267,15 +271,17 @@ std::vector<uint32_t> select_topk(const float* v, size_t n, size_t k, ThreadPool
   }
   std::vector<uint32_t> sure(above);
   std::vector<uint64_t> cand(total[t]);  // (key << 32) | index
+  const uint32_t tb = static_cast<uint32_t>(t);
   for_chunks(pool, n, [&](size_t c, size_t b, size_t e) {
     uint32_t* sp = sure.data() + sure_off[c];
     uint64_t* cp = cand.data() + cand_off[c];
-    const uint32_t tb = static_cast<uint32_t>(t);
-    for (size_t i = b; i < e; ++i) {
+    thread_local std::vector<uint32_t> hits(kChunk);  // see Dgc::collect
+    size_t got = collect_at_least(v, b, e, tb << kBucketShift, hits.data());
+    for (size_t j = 0; j < got; ++j) {
+      uint32_t i = hits[j];
       uint32_t key = key_of(v[i]);
-      uint32_t bucket = key >> kBucketShift;
-      if (bucket > tb) *sp++ = static_cast<uint32_t>(i);
-      else if (bucket == tb) *cp++ = (static_cast<uint64_t>(key) << 32) | i;
+      if ((key >> kBucketShift) > tb) *sp++ = i;
+      else *cp++ = (static_cast<uint64_t>(key) << 32) | i;
     }
   });
   if (need < cand.size()) {
@@ -401,9 +407,10 @@ class Dgc final : public Base {
   std::vector<uint32_t> select(const float* v, size_t n, size_t k, std::vector<float>& sample,
                                ThreadPool* pool) const {
     size_t s = sample.size();
-    std::sort(sample.begin(), sample.end(), std::greater<float>());
-    auto rank_thr = [&](double rank) {
+    auto rank_thr = [&](double rank) {  // the rank-th largest sampled magnitude
       size_t r = static_cast<size_t>(std::clamp(std::ceil(rank), 1.0, static_cast<double>(s)));
+      std::nth_element(sample.begin(), sample.begin() + static_cast<ptrdiff_t>(r) - 1, sample.end(),
+                       std::greater<float>());
       return sample[r - 1];
     };
     double rank = static_cast<double>(s) * static_cast<double>(k) / static_cast<double>(n);
@@ -423,10 +430,13 @@ class Dgc final : public Base {
 
   static std::vector<uint32_t> collect(const float* v, size_t n, float thr, ThreadPool* pool) {
     std::vector<std::vector<uint32_t>> part(num_chunks(n));
+    uint32_t tkey = key_of(thr);
     for_chunks(pool, n, [&](size_t c, size_t b, size_t e) {
-      auto& out = part[c];
-      for (size_t i = b; i < e; ++i)
-        if (std::fabs(v[i]) >= thr) out.push_back(static_cast<uint32_t>(i));
+      // Per-thread scratch of one chunk: allocating it per call would cost a
+      // page fault per 4 KiB, more than the scan itself.
+      thread_local std::vector<uint32_t> scratch(kChunk);
+      size_t got = collect_at_least(v, b, e, tkey, scratch.data());
+      part[c].assign(scratch.begin(), scratch.begin() + static_cast<ptrdiff_t>(got));
     });
     std::vector<uint32_t> idx;
     for (auto& p : part) idx.insert(idx.end(), p.begin(), p.end());

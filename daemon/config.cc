@@ -50,6 +50,10 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   }
   sched.finish();
 
+  config::Reader strategy = root.section("strategy");
+  strategy.get("file", c.strategy_file);
+  strategy.finish();
+
   // Last, so a bad key elsewhere leaves the log levels untouched.
   config::apply_logging_section(root);
   root.finish();

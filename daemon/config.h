@@ -26,8 +26,11 @@ struct DaemonConfig {
   int threads = 2;
   // Reloadable.
   uint32_t setup_timeout_ms = 60000;
-  uint64_t partition_bytes = 4ull << 20;
+  uint64_t partition_bytes = 4ull << 20;  // new jobs only
   uint64_t max_inflight_bytes = 64ull << 20;
+  // Strategy file (planner's format); empty: every tensor uncompressed.
+  // Reloadable: running jobs switch at an iteration boundary.
+  std::string strategy_file;
 
   // Throws config::ConfigError naming file, line, key and accepted values.
   // Applies the `logging:` section (and BYTECOMP_LOG) as a side effect.

@@ -38,7 +38,9 @@ struct Daemon::Conn {
   uint32_t rank = 0;
   bool bye = false;
   bool closed = false;  // to be swept
+  Clock::time_point accepted_at = Clock::now();
   std::vector<ipc::Declare> decls;
+  uint64_t declared_bytes = 0;
   std::string who() const {
     return "local rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
   }
@@ -57,6 +59,7 @@ struct Daemon::Job {
   uint32_t started = 0;
   Clock::time_point setup_deadline;
   std::unique_ptr<Segment> segment;
+  std::vector<TensorSpec> specs;
   std::unique_ptr<Engine> engine;
   // Set by the engine thread; read by run().
   std::mutex fail_mu;
@@ -66,6 +69,9 @@ struct Daemon::Job {
 };
 
 namespace {
+
+// Bound on what one connection's declarations may cost the daemon.
+constexpr uint64_t kMaxDeclaredBytes = 64ull << 20;
 
 void send_msg(int fd, const std::vector<uint8_t>& m) {
   // Never block the control thread on a slow client.
@@ -85,6 +91,7 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
                                          : config_.instance),
       pool_(static_cast<size_t>(config_.threads)) {
   tunables_.apply(config_);
+  strategy_ = load_strategy();
   const int stale = remove_stale(instance_);
   if (stale > 0) {
     BC_LOG(LogDaemon(), kInfo) << "removed " << stale << " stale shared-memory segment(s)";
@@ -232,7 +239,8 @@ void Daemon::reject(Conn& c, ErrorCode code, const std::string& message) {
 
 void Daemon::on_readable(Conn& c) {
   std::vector<uint8_t> buf(ipc::kMaxMessageBytes + 1);
-  for (;;) {
+  // A bounded number per turn, so one chatty client cannot starve the rest.
+  for (int turn = 0; turn < 256; ++turn) {
     const ssize_t n = ::recv(c.fd, buf.data(), buf.size(), MSG_DONTWAIT | MSG_TRUNC);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
     if (n < 0 && errno == EINTR) continue;
@@ -330,6 +338,12 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
         return reject(c, ErrorCode::kInvalidArgument,
                       "tensor '" + m.name + "': GPU tensors are not supported by this bytecompd");
       }
+      c.declared_bytes += m.name.size() + sizeof(ipc::Declare);
+      if (c.declared_bytes > kMaxDeclaredBytes) {
+        return reject(c, ErrorCode::kResourceExhausted,
+                      "declarations exceed " + std::to_string(kMaxDeclaredBytes >> 20) +
+                          " MiB of names and metadata");
+      }
       c.decls.push_back(std::move(m));
       return;
     }
@@ -381,8 +395,21 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
   }
 }
 
+std::shared_ptr<const planner::Strategy> Daemon::load_strategy() const {
+  if (config_.strategy_file.empty()) return nullptr;
+  return std::make_shared<const planner::Strategy>(
+      planner::Strategy::load_file(config_.strategy_file));
+}
+
 void Daemon::maybe_start(Job& j) {
   if (j.started != j.local_size) return;
+  if (j.num_nodes > 1) {
+    abort_job(j, ErrorCode::kUnavailable,
+              "job '" + j.id + "' spans " + std::to_string(j.num_nodes) +
+                  " nodes, but this bytecompd has no inter-node path yet (parameter servers and "
+                  "peer daemons are not supported in this release): run with num_nodes 1");
+    return;
+  }
   std::vector<uint64_t> sizes;
   std::vector<TensorSpec> specs;
   uint64_t total = 0;
@@ -390,6 +417,7 @@ void Daemon::maybe_start(Job& j) {
     const uint64_t b = d.count * ipc::dtype_size(d.dtype);
     sizes.push_back(b);
     specs.push_back({d.name, d.count, d.dtype, b});
+    j.specs.push_back(specs.back());
     total += b;
   }
   try {
@@ -404,11 +432,14 @@ void Daemon::maybe_start(Job& j) {
     }
     const std::string name = segment_prefix(instance_) + std::to_string(::getpid()) + "." +
                              std::to_string(next_job_seq_++);
-    j.segment = std::make_unique<Segment>(name, layout.total_bytes, j.uid, j.gid);
     Job* jp = &j;
     const int wake = wake_fd_;
+    std::vector<TensorPlan> plans = strategy_ ? make_plans(*strategy_, config_.strategy_file, specs)
+                                              : uncompressed_plans(specs.size());
+    j.segment = std::make_unique<Segment>(name, layout.total_bytes, j.uid, j.gid);
     j.engine = std::make_unique<Engine>(
-        j.id, j.segment->data(), layout, std::move(specs), pool_, tunables_,
+        j.id, j.segment->data(), layout, std::move(specs), std::move(plans), j.node_rank, pool_,
+        tunables_,
         [jp, wake](ErrorCode code, const std::string& reason) {
           {
             std::lock_guard lock(jp->fail_mu);
@@ -499,6 +530,13 @@ void Daemon::reap_failed_jobs() {
 
 void Daemon::check_setup_deadlines() {
   const auto now = Clock::now();
+  // A connection that never says HELLO must not hold a descriptor forever.
+  const auto hello_bound = std::chrono::milliseconds(tunables_.setup_timeout_ms.load());
+  for (auto& [fd, c] : conns_) {
+    if (!c->closed && c->state == Conn::State::kNew && now - c->accepted_at > hello_bound) {
+      reject(*c, ErrorCode::kTimeout, "no HELLO within control.setup_timeout_ms");
+    }
+  }
   std::vector<Job*> late;
   for (auto& [k, j] : jobs_) {
     if (!j->engine && now > j->setup_deadline) late.push_back(j.get());
@@ -527,7 +565,14 @@ void Daemon::sweep_closed() {
 
 void Daemon::reload() {
   try {
+    // Everything is read and checked before anything is applied, so a bad
+    // file leaves the daemon exactly as it was.
     DaemonConfig next = DaemonConfig::parse(config::Document::locate(config_path_, "daemon.yaml"));
+    std::shared_ptr<const planner::Strategy> strategy;
+    if (!next.strategy_file.empty()) {
+      strategy = std::make_shared<const planner::Strategy>(
+          planner::Strategy::load_file(next.strategy_file));
+    }
     for (auto [changed, key] : {std::pair{next.socket_path != config_.socket_path, "control.socket"},
                                 {next.instance != config_.instance, "shm.instance"},
                                 {next.threads != config_.threads, "scheduler.threads"},
@@ -539,11 +584,24 @@ void Daemon::reload() {
     config_.max_inflight_bytes = next.max_inflight_bytes;
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
+    config_.strategy_file = next.strategy_file;
     tunables_.apply(config_);
+    strategy_ = strategy;
+    for (auto& [key, j] : jobs_) {
+      if (!j->engine) continue;
+      try {
+        j->engine->set_plans(strategy_ ? make_plans(*strategy_, config_.strategy_file, j->specs)
+                                       : uncompressed_plans(j->specs.size()));
+      } catch (const Error& e) {
+        BC_LOG(LogDaemon(), kError) << "SIGHUP: job " << j->id << " keeps its strategy: "
+                                    << e.what();
+      }
+    }
     BC_LOG(LogDaemon(), kInfo) << "SIGHUP: reloaded (partition_bytes " << config_.partition_bytes
-                               << ", max_inflight_bytes " << config_.max_inflight_bytes
-                               << ", setup_timeout_ms " << config_.setup_timeout_ms
-                               << ", log levels)";
+                               << " for new jobs, max_inflight_bytes "
+                               << config_.max_inflight_bytes << ", setup_timeout_ms "
+                               << config_.setup_timeout_ms << ", strategy '"
+                               << config_.strategy_file << "', log levels)";
   } catch (const Error& e) {
     BC_LOG(LogDaemon(), kError) << "SIGHUP: configuration not reloaded, keeping the old one: "
                                 << e.what();

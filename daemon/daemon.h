@@ -29,6 +29,7 @@
 #include "common/error.h"
 #include "common/thread_pool.h"
 #include "daemon/config.h"
+#include "planner/strategy.h"
 
 namespace bytecomp::daemon {
 
@@ -63,11 +64,14 @@ class Daemon {
   void check_setup_deadlines();
   void reload();
   void sweep_closed();
+  // Loads config_.strategy_file (nullptr when none); throws Error.
+  std::shared_ptr<const planner::Strategy> load_strategy() const;
 
   DaemonConfig config_;
   std::optional<std::string> config_path_;
   std::string instance_;
   Tunables tunables_;
+  std::shared_ptr<const planner::Strategy> strategy_;
   ThreadPool pool_;
   int listen_fd_ = -1;
   int wake_fd_ = -1;

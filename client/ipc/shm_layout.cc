@@ -1,9 +1,11 @@
 #include "client/ipc/shm_layout.h"
 
 #include <semaphore.h>
+#include <time.h>
+
+#include <cerrno>
 
 #include <algorithm>
-#include <boost/date_time/posix_time/posix_time_types.hpp>
 #include <cstring>
 #include <new>
 
@@ -139,10 +141,24 @@ bool Ring::pop(RingEntry& out) {
 
 bool timed_wait(boost::interprocess::interprocess_semaphore& sem,
                 std::chrono::microseconds timeout) {
-  // Boost 1.74 takes an absolute UTC time (sem_timedwait on CLOCK_REALTIME).
-  const auto deadline = boost::posix_time::microsec_clock::universal_time() +
-                        boost::posix_time::microseconds(timeout.count());
-  return sem.timed_wait(deadline);
+  // Boost 1.74 only offers an absolute CLOCK_REALTIME deadline, which a step
+  // of the wall clock would stretch arbitrarily. With the POSIX backend
+  // (asserted above: the object is exactly one sem_t) sem_clockwait on the
+  // monotonic clock keeps every wait bounded.
+  sem_t* s = reinterpret_cast<sem_t*>(&sem);
+  timespec now{};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  const int64_t ns = static_cast<int64_t>(now.tv_nsec) + timeout.count() % 1000000 * 1000;
+  timespec deadline{now.tv_sec + static_cast<time_t>(timeout.count() / 1000000 + ns / 1000000000),
+                    static_cast<long>(ns % 1000000000)};
+  for (;;) {
+    if (::sem_clockwait(s, CLOCK_MONOTONIC, &deadline) == 0) return true;
+    if (errno == ETIMEDOUT) return false;
+    if (errno != EINTR) {
+      throw Error(ErrorCode::kInternal,
+                  std::string("sem_clockwait: ") + std::strerror(errno));
+    }
+  }
 }
 
 void publish_abort(SegmentHeader* h, ErrorCode code, const std::string& reason,

@@ -4,6 +4,8 @@
 #include <bytecomp/bytecomp.hpp>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+
 #include <future>
 
 #include "tests/daemon/harness.h"
@@ -247,4 +249,106 @@ TEST_F(Api, CppWrapper) {
   auto f = std::async(std::launch::async, run, 1u);
   run(0);
   f.get();
+}
+
+TEST_F(Api, MultiNodeJobsAreRefusedUntilTheInterNodePathExists) {
+  bytecomp_connect_options o;
+  bytecomp_connect_options_init(&o);
+  o.socket_path = env_.socket().c_str();
+  o.job_id = "multi";
+  o.node_rank = 0;
+  o.num_nodes = 2;
+  bytecomp_client* c = nullptr;
+  ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << last();
+  ASSERT_EQ(bytecomp_declare_tensor(c, "w", 10, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
+            BYTECOMP_OK);
+  EXPECT_EQ(bytecomp_start(c, 5000), BYTECOMP_ERR_UNAVAILABLE);
+  EXPECT_NE(last().find("spans 2 nodes"), std::string::npos) << last();
+  bytecomp_close(c);
+}
+
+#include <sys/mman.h>
+
+#include "client/ipc/shm_layout.h"
+
+namespace {
+
+// Maps the only segment of the env's daemon, as a misbehaving client could.
+struct RawSegment {
+  explicit RawSegment(const DaemonEnv& env) {
+    auto segs = shm_entries(env.shm_prefix());
+    EXPECT_EQ(segs.size(), 1u);
+    const int fd = ::open(("/dev/shm/" + segs.at(0)).c_str(), O_RDWR);
+    bytes = static_cast<size_t>(::lseek(fd, 0, SEEK_END));
+    base = static_cast<char*>(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    ::close(fd);
+  }
+  ~RawSegment() { ::munmap(base, bytes); }
+  char* base = nullptr;
+  size_t bytes = 0;
+};
+
+bytecomp_client* single_rank_job(const DaemonEnv& env, const char* job) {
+  bytecomp_client* c = connect(env, job, 0, 1);
+  EXPECT_NE(c, nullptr);
+  EXPECT_EQ(bytecomp_declare_tensor(c, "w", 8, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
+            BYTECOMP_OK);
+  EXPECT_EQ(bytecomp_start(c, 5000), BYTECOMP_OK) << last();
+  return c;
+}
+
+}  // namespace
+
+TEST_F(Api, CorruptRingCountersAbortTheJobNotTheDaemon) {
+  bytecomp_client* c = single_rank_job(env_, "corrupt");
+  {
+    RawSegment seg(env_);
+    auto l = bytecomp::ipc::Layout::compute(1, {32});
+    auto* area = reinterpret_cast<bytecomp::ipc::ClientArea*>(seg.base + l.clients_offset);
+    area->submit.head.value = 1000;  // far beyond the ring's capacity
+  }
+  bytecomp_handle h;
+  ASSERT_EQ(bytecomp_push_pull(c, 0, 0, &h), BYTECOMP_ERR_INTERNAL);  // ring looks full
+  // Wake the engine, as any later push would.
+  {
+    RawSegment seg(env_);
+    reinterpret_cast<bytecomp::ipc::SegmentHeader*>(seg.base)->doorbell.post();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  bytecomp_status s = BYTECOMP_OK;
+  while (std::chrono::steady_clock::now() < deadline &&
+         (s = bytecomp_push_pull(c, 0, 1, &h)) != BYTECOMP_ERR_ABORTED) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(s, BYTECOMP_ERR_ABORTED);
+  EXPECT_NE(last().find("notification ring corrupt"), std::string::npos) << last();
+  bytecomp_close(c);
+  EXPECT_TRUE(no_shm_left(env_.shm_prefix()));
+  EXPECT_FALSE(env_.daemon().wait(std::chrono::milliseconds(0)).has_value());
+}
+
+TEST_F(Api, ForgedSubmissionOfUndeclaredTensorAbortsTheJob) {
+  bytecomp_client* c = single_rank_job(env_, "forged");
+  {
+    RawSegment seg(env_);
+    auto l = bytecomp::ipc::Layout::compute(1, {32});
+    auto* area = reinterpret_cast<bytecomp::ipc::ClientArea*>(seg.base + l.clients_offset);
+    auto* ring = reinterpret_cast<bytecomp::ipc::RingEntry*>(seg.base + l.submit_ring_offset(0));
+    ring[0] = {99, 0, 0};
+    area->submit.head.value = 1;
+    reinterpret_cast<bytecomp::ipc::SegmentHeader*>(seg.base)->doorbell.post();
+  }
+  bytecomp_handle h;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  bytecomp_status s = BYTECOMP_OK;
+  uint64_t it = 0;
+  while (std::chrono::steady_clock::now() < deadline &&
+         (s = bytecomp_push_pull(c, 0, it++, &h)) != BYTECOMP_ERR_ABORTED) {
+    bytecomp_wait(c, h, 10);
+  }
+  EXPECT_EQ(s, BYTECOMP_ERR_ABORTED);
+  EXPECT_NE(last().find("pushed tensor id 99 but only 1 were declared"), std::string::npos)
+      << last();
+  bytecomp_close(c);
+  EXPECT_TRUE(no_shm_left(env_.shm_prefix()));
 }

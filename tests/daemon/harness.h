@@ -175,12 +175,13 @@ class DaemonEnv {
   }
 
   // Starts bytecompd and waits until its socket answers.
-  void start() {
+  void start(std::vector<std::string> env = {}) {
+    env.push_back("BYTECOMP_LOG=info");
     daemon_ = std::make_unique<Process>(
         std::vector<std::string>{build_root() + "/daemon/bytecompd", "--config",
                                  (dir_ / "daemon.yaml").string()},
         dir_ / ("daemon" + std::to_string(starts_++) + ".log"),
-        std::vector<std::string>{"BYTECOMP_LOG=info"});
+        env);
     const auto deadline = std::chrono::steady_clock::now() + 10s;
     while (!can_connect(socket_)) {
       if (std::chrono::steady_clock::now() > deadline || daemon_->wait(0ms)) {

@@ -116,3 +116,19 @@ TEST(Malformed, EachBadMessageGetsAClearErrorAndTheDaemonSurvives) {
   EXPECT_EQ(b->wait(std::chrono::seconds(30)), std::optional<int>(0)) << b->output();
   EXPECT_TRUE(no_shm_left(env.shm_prefix()));
 }
+
+TEST(Malformed, SilentConnectionsAndIncompleteJobsTimeOut) {
+  DaemonEnv env("silent");
+  env.start({"BYTECOMPD_CONTROL_SETUP_TIMEOUT_MS=300"});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto [text, closed] = exchange(env.socket(), {});
+  EXPECT_NE(text.find("no HELLO within"), std::string::npos) << text;
+  EXPECT_TRUE(closed);
+  // One of two ranks starts; the daemon gives up on the job by itself.
+  auto [text2, closed2] = exchange(
+      env.socket(),
+      {hello("half", 0, 2), ipc::encode(ipc::Declare{0, "w", 1}), ipc::encode(ipc::Start{1})});
+  EXPECT_NE(text2.find("1 of 2 local ranks connected, 1 started"), std::string::npos) << text2;
+  EXPECT_TRUE(closed2);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4));
+}

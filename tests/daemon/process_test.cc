@@ -177,7 +177,7 @@ TEST(Daemon, SighupReloadsAndKeepsOldConfigOnError) {
   env.start();
   env.write_config("logging:\n  levels: info\n", "  partition_bytes: 1MiB\n");
   env.daemon().signal(SIGHUP);
-  EXPECT_TRUE(env.daemon().wait_output("reloaded (partition_bytes 1048576", 5s))
+  EXPECT_TRUE(env.daemon().wait_output("reloaded (partition_bytes 1048576 for new jobs", 5s))
       << env.daemon().output();
   env.write_config("", "  partition_bytes: 12\n");
   env.daemon().signal(SIGHUP);

@@ -1,0 +1,147 @@
+// compress_bench: compress / decompress throughput of every compressor at its
+// typical setting, against memcpy of the same size measured in the same run.
+//
+//   BM_Memcpy/<n>                       n fp32 elements copied
+//   BM_Compress/<name>/<n>[/threads:2]  error-feedback/momentum update included
+//   BM_Decompress/<name>/<n>[/threads:2] dense fp32 output (overwrite)
+//
+// bytes_per_second is always n * 4 (the fp32 input size), so ratios of times
+// and of throughputs agree. Compare with --benchmark_format=json; see
+// scripts/bench-compress-vs-torch and docs/compress.md.
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "compress/compressor.h"
+
+namespace bc = bytecomp::compress;
+
+namespace {
+
+const std::vector<std::pair<std::string, std::string>> kCompressors = {
+    {"fp16", "fp16"},
+    {"bf16", "bf16"},
+    {"randomk", "randomk:0.01"},  // with error feedback (default)
+    {"topk", "topk:0.01"},        // exact, with error feedback (default)
+    {"dgc", "dgc:0.01"},
+    {"signsgd", "signsgd"},
+    {"signum", "signum"},
+    {"efsignsgd", "efsignsgd"},
+    {"onebit", "onebit"},
+    {"qsgd", "qsgd:16"},
+    {"terngrad", "terngrad"},
+};
+
+const std::vector<size_t> kSizes = {size_t{1} << 20, 25000000};
+
+// Inputs are generated once per size (gradient-like: normal values).
+const std::vector<float>& input(size_t n) {
+  static std::map<size_t, std::vector<float>> cache;
+  auto it = cache.find(n);
+  if (it != cache.end()) return it->second;
+  std::vector<float> v(n);
+  std::mt19937 g(12345);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (auto& x : v) x = d(g);
+  return cache.emplace(n, std::move(v)).first->second;
+}
+
+// Page-aligned, pre-faulted buffer.
+struct Buffer {
+  explicit Buffer(size_t bytes) : size(bytes) {
+    p = static_cast<std::byte*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096));
+    std::memset(p, 0, bytes);
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  std::byte* p;
+  size_t size;
+};
+
+void BM_Memcpy(benchmark::State& state, size_t n) {
+  const auto& in = input(n);
+  Buffer dst(n * 4);
+  for (auto _ : state) {
+    std::memcpy(dst.p, in.data(), n * 4);
+    benchmark::DoNotOptimize(dst.p);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * 4));
+}
+
+void BM_Compress(benchmark::State& state, std::string spec, size_t n, size_t threads) {
+  auto c = bc::make_compressor(bc::parse_compressor_spec(spec));
+  const auto& in = input(n);
+  auto st = c->make_state(n);
+  Buffer out(c->max_compressed_bytes(n));
+  bytecomp::ThreadPool pool(threads - 1);
+  bc::CompressContext ctx{.iteration = 0, .shared_seed = 1, .private_seed = 2, .pool = &pool};
+  size_t len = c->compress(bc::ConstTensorView::cpu(in.data(), n), {out.p, out.size}, *st, ctx);
+  for (auto _ : state) {
+    ++ctx.iteration;
+    len = c->compress(bc::ConstTensorView::cpu(in.data(), n), {out.p, out.size}, *st, ctx);
+    benchmark::DoNotOptimize(len);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * 4));
+  state.counters["compressed_bytes"] = static_cast<double>(len);
+  state.counters["ratio"] = static_cast<double>(n * 4) / static_cast<double>(len);
+}
+
+void BM_Decompress(benchmark::State& state, std::string spec, size_t n, size_t threads) {
+  auto c = bc::make_compressor(bc::parse_compressor_spec(spec));
+  const auto& in = input(n);
+  auto st = c->make_state(n);
+  Buffer buf(c->max_compressed_bytes(n));
+  size_t len = c->compress(bc::ConstTensorView::cpu(in.data(), n), {buf.p, buf.size}, *st,
+                           {.shared_seed = 1, .private_seed = 2});
+  Buffer out(n * 4);
+  bytecomp::ThreadPool pool(threads - 1);
+  bc::CompressContext ctx{.pool = &pool};
+  auto view = bc::TensorView::cpu(reinterpret_cast<float*>(out.p), n);
+  for (auto _ : state) {
+    c->decompress({buf.p, len}, view, false, ctx);
+    benchmark::DoNotOptimize(out.p);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * n * 4));
+}
+
+void register_all() {
+  for (size_t n : kSizes) {
+    std::string ns = std::to_string(n);
+    benchmark::RegisterBenchmark(("BM_Memcpy/" + ns).c_str(), BM_Memcpy, n)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    for (size_t threads : {1, 2}) {
+      std::string suffix = threads > 1 ? "/threads:" + std::to_string(threads) : "";
+      for (const auto& [name, spec] : kCompressors) {
+        benchmark::RegisterBenchmark(("BM_Compress/" + name + "/" + ns + suffix).c_str(),
+                                     BM_Compress, spec, n, threads)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark(("BM_Decompress/" + name + "/" + ns + suffix).c_str(),
+                                     BM_Decompress, spec, n, threads)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
