@@ -175,6 +175,7 @@ struct PartState {
   std::shared_ptr<BlockPool> pool;
   std::unique_ptr<float[]> sum;
   bool sum_started = false;
+  Buffer held;                   // first raw push, summed with the second
   std::vector<Buffer> pending;   // per rank (deterministic / compressed sum)
   std::vector<uint8_t> pushed;   // per rank
   uint32_t n_pushed = 0;
@@ -220,7 +221,7 @@ std::string hex(uint64_t v) {
 }
 
 uint64_t reservation(const TensorPlan& plan, uint64_t count, size_t nodes, bool deterministic) {
-  uint64_t r = 3 * count * 4;  // sum + answer in flight + spare block
+  uint64_t r = 4 * count * 4;  // sum + answer in flight + spare block + held first push
   if (plan.sum == SumMode::kCompressed || deterministic)
     r += nodes * push_bytes_bound(plan, count);
   if (plan.pull != PullFormat::kFp32) r += 2 * pull_bytes_bound(plan, count);
@@ -1196,6 +1197,7 @@ void ParameterServer::Impl::release_part(PartState& ps, const Status& why) {
   ps.waiting.clear();
   ps.waiting.shrink_to_fit();
   ps.pending.clear();
+  ps.held = Buffer();
   ps.result = Buffer();
   ps.sum.reset();
   ps.state.reset();
@@ -1456,8 +1458,24 @@ void ParameterServer::Impl::accumulate(ServerJob& job, PartState& ps, const Buff
       std::memcpy(aligned.data(), b.data(), n * 4);
       src = aligned.data();
     }
-    if (!ps.sum_started) std::memcpy(ps.sum.get(), src, n * 4);
-    else compress::sum_into(ps.sum.get(), src, n);
+    if (!ps.sum_started) {
+      if (aligned.empty()) {
+        // Keep the first push as it arrived and sum it with the second in
+        // one pass (compress::sum writes dst without reading it): one fewer
+        // pass over the partition than copy-then-add, same additions in the
+        // same order.
+        ps.held = b;
+        ps.sum_started = true;
+        return;
+      }
+      std::memcpy(ps.sum.get(), src, n * 4);
+    } else if (!ps.held.empty()) {
+      const float* srcs[2] = {reinterpret_cast<const float*>(ps.held.data()), src};
+      compress::sum(ps.sum.get(), srcs, n);
+      ps.held = Buffer();
+    } else {
+      compress::sum_into(ps.sum.get(), src, n);
+    }
   }
   ps.sum_started = true;
 }
@@ -1468,6 +1486,10 @@ void ParameterServer::Impl::complete_round(ServerJob& job, PartState& ps) {
   std::string failure;
   try {
     if (ps.poisoned) throw Error(ErrorCode::kMalformed, ps.poison);
+    if (!ps.held.empty()) {  // a one-node job: the push is the sum
+      std::memcpy(ps.sum.get(), ps.held.data(), n * 4);
+      ps.held = Buffer();
+    }
     if (ps.plan.sum == SumMode::kCompressed) {
       std::vector<std::span<const std::byte>> inputs;
       for (const Buffer& b : ps.pending) inputs.push_back(b.span());
@@ -1508,6 +1530,7 @@ void ParameterServer::Impl::complete_round(ServerJob& job, PartState& ps) {
     failure = ps.label + ", iteration " + std::to_string(ps.collecting) + ": " + e.what();
   }
   for (Buffer& b : ps.pending) b = Buffer();
+  ps.held = Buffer();
   std::fill(ps.pushed.begin(), ps.pushed.end(), 0);
   ps.n_pushed = 0;
   ps.next_rank = 0;

@@ -791,8 +791,18 @@ TEST_F(ServerTest, SigtermShutsDownCleanlyWithAJobRunning) {
   s.nodes = {100};
   s.tensors = {{"w", 100}};
   auto j = a->join(s);
+  // A one-node job: the sum is the push itself.
+  std::vector<float> g(100);
+  td::fill(g.data(), g.size(), 4, 0, 0, 0, 0);
+  std::promise<std::pair<Status, transport::Buffer>> p0;
+  j->push(partition_key(0, 0), 0, transport::Buffer::copy_of(g.data(), 400), nullptr);
+  j->pull(partition_key(0, 0), 0, [&](const Status& st, transport::Buffer b) { p0.set_value({st, b}); });
+  auto [st0, b0] = p0.get_future().get();
+  ASSERT_TRUE(st0.ok()) << st0.to_string();
+  ASSERT_EQ(b0.size(), 400u);
+  EXPECT_EQ(std::memcmp(b0.data(), g.data(), 400), 0);
   std::promise<Status> p;
-  j->pull(partition_key(0, 0), 0, [&](const Status& st, transport::Buffer) { p.set_value(st); });
+  j->pull(partition_key(0, 0), 1, [&](const Status& st, transport::Buffer) { p.set_value(st); });
   auto f = p.get_future();
   EXPECT_EQ(f.wait_for(200ms), std::future_status::timeout);
   server_->kill(SIGTERM);
