@@ -24,9 +24,11 @@
 //     result of i stays pullable until i+1 completes. So pull i before
 //     pushing i+1 (sending the pull request first is enough: messages from
 //     one node are handled in order).
-//   * Refusals come back as a failed Status (code kInvalidArgument) whose
-//     message names what was wrong: stale or future iteration, duplicate push
-//     from this node, wrong length, unknown key, unknown job.
+//   * Refusals come back as a failed Status (code kInvalidArgument; kMalformed
+//     for a compressed buffer that does not decode) whose message names what
+//     was wrong: stale or future iteration, duplicate push from this node,
+//     duplicate waiting pull, wrong length or compressor, unknown key,
+//     unknown job.
 //
 // Push payload formats (per the tensor's TensorPlan):
 //   raw fp32: exactly Partition::count * 4 bytes (little-endian floats);
@@ -48,8 +50,11 @@
 //   coordinator stopped answering heartbeats); kAborted (the job was aborted:
 //   a node died, a node left early, or the job failed; message names it);
 //   kUnavailable (client or job closed).
-// Once a job is aborted every pending and later operation of it fails with
-// kAborted (the first reason), and on_failure callbacks run once.
+// Once a job failed (kAborted from the coordinator or a server, kPeerLost
+// when this node lost a server or the coordinator), every pending and later
+// operation of it fails with that first status, and on_failure callbacks run
+// once. Operations refused at once (job already failed or closed) complete
+// inline, on the calling thread.
 //
 // Threading:
 //   * PsClient and PsJob are thread-safe: any method from any thread.
