@@ -207,3 +207,33 @@ TEST(Config, EveryExampleFileIsVersionedYaml) {
 }
 
 }  // namespace
+
+#include "common/log.h"
+#include "common/logging_config.h"
+
+namespace {
+
+TEST(Config, LoggingSectionAppliesLevels) {
+  auto doc = Document::parse("version: 1\nlogging: {levels: 'warn,cfg-x=debug'}\n", "p.yaml");
+  Reader root = doc.root("");
+  bytecomp::config::apply_logging_section(root);
+  root.finish();
+  EXPECT_TRUE(bytecomp::log::category("cfg-x").enabled(bytecomp::log::Level::kDebug));
+  EXPECT_FALSE(bytecomp::log::category("cfg-y").enabled(bytecomp::log::Level::kInfo));
+  bytecomp::log::configure("info");
+}
+
+TEST(Config, LoggingSectionBadLevelIsLocated) {
+  auto doc = Document::parse("version: 1\nlogging:\n  levels: 'cfg-z=chatty'\n", "p.yaml");
+  Reader root = doc.root("");
+  try {
+    bytecomp::config::apply_logging_section(root);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("p.yaml:3:11: key 'logging.levels'"), std::string::npos) << m;
+    EXPECT_NE(m.find("'chatty'"), std::string::npos) << m;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,133 @@
+// Control protocol between libbytecomp and bytecompd, version 1.
+//
+// Transport: a Unix SOCK_SEQPACKET socket, so every message is one datagram
+// with its boundaries kept; a connection closing is how each side sees the
+// other die. Every message is a 16-byte header followed by the payload:
+//
+//   u32 magic 'BCMP' | u16 version | u16 type | u32 payload_bytes | u32 zero
+//
+// all little-endian. Payload fields are fixed-width little-endian integers
+// and strings as u16 length + bytes. Decoding checks the magic, the version,
+// the type, that payload_bytes equals the datagram's remaining length, every
+// field against the bytes left, and every value against its limits; anything
+// else throws Error(kMalformed) naming what was wrong. Messages never exceed
+// kMaxMessageBytes.
+//
+// Conversation (C: client, D: daemon):
+//   C HELLO        -> D WELCOME | ERROR (then D closes)
+//   C DECLARE x N  (no replies; pipelined)
+//   C START        -> D READY (once every local rank started) | ERROR
+//   then data moves through shared memory (shm_layout.h); on the socket:
+//   D ABORT        (the job was aborted; D closes afterwards)
+//   C BYE          (graceful leave; C closes)
+//
+// Thread-safety: the functions here are pure; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "common/error.h"
+
+namespace bytecomp::ipc {
+
+inline constexpr uint32_t kMagic = 0x504d4342;  // "BCMP" little-endian
+inline constexpr uint16_t kProtocolVersion = 1;
+inline constexpr size_t kHeaderBytes = 16;
+inline constexpr size_t kMaxMessageBytes = 64 * 1024;
+inline constexpr size_t kMaxJobIdBytes = 128;
+inline constexpr size_t kMaxTensorNameBytes = 1024;
+inline constexpr size_t kMaxReasonBytes = 4000;
+inline constexpr uint32_t kMaxLocalSize = 256;
+inline constexpr uint32_t kMaxNodes = 65536;
+inline constexpr uint32_t kMaxTensors = 1u << 20;
+
+enum class MsgType : uint16_t {
+  kHello = 1,
+  kWelcome = 2,
+  kDeclare = 3,
+  kStart = 4,
+  kReady = 5,
+  kError = 6,
+  kAbort = 7,
+  kBye = 8,
+};
+
+// Element types; values equal bytecomp_dtype.
+enum class DType : uint8_t { kFloat32 = 0, kFloat64 = 1, kInt32 = 2, kInt64 = 3 };
+inline constexpr uint8_t kNumDTypes = 4;
+uint32_t dtype_size(DType t) noexcept;
+const char* dtype_name(DType t) noexcept;
+
+enum class Device : uint8_t { kCpu = 0, kCuda = 1 };
+
+struct Hello {
+  std::string job_id;
+  uint32_t local_rank = 0;
+  uint32_t local_size = 1;
+  uint32_t node_rank = 0;
+  uint32_t num_nodes = 1;
+  std::string client_version;
+};
+struct Welcome {
+  std::string daemon_version;
+  std::string instance;
+};
+struct Declare {
+  uint32_t index = 0;  // must equal the number declared before it
+  std::string name;
+  uint64_t count = 0;
+  DType dtype = DType::kFloat32;
+  Device device = Device::kCpu;
+  int32_t device_index = 0;
+};
+struct Start {
+  uint32_t num_tensors = 0;
+};
+struct Ready {
+  std::string segment_name;
+  uint64_t segment_bytes = 0;
+};
+struct ErrorMsg {  // kError and kAbort
+  uint32_t code = 0;  // bytecomp::ErrorCode value
+  std::string message;
+};
+struct Bye {};
+
+using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye>;
+
+struct Decoded {
+  MsgType type;
+  Message msg;
+};
+
+// Checks the job id's charset and length; "" when fine, else the problem.
+std::string check_job_id(std::string_view id);
+
+std::vector<uint8_t> encode(const Hello& m);
+std::vector<uint8_t> encode(const Welcome& m);
+std::vector<uint8_t> encode(const Declare& m);
+std::vector<uint8_t> encode(const Start& m);
+std::vector<uint8_t> encode(const Ready& m);
+std::vector<uint8_t> encode(const ErrorMsg& m, MsgType type = MsgType::kError);
+std::vector<uint8_t> encode(const Bye& m);
+
+// Thrown by decode() when only the header's version differs, so either side
+// can report a version mismatch rather than garbage.
+struct VersionMismatch : Error {
+  explicit VersionMismatch(uint16_t got)
+      : Error(ErrorCode::kMalformed,
+              "protocol version " + std::to_string(got) + " (this side speaks " +
+                  std::to_string(kProtocolVersion) + ")"),
+        version(got) {}
+  uint16_t version;
+};
+
+// Throws VersionMismatch for another protocol version, Error(kMalformed) for
+// anything else that is not a well-formed version-1 message.
+Decoded decode(std::span<const uint8_t> bytes);
+
+}  // namespace bytecomp::ipc

@@ -1,0 +1,154 @@
+// Layout of a job's shared-memory segment, version 1, and the notification
+// rings inside it. The daemon creates the segment (Boost.Interprocess
+// shared_memory_object, mode 0600, owned by the job's user) and both sides
+// map it. Offsets are from the segment's start, every block 64-byte aligned:
+//
+//   SegmentHeader            magic, sizes, job state, abort reason, doorbell
+//   ClientArea[local_size]   per local rank: wake semaphore, two ring indices
+//   RingEntry[local_size][2][ring_capacity]   submit ring, completion ring
+//   TensorSlot[num_tensors]  per tensor: bytes, offset of rank 0, rank stride
+//   data                     tensor t of rank r at data_offset + r * stride
+//
+// Both sides compute the layout from the declarations (Layout below); the
+// client checks that the segment's header equals what it computed, so a
+// daemon built from other sources is caught rather than trusted.
+//
+// Notifications: each ring is single-producer single-consumer, with 64-bit
+// head/tail counters (atomics in shared memory, lock-free and address-free on
+// the platforms we build for). A producer pushes an entry, then posts the
+// consumer's semaphore (interprocess_semaphore, a process-shared POSIX sem_t:
+// no owner, so a process dying at any point leaves it usable). Consumers
+// block in timed waits; nobody spins. Client -> daemon: submit rings, one
+// doorbell per job. Daemon -> client: completion rings, one wake per client.
+// The daemon validates every index it reads from the segment (a client may
+// scribble anything there); the client validates what the daemon writes.
+//
+// Thread-safety: rings are SPSC: one producer thread (or callers serialised
+// by a lock) and one consumer at a time.
+#pragma once
+
+#include <atomic>
+#include <boost/interprocess/sync/interprocess_semaphore.hpp>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "client/ipc/protocol.h"
+
+namespace bytecomp::ipc {
+
+inline constexpr uint32_t kSegmentMagic = 0x47534342;  // "BCSG"
+inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint64_t kAlign = 64;
+inline constexpr size_t kAbortReasonBytes = 1024;
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+enum class JobState : uint32_t { kRunning = 0, kAborted = 1 };
+
+// Submit: tensor + iteration (status 0). Completion: tensor + iteration +
+// status (an ErrorCode value; the reason is in the header for aborts).
+struct RingEntry {
+  uint32_t tensor;
+  uint32_t status;
+  uint64_t iteration;
+};
+static_assert(sizeof(RingEntry) == 16);
+
+struct alignas(64) RingIndex {
+  std::atomic<uint64_t> value{0};
+};
+
+struct RingHeader {
+  RingIndex head;  // producer's counter
+  RingIndex tail;  // consumer's counter
+};
+
+struct alignas(64) ClientArea {
+  boost::interprocess::interprocess_semaphore wake{0};
+  RingHeader submit;
+  RingHeader complete;
+};
+
+struct alignas(64) SegmentHeader {
+  uint32_t magic = kSegmentMagic;
+  uint32_t layout_version = kLayoutVersion;
+  uint64_t segment_bytes = 0;
+  uint32_t local_size = 0;
+  uint32_t num_tensors = 0;
+  uint32_t ring_capacity = 0;
+  uint32_t reserved = 0;
+  uint64_t clients_offset = 0;
+  uint64_t rings_offset = 0;
+  uint64_t tensors_offset = 0;
+  uint64_t data_offset = 0;
+  std::atomic<uint32_t> state{static_cast<uint32_t>(JobState::kRunning)};
+  uint32_t abort_code = 0;
+  char abort_reason[kAbortReasonBytes] = {};
+  boost::interprocess::interprocess_semaphore doorbell{0};
+};
+
+struct TensorSlot {
+  uint64_t bytes;
+  uint64_t offset;  // of local rank 0's buffer
+  uint64_t stride;  // rank r's buffer is at offset + r * stride
+};
+
+// Where everything goes, computed identically by daemon and client.
+struct Layout {
+  uint32_t local_size = 0;
+  uint32_t ring_capacity = 0;
+  uint64_t clients_offset = 0;
+  uint64_t rings_offset = 0;
+  uint64_t tensors_offset = 0;
+  uint64_t data_offset = 0;
+  uint64_t total_bytes = 0;
+  std::vector<TensorSlot> tensors;
+
+  // Throws Error(kResourceExhausted) if the size overflows.
+  static Layout compute(uint32_t local_size, const std::vector<uint64_t>& tensor_bytes);
+
+  uint64_t submit_ring_offset(uint32_t rank) const {
+    return rings_offset + (uint64_t{rank} * 2) * ring_capacity * sizeof(RingEntry);
+  }
+  uint64_t complete_ring_offset(uint32_t rank) const {
+    return rings_offset + (uint64_t{rank} * 2 + 1) * ring_capacity * sizeof(RingEntry);
+  }
+};
+
+// Writes the header, client areas and tensor table into a zeroed mapping of
+// layout.total_bytes bytes.
+SegmentHeader* init_segment(void* base, const Layout& layout);
+
+// Checks a mapped segment against the layout this side computed; throws
+// Error(kMalformed) naming the first difference.
+SegmentHeader* check_segment(void* base, uint64_t mapped_bytes, const Layout& layout);
+
+// SPSC ring over `capacity` (a power of two) entries.
+class Ring {
+ public:
+  Ring(RingHeader& header, RingEntry* entries, uint32_t capacity)
+      : h_(&header), e_(entries), cap_(capacity) {}
+  // false when full.
+  bool push(const RingEntry& entry);
+  // false when empty; throws Error(kMalformed) if the counters are corrupt.
+  bool pop(RingEntry& out);
+
+ private:
+  RingHeader* h_;
+  RingEntry* e_;
+  uint32_t cap_;
+};
+
+// Waits at most `timeout` for a post; true when one was consumed.
+bool timed_wait(boost::interprocess::interprocess_semaphore& sem,
+                std::chrono::microseconds timeout);
+
+// Records an abort in the header (first reason wins) and wakes everyone.
+// Only the daemon calls it, serialised by its job lock.
+void publish_abort(SegmentHeader* header, ErrorCode code, const std::string& reason,
+                   ClientArea* clients, uint32_t local_size) noexcept;
+
+}  // namespace bytecomp::ipc

@@ -1,0 +1,63 @@
+#include "daemon/config.h"
+
+#include "common/logging_config.h"
+
+namespace bytecomp::daemon {
+
+DaemonConfig DaemonConfig::parse(const config::Document& doc) {
+  using config::Range;
+  DaemonConfig c;
+  config::Reader root = doc.root("BYTECOMPD");
+
+  config::Reader control = root.section("control");
+  uint32_t mode = c.socket_mode;
+  control.get("socket", c.socket_path)
+      .get("socket_mode", mode, Range<uint32_t>{0, 0777})
+      .get("allow_other_users", c.allow_other_users)
+      .get("setup_timeout_ms", c.setup_timeout_ms, Range<uint32_t>{100, 3600000});
+  if (c.socket_path.empty() || c.socket_path.front() != '/') {
+    control.fail("socket", "'" + c.socket_path + "' is not an absolute path", "an absolute path");
+  }
+  if (c.socket_path.size() > 107) {
+    control.fail("socket", "path is " + std::to_string(c.socket_path.size()) + " bytes long",
+                 "at most 107 bytes (sockaddr_un)");
+  }
+  c.socket_mode = mode;
+  control.finish();
+
+  config::Reader shm = root.section("shm");
+  shm.get("instance", c.instance)
+      .get_bytes("max_job_bytes", c.max_job_bytes, Range<uint64_t>{1ull << 20, 1ull << 40});
+  for (char ch : c.instance) {
+    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+          ch == '_' || ch == '-') ||
+        c.instance.size() > 32) {
+      shm.fail("instance", "'" + c.instance + "' is not a valid instance name",
+               "1..32 characters of [A-Za-z0-9_-], or empty for a name derived from the socket");
+    }
+  }
+  shm.finish();
+
+  config::Reader sched = root.section("scheduler");
+  sched.get("threads", c.threads, Range<int>{0, 256})
+      .get_bytes("partition_bytes", c.partition_bytes, Range<uint64_t>{4096, 1ull << 30})
+      .get_bytes("max_inflight_bytes", c.max_inflight_bytes, Range<uint64_t>{4096, 1ull << 40});
+  if (c.max_inflight_bytes < c.partition_bytes) {
+    sched.fail("max_inflight_bytes",
+               std::to_string(c.max_inflight_bytes) + " is below partition_bytes " +
+                   std::to_string(c.partition_bytes),
+               ">= scheduler.partition_bytes");
+  }
+  sched.finish();
+
+  config::Reader strategy = root.section("strategy");
+  strategy.get("file", c.strategy_file);
+  strategy.finish();
+
+  // Last, so a bad key elsewhere leaves the log levels untouched.
+  config::apply_logging_section(root);
+  root.finish();
+  return c;
+}
+
+}  // namespace bytecomp::daemon

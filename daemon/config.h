@@ -1,0 +1,53 @@
+// bytecompd's configuration (configs/daemon.yaml documents every key).
+//
+// Thread-safety: DaemonConfig is a plain value. The reloadable part is
+// published to running jobs through Tunables (atomics), so SIGHUP changes
+// take effect at a job's next scheduling step without locks.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "common/config.h"
+
+namespace bytecomp::daemon {
+
+struct DaemonConfig {
+  // control: not reloadable (needs a restart).
+  std::string socket_path = "/run/bytecomp/bytecompd.sock";
+  uint32_t socket_mode = 0666;  // access is checked per peer (SO_PEERCRED)
+  bool allow_other_users = false;
+  // shm: not reloadable.
+  std::string instance;  // empty: derived from socket_path
+  uint64_t max_job_bytes = 16ull << 30;
+  // compute: not reloadable.
+  int threads = 2;
+  // Reloadable.
+  uint32_t setup_timeout_ms = 60000;
+  uint64_t partition_bytes = 4ull << 20;  // new jobs only
+  uint64_t max_inflight_bytes = 64ull << 20;
+  // Strategy file (planner's format); empty: every tensor uncompressed.
+  // Reloadable: running jobs switch at an iteration boundary.
+  std::string strategy_file;
+
+  // Throws config::ConfigError naming file, line, key and accepted values.
+  // Applies the `logging:` section (and BYTECOMP_LOG) as a side effect.
+  static DaemonConfig parse(const config::Document& doc);
+};
+
+// The reloadable knobs as seen by running jobs.
+struct Tunables {
+  std::atomic<uint32_t> setup_timeout_ms{60000};
+  std::atomic<uint64_t> partition_bytes{4ull << 20};
+  std::atomic<uint64_t> max_inflight_bytes{64ull << 20};
+
+  void apply(const DaemonConfig& c) {
+    setup_timeout_ms.store(c.setup_timeout_ms);
+    partition_bytes.store(c.partition_bytes);
+    max_inflight_bytes.store(c.max_inflight_bytes);
+  }
+};
+
+}  // namespace bytecomp::daemon

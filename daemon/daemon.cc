@@ -1,0 +1,611 @@
+#include "daemon/daemon.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+
+#include "bytecomp_build_config.h"
+#include "client/ipc/protocol.h"
+#include "client/ipc/shm_layout.h"
+#include "common/log.h"
+#include "daemon/engine.h"
+#include "daemon/shm_segment.h"
+
+namespace bytecomp::daemon {
+
+BC_LOG_CATEGORY(LogDaemon, "daemon");
+
+using Clock = std::chrono::steady_clock;
+
+struct Daemon::Conn {
+  int fd = -1;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  enum class State { kNew, kJoined, kStarted, kRunning } state = State::kNew;
+  Job* job = nullptr;
+  uint32_t rank = 0;
+  bool bye = false;
+  bool closed = false;  // to be swept
+  Clock::time_point accepted_at = Clock::now();
+  std::vector<ipc::Declare> decls;
+  uint64_t declared_bytes = 0;
+  std::string who() const {
+    return "local rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
+  }
+};
+
+struct Daemon::Job {
+  std::string key;
+  std::string id;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  uint32_t local_size = 0;
+  uint32_t node_rank = 0;
+  uint32_t num_nodes = 0;
+  std::vector<Conn*> members;  // by local rank
+  std::vector<ipc::Declare> reference;
+  uint32_t started = 0;
+  Clock::time_point setup_deadline;
+  std::unique_ptr<Segment> segment;
+  std::vector<TensorSpec> specs;
+  std::unique_ptr<Engine> engine;
+  // Set by the engine thread; read by run().
+  std::mutex fail_mu;
+  bool failed = false;
+  ErrorCode fail_code = ErrorCode::kOk;
+  std::string fail_reason;
+};
+
+namespace {
+
+// Bound on what one connection's declarations may cost the daemon.
+constexpr uint64_t kMaxDeclaredBytes = 64ull << 20;
+
+void send_msg(int fd, const std::vector<uint8_t>& m) {
+  // Never block the control thread on a slow client.
+  (void)::send(fd, m.data(), m.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+std::string describe(const ipc::Declare& d) {
+  return "'" + d.name + "' " + ipc::dtype_name(d.dtype) + "[" + std::to_string(d.count) + "]";
+}
+
+}  // namespace
+
+Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
+    : config_(std::move(config)),
+      config_path_(std::move(config_path)),
+      instance_(config_.instance.empty() ? instance_from_socket(config_.socket_path)
+                                         : config_.instance),
+      pool_(static_cast<size_t>(config_.threads)) {
+  tunables_.apply(config_);
+  strategy_ = load_strategy();
+  const int stale = remove_stale(instance_);
+  if (stale > 0) {
+    BC_LOG(LogDaemon(), kInfo) << "removed " << stale << " stale shared-memory segment(s)";
+  }
+
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::path(config_.socket_path).parent_path();
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    throw Error(ErrorCode::kUnavailable,
+                "cannot create socket directory " + dir.string() + ": " + ec.message());
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, config_.socket_path.data(), config_.socket_path.size());
+  listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0) throw Error(ErrorCode::kUnavailable, std::string("socket: ") + strerror(errno));
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (errno != EADDRINUSE) {
+      const int err = errno;
+      ::close(listen_fd_);
+      throw Error(ErrorCode::kUnavailable,
+                  "cannot bind " + config_.socket_path + ": " + std::strerror(err));
+    }
+    // A live daemon answers a connect; a stale socket file does not.
+    const int probe = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    const bool live =
+        probe >= 0 && ::connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    if (probe >= 0) ::close(probe);
+    if (live) {
+      ::close(listen_fd_);
+      throw Error(ErrorCode::kUnavailable, "another bytecompd is serving " + config_.socket_path +
+                                               " (stop it, or configure control.socket)");
+    }
+    ::unlink(config_.socket_path.c_str());
+    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      const int err = errno;
+      ::close(listen_fd_);
+      throw Error(ErrorCode::kUnavailable,
+                  "cannot bind " + config_.socket_path + ": " + std::strerror(err));
+    }
+  }
+  ::chmod(config_.socket_path.c_str(), config_.socket_mode);
+  if (::listen(listen_fd_, 128) != 0) {
+    const int err = errno;
+    ::close(listen_fd_);
+    throw Error(ErrorCode::kUnavailable, std::string("listen: ") + std::strerror(err));
+  }
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  BC_LOG(LogDaemon(), kInfo) << "bytecompd " << BYTECOMP_VERSION << " serving "
+                             << config_.socket_path << " (instance " << instance_ << ", "
+                             << pool_.concurrency() << " reduce threads)";
+}
+
+Daemon::~Daemon() {
+  for (auto& [key, job] : jobs_) {
+    if (job->engine) job->engine->stop();
+  }
+  jobs_.clear();
+  for (auto& [fd, c] : conns_) ::close(fd);
+  conns_.clear();
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    ::unlink(config_.socket_path.c_str());
+  }
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+int Daemon::run(int signal_fd) {
+  for (;;) {
+    std::vector<pollfd> fds;
+    fds.push_back({signal_fd, POLLIN, 0});
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (auto& [fd, c] : conns_) fds.push_back({fd, POLLIN, 0});
+    // The timeout only serves the setup deadlines.
+    const int r = ::poll(fds.data(), fds.size(), 250);
+    if (r < 0 && errno != EINTR) {
+      BC_LOG(LogDaemon(), kError) << "poll: " << std::strerror(errno);
+      return 1;
+    }
+    if (r > 0 && (fds[0].revents & POLLIN)) {
+      signalfd_siginfo si{};
+      if (::read(signal_fd, &si, sizeof si) == sizeof si) {
+        if (si.ssi_signo == SIGHUP) {
+          reload();
+        } else {
+          BC_LOG(LogDaemon(), kInfo) << "signal " << si.ssi_signo << ": shutting down, aborting "
+                                     << jobs_.size() << " job(s)";
+          while (!jobs_.empty()) {
+            abort_job(*jobs_.begin()->second, ErrorCode::kAborted,
+                      "bytecompd is shutting down (signal " + std::to_string(si.ssi_signo) + ")");
+          }
+          return 0;
+        }
+      }
+    }
+    if (r > 0 && (fds[1].revents & POLLIN)) {
+      uint64_t v;
+      (void)::read(wake_fd_, &v, sizeof v);
+    }
+    reap_failed_jobs();
+    if (r > 0 && (fds[2].revents & POLLIN)) accept_one();
+    for (size_t i = 3; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      auto it = conns_.find(fds[i].fd);
+      if (it != conns_.end() && !it->second->closed) on_readable(*it->second);
+    }
+    check_setup_deadlines();
+    sweep_closed();
+  }
+}
+
+void Daemon::accept_one() {
+  for (;;) {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) return;
+    auto c = std::make_unique<Conn>();
+    c->fd = fd;
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      ::close(fd);
+      continue;
+    }
+    c->pid = cred.pid;
+    c->uid = cred.uid;
+    c->gid = cred.gid;
+    Conn& ref = *c;
+    conns_.emplace(fd, std::move(c));
+    const uid_t me = ::geteuid();
+    if (!config_.allow_other_users && me != 0 && cred.uid != me && cred.uid != 0) {
+      reject(ref, ErrorCode::kInvalidArgument,
+             "user " + std::to_string(cred.uid) + " may not use this bytecompd (it runs as user " +
+                 std::to_string(me) + "; set control.allow_other_users or run it as root)");
+    }
+  }
+}
+
+void Daemon::reject(Conn& c, ErrorCode code, const std::string& message) {
+  BC_LOG(LogDaemon(), kWarn) << "pid " << c.pid << ": " << message;
+  send_msg(c.fd, ipc::encode(ipc::ErrorMsg{static_cast<uint32_t>(code), message}));
+  disconnect(c, message);
+}
+
+void Daemon::on_readable(Conn& c) {
+  std::vector<uint8_t> buf(ipc::kMaxMessageBytes + 1);
+  // A bounded number per turn, so one chatty client cannot starve the rest.
+  for (int turn = 0; turn < 256; ++turn) {
+    const ssize_t n = ::recv(c.fd, buf.data(), buf.size(), MSG_DONTWAIT | MSG_TRUNC);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      disconnect(c, n == 0 ? "connection closed" : std::string("recv: ") + std::strerror(errno));
+      return;
+    }
+    if (static_cast<size_t>(n) > ipc::kMaxMessageBytes) {
+      reject(c, ErrorCode::kMalformed,
+             "malformed control message: datagram of " + std::to_string(n) +
+                 " bytes exceeds the limit of " + std::to_string(ipc::kMaxMessageBytes));
+      return;
+    }
+    on_message(c, std::span<const uint8_t>(buf.data(), static_cast<size_t>(n)));
+    if (c.closed) return;
+  }
+}
+
+void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
+  ipc::Decoded d;
+  try {
+    d = ipc::decode(bytes);
+  } catch (const ipc::VersionMismatch& e) {
+    reject(c, ErrorCode::kMalformed,
+           std::string("client speaks ") + e.what() +
+               ": install a libbytecomp and bytecompd of the same release");
+    return;
+  } catch (const Error& e) {
+    reject(c, ErrorCode::kMalformed, e.what());
+    return;
+  }
+  using S = Conn::State;
+  switch (d.type) {
+    case ipc::MsgType::kHello: {
+      if (c.state != S::kNew) return reject(c, ErrorCode::kMalformed, "HELLO sent twice");
+      const auto& h = std::get<ipc::Hello>(d.msg);
+      const std::string key = std::to_string(c.uid) + "/" + h.job_id;
+      auto it = jobs_.find(key);
+      if (it == jobs_.end()) {
+        auto j = std::make_unique<Job>();
+        j->key = key;
+        j->id = h.job_id;
+        j->uid = c.uid;
+        j->gid = c.gid;
+        j->local_size = h.local_size;
+        j->node_rank = h.node_rank;
+        j->num_nodes = h.num_nodes;
+        j->members.assign(h.local_size, nullptr);
+        j->setup_deadline =
+            Clock::now() + std::chrono::milliseconds(tunables_.setup_timeout_ms.load());
+        it = jobs_.emplace(key, std::move(j)).first;
+        BC_LOG(LogDaemon(), kInfo) << "job " << h.job_id << " (uid " << c.uid << ") forming: "
+                                   << h.local_size << " local rank(s)";
+      }
+      Job& j = *it->second;
+      if (j.engine) {
+        return reject(c, ErrorCode::kInvalidArgument,
+                      "job '" + h.job_id + "' is already running; use a new job id or wait "
+                      "until it ends");
+      }
+      if (j.local_size != h.local_size || j.num_nodes != h.num_nodes ||
+          j.node_rank != h.node_rank) {
+        return reject(c, ErrorCode::kInvalidArgument,
+                      "job '" + h.job_id + "' was created with local_size " +
+                          std::to_string(j.local_size) + ", node " + std::to_string(j.node_rank) +
+                          " of " + std::to_string(j.num_nodes) + "; this client says local_size " +
+                          std::to_string(h.local_size) + ", node " + std::to_string(h.node_rank) +
+                          " of " + std::to_string(h.num_nodes) + " (all local ranks must agree)");
+      }
+      if (j.members[h.local_rank] != nullptr) {
+        return reject(c, ErrorCode::kInvalidArgument,
+                      "local rank " + std::to_string(h.local_rank) + " of job '" + h.job_id +
+                          "' is already connected (pid " +
+                          std::to_string(j.members[h.local_rank]->pid) +
+                          "); every process needs its own local_rank");
+      }
+      j.members[h.local_rank] = &c;
+      c.job = &j;
+      c.rank = h.local_rank;
+      c.state = S::kJoined;
+      send_msg(c.fd, ipc::encode(ipc::Welcome{BYTECOMP_VERSION, instance_}));
+      return;
+    }
+    case ipc::MsgType::kDeclare: {
+      if (c.state != S::kJoined) {
+        return reject(c, ErrorCode::kMalformed, "DECLARE outside the declaration phase");
+      }
+      auto& m = std::get<ipc::Declare>(d.msg);
+      if (m.index != c.decls.size()) {
+        return reject(c, ErrorCode::kMalformed,
+                      "DECLARE index " + std::to_string(m.index) + ", expected " +
+                          std::to_string(c.decls.size()));
+      }
+      if (m.device != ipc::Device::kCpu) {
+        return reject(c, ErrorCode::kInvalidArgument,
+                      "tensor '" + m.name + "': GPU tensors are not supported by this bytecompd");
+      }
+      c.declared_bytes += m.name.size() + sizeof(ipc::Declare);
+      if (c.declared_bytes > kMaxDeclaredBytes) {
+        return reject(c, ErrorCode::kResourceExhausted,
+                      "declarations exceed " + std::to_string(kMaxDeclaredBytes >> 20) +
+                          " MiB of names and metadata");
+      }
+      c.decls.push_back(std::move(m));
+      return;
+    }
+    case ipc::MsgType::kStart: {
+      if (c.state != S::kJoined) return reject(c, ErrorCode::kMalformed, "START sent twice or before HELLO");
+      const auto& m = std::get<ipc::Start>(d.msg);
+      Job& j = *c.job;
+      if (m.num_tensors != c.decls.size()) {
+        return reject(c, ErrorCode::kMalformed,
+                      "START says " + std::to_string(m.num_tensors) + " tensors, " +
+                          std::to_string(c.decls.size()) + " were declared");
+      }
+      if (j.reference.empty()) {
+        j.reference = c.decls;
+      } else {
+        std::string diff;
+        if (j.reference.size() != c.decls.size()) {
+          diff = std::to_string(c.decls.size()) + " tensors declared, another rank declared " +
+                 std::to_string(j.reference.size());
+        } else {
+          for (size_t i = 0; i < c.decls.size() && diff.empty(); ++i) {
+            const auto& a = c.decls[i];
+            const auto& b = j.reference[i];
+            if (a.name != b.name || a.count != b.count || a.dtype != b.dtype) {
+              diff = "tensor " + std::to_string(i) + " declared as " + describe(a) +
+                     ", another rank declared " + describe(b);
+            }
+          }
+        }
+        if (!diff.empty()) {
+          abort_job(j, ErrorCode::kInvalidArgument,
+                    c.who() + " declared different tensors: " + diff +
+                        " (every local rank must declare the same tensors in the same order)");
+          return;
+        }
+      }
+      c.state = S::kStarted;
+      ++j.started;
+      maybe_start(j);
+      return;
+    }
+    case ipc::MsgType::kBye:
+      if (c.state == S::kNew) return disconnect(c, "BYE before HELLO");
+      c.bye = true;
+      if (c.job != nullptr && c.job->engine) c.job->engine->rank_left(c.rank);
+      return;
+    default:
+      return reject(c, ErrorCode::kMalformed, "clients may not send this message type");
+  }
+}
+
+std::shared_ptr<const planner::Strategy> Daemon::load_strategy() const {
+  if (config_.strategy_file.empty()) return nullptr;
+  return std::make_shared<const planner::Strategy>(
+      planner::Strategy::load_file(config_.strategy_file));
+}
+
+void Daemon::maybe_start(Job& j) {
+  if (j.started != j.local_size) return;
+  if (j.num_nodes > 1) {
+    abort_job(j, ErrorCode::kUnavailable,
+              "job '" + j.id + "' spans " + std::to_string(j.num_nodes) +
+                  " nodes, but this bytecompd has no inter-node path yet (parameter servers and "
+                  "peer daemons are not supported in this release): run with num_nodes 1");
+    return;
+  }
+  std::vector<uint64_t> sizes;
+  std::vector<TensorSpec> specs;
+  uint64_t total = 0;
+  for (const auto& d : j.reference) {
+    const uint64_t b = d.count * ipc::dtype_size(d.dtype);
+    sizes.push_back(b);
+    specs.push_back({d.name, d.count, d.dtype, b});
+    j.specs.push_back(specs.back());
+    total += b;
+  }
+  try {
+    const ipc::Layout layout = ipc::Layout::compute(j.local_size, sizes);
+    if (layout.total_bytes > config_.max_job_bytes) {
+      throw Error(ErrorCode::kResourceExhausted,
+                  "job needs " + std::to_string(layout.total_bytes) +
+                      " bytes of shared memory (tensors of " + std::to_string(total) +
+                      " bytes x " + std::to_string(j.local_size) +
+                      " local ranks), more than shm.max_job_bytes " +
+                      std::to_string(config_.max_job_bytes));
+    }
+    const std::string name = segment_prefix(instance_) + std::to_string(::getpid()) + "." +
+                             std::to_string(next_job_seq_++);
+    Job* jp = &j;
+    const int wake = wake_fd_;
+    std::vector<TensorPlan> plans = strategy_ ? make_plans(*strategy_, config_.strategy_file, specs)
+                                              : uncompressed_plans(specs.size());
+    j.segment = std::make_unique<Segment>(name, layout.total_bytes, j.uid, j.gid);
+    j.engine = std::make_unique<Engine>(
+        j.id, j.segment->data(), layout, std::move(specs), std::move(plans), j.node_rank, pool_,
+        tunables_,
+        [jp, wake](ErrorCode code, const std::string& reason) {
+          {
+            std::lock_guard lock(jp->fail_mu);
+            jp->failed = true;
+            jp->fail_code = code;
+            jp->fail_reason = reason;
+          }
+          const uint64_t one = 1;
+          (void)::write(wake, &one, sizeof one);
+        });
+    for (Conn* m : j.members) {
+      m->state = Conn::State::kRunning;
+      send_msg(m->fd, ipc::encode(ipc::Ready{name, layout.total_bytes}));
+    }
+    BC_LOG(LogDaemon(), kInfo) << "job " << j.id << " running: " << j.reference.size()
+                               << " tensors, segment " << name << " (" << layout.total_bytes
+                               << " bytes)";
+  } catch (const Error& e) {
+    abort_job(j, e.code(), std::string("cannot start the job: ") + e.what());
+  }
+}
+
+void Daemon::abort_job(Job& j, ErrorCode code, const std::string& reason) {
+  BC_LOG(LogDaemon(), kWarn) << "job " << j.id << " aborted: " << reason;
+  if (j.engine) {
+    j.engine->publish_abort(code, reason);
+    j.engine->stop();
+  }
+  const auto msg = ipc::encode(ipc::ErrorMsg{static_cast<uint32_t>(code), reason},
+                               j.engine ? ipc::MsgType::kAbort : ipc::MsgType::kError);
+  for (Conn* m : j.members) {
+    if (m == nullptr || m->closed) continue;
+    send_msg(m->fd, msg);
+    m->job = nullptr;
+    disconnect(*m, "job aborted");
+  }
+  finish_job(j);
+}
+
+void Daemon::finish_job(Job& j) {
+  for (Conn* m : j.members) {
+    if (m != nullptr) m->job = nullptr;
+  }
+  j.engine.reset();
+  j.segment.reset();
+  BC_LOG(LogDaemon(), kInfo) << "job " << j.id << " ended";
+  jobs_.erase(j.key);
+}
+
+void Daemon::disconnect(Conn& c, const std::string& why) {
+  if (c.closed) return;
+  c.closed = true;
+  ::shutdown(c.fd, SHUT_RDWR);
+  Job* j = c.job;
+  c.job = nullptr;
+  if (j == nullptr) return;
+  j->members[c.rank] = nullptr;
+  if (!c.bye) {
+    abort_job(*j, c.state == Conn::State::kRunning ? ErrorCode::kPeerLost : ErrorCode::kAborted,
+              c.who() + " of job '" + j->id + "' disconnected without closing (" + why +
+                  "; did the process die?)" +
+                  (j->engine ? "" : " before the job started"));
+    return;
+  }
+  for (Conn* m : j->members) {
+    if (m != nullptr) return;
+  }
+  finish_job(*j);
+}
+
+void Daemon::reap_failed_jobs() {
+  std::vector<Job*> failed;
+  for (auto& [k, j] : jobs_) {
+    std::lock_guard lock(j->fail_mu);
+    if (j->failed) failed.push_back(j.get());
+  }
+  for (Job* j : failed) {
+    ErrorCode code;
+    std::string reason;
+    {
+      std::lock_guard lock(j->fail_mu);
+      code = j->fail_code;
+      reason = j->fail_reason;
+    }
+    abort_job(*j, code, reason);
+  }
+}
+
+void Daemon::check_setup_deadlines() {
+  const auto now = Clock::now();
+  // A connection that never says HELLO must not hold a descriptor forever.
+  const auto hello_bound = std::chrono::milliseconds(tunables_.setup_timeout_ms.load());
+  for (auto& [fd, c] : conns_) {
+    if (!c->closed && c->state == Conn::State::kNew && now - c->accepted_at > hello_bound) {
+      reject(*c, ErrorCode::kTimeout, "no HELLO within control.setup_timeout_ms");
+    }
+  }
+  std::vector<Job*> late;
+  for (auto& [k, j] : jobs_) {
+    if (!j->engine && now > j->setup_deadline) late.push_back(j.get());
+  }
+  for (Job* j : late) {
+    uint32_t joined = 0;
+    for (Conn* m : j->members) joined += m != nullptr;
+    abort_job(*j, ErrorCode::kTimeout,
+              "job '" + j->id + "' did not start within control.setup_timeout_ms (" +
+                  std::to_string(tunables_.setup_timeout_ms.load()) + " ms): " +
+                  std::to_string(joined) + " of " + std::to_string(j->local_size) +
+                  " local ranks connected, " + std::to_string(j->started) + " started");
+  }
+}
+
+void Daemon::sweep_closed() {
+  for (auto it = conns_.begin(); it != conns_.end();) {
+    if (it->second->closed) {
+      ::close(it->first);
+      it = conns_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Daemon::reload() {
+  try {
+    // Everything is read and checked before anything is applied, so a bad
+    // file leaves the daemon exactly as it was.
+    DaemonConfig next = DaemonConfig::parse(config::Document::locate(config_path_, "daemon.yaml"));
+    std::shared_ptr<const planner::Strategy> strategy;
+    if (!next.strategy_file.empty()) {
+      strategy = std::make_shared<const planner::Strategy>(
+          planner::Strategy::load_file(next.strategy_file));
+    }
+    for (auto [changed, key] : {std::pair{next.socket_path != config_.socket_path, "control.socket"},
+                                {next.instance != config_.instance, "shm.instance"},
+                                {next.threads != config_.threads, "scheduler.threads"},
+                                {next.socket_mode != config_.socket_mode, "control.socket_mode"}}) {
+      if (changed) BC_LOG(LogDaemon(), kWarn) << "SIGHUP: " << key << " changes need a restart";
+    }
+    config_.setup_timeout_ms = next.setup_timeout_ms;
+    config_.partition_bytes = next.partition_bytes;
+    config_.max_inflight_bytes = next.max_inflight_bytes;
+    config_.allow_other_users = next.allow_other_users;
+    config_.max_job_bytes = next.max_job_bytes;
+    config_.strategy_file = next.strategy_file;
+    tunables_.apply(config_);
+    strategy_ = strategy;
+    for (auto& [key, j] : jobs_) {
+      if (!j->engine) continue;
+      try {
+        j->engine->set_plans(strategy_ ? make_plans(*strategy_, config_.strategy_file, j->specs)
+                                       : uncompressed_plans(j->specs.size()));
+      } catch (const Error& e) {
+        BC_LOG(LogDaemon(), kError) << "SIGHUP: job " << j->id << " keeps its strategy: "
+                                    << e.what();
+      }
+    }
+    BC_LOG(LogDaemon(), kInfo) << "SIGHUP: reloaded (partition_bytes " << config_.partition_bytes
+                               << " for new jobs, max_inflight_bytes "
+                               << config_.max_inflight_bytes << ", setup_timeout_ms "
+                               << config_.setup_timeout_ms << ", strategy '"
+                               << config_.strategy_file << "', log levels)";
+  } catch (const Error& e) {
+    BC_LOG(LogDaemon(), kError) << "SIGHUP: configuration not reloaded, keeping the old one: "
+                                << e.what();
+  }
+}
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,83 @@
+// bytecompd's control plane: the Unix control socket, jobs and their
+// lifecycle, signals. One thread (run()) owns every connection and job; each
+// running job has an Engine thread for its data path, and all engines share
+// one ThreadPool for reductions.
+//
+// Job lifecycle: the first HELLO of (user, job id) creates the job; each
+// local rank declares its tensors and sends START; when all local_size ranks
+// started with identical declarations, the daemon creates the shared-memory
+// segment and the engine and answers READY to all. A client that disconnects
+// without BYE (it died), a protocol violation, a setup timeout or daemon
+// shutdown aborts the job: the abort is published in shared memory (waking
+// every client at once), ABORT is sent on each socket, and the segment is
+// removed. When every rank has left with BYE the job ends quietly.
+//
+// Thread-safety: construct, run() and destroy from one thread. Engines call
+// back (on_failure) from their threads: that only sets a flag and writes the
+// eventfd that run() polls.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/thread_pool.h"
+#include "daemon/config.h"
+#include "planner/strategy.h"
+
+namespace bytecomp::daemon {
+
+class Daemon {
+ public:
+  // `config_path` is remembered for SIGHUP reloads (nullopt: lookup order).
+  // Binds the control socket and removes stale segments; throws Error.
+  Daemon(DaemonConfig config, std::optional<std::string> config_path);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Serves until SIGTERM/SIGINT arrives on `signal_fd` (a signalfd for
+  // SIGTERM, SIGINT and SIGHUP). Returns the exit status.
+  int run(int signal_fd);
+
+  const std::string& instance() const { return instance_; }
+
+ private:
+  struct Conn;
+  struct Job;
+
+  void accept_one();
+  void on_readable(Conn& c);
+  void on_message(Conn& c, std::span<const uint8_t> bytes);
+  void disconnect(Conn& c, const std::string& why);
+  void reject(Conn& c, ErrorCode code, const std::string& message);
+  void maybe_start(Job& j);
+  void abort_job(Job& j, ErrorCode code, const std::string& reason);
+  void finish_job(Job& j);
+  void reap_failed_jobs();
+  void check_setup_deadlines();
+  void reload();
+  void sweep_closed();
+  // Loads config_.strategy_file (nullptr when none); throws Error.
+  std::shared_ptr<const planner::Strategy> load_strategy() const;
+
+  DaemonConfig config_;
+  std::optional<std::string> config_path_;
+  std::string instance_;
+  Tunables tunables_;
+  std::shared_ptr<const planner::Strategy> strategy_;
+  ThreadPool pool_;
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;
+  uint64_t next_job_seq_ = 0;
+  std::map<int, std::unique_ptr<Conn>> conns_;           // by fd
+  std::map<std::string, std::unique_ptr<Job>> jobs_;     // by "uid/job id"
+};
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,124 @@
+// The data path of one job: takes push_pull submissions from the clients'
+// rings, reduces each tensor over the local ranks (partitioned, by priority,
+// over the shared ThreadPool), runs the tensor's plan and posts completions.
+//
+// Per partition of a compressed tensor: sum into local rank 0's buffer,
+// compress (error-feedback state per tensor partition lives here), the
+// inter-node phase, decompress, copy to every local rank. A job on one node
+// has no inter-node phase to run: the compressed partition is decompressed as
+// is, which is exactly what this node's share of a multi-node round does.
+// Partition boundaries are fixed for the life of the job (the partition size
+// is read once, at start), so per-partition state stays meaningful.
+//
+// Strategy changes (set_plans) take effect at one iteration for every tensor
+// of the job: the first iteration after every round already begun.
+//
+// Thread-safety: the engine runs its own thread. rank_left(), stop() and
+// the constructor/destructor are called from the daemon's control thread;
+// they are thread-safe with respect to the engine thread. `on_failure` is
+// called from the engine thread at most once, after the abort is published
+// in shared memory.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/ipc/protocol.h"
+#include "client/ipc/shm_layout.h"
+#include "common/error.h"
+#include "common/thread_pool.h"
+#include "daemon/config.h"
+#include "daemon/engine_types.h"
+#include "daemon/plan.h"
+#include "daemon/scheduler.h"
+
+namespace bytecomp::daemon {
+
+class Engine {
+ public:
+  using FailureFn = std::function<void(ErrorCode, const std::string&)>;
+
+  // `segment` must stay mapped until the engine is destroyed.
+  Engine(std::string job_name, void* segment, const ipc::Layout& layout,
+         std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans, uint32_t node_rank,
+         ThreadPool& pool, const Tunables& tunables, FailureFn on_failure);
+  ~Engine();  // stops and joins
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // A rank left gracefully (BYE): rounds waiting for it can never finish.
+  void rank_left(uint32_t rank);
+  // Publishes an abort in shared memory (wakes every client). Thread-safe.
+  void publish_abort(ErrorCode code, const std::string& reason);
+  void stop();
+  // Installs new plans (one per tensor, already checked) at the next
+  // iteration boundary. Thread-safe.
+  void set_plans(std::vector<TensorPlan> plans);
+  // Iteration from which the last set_plans() applies, -1 before the engine
+  // adopted it. Thread-safe.
+  int64_t plans_switch_iteration() const { return switch_published_.load(); }
+
+  ipc::SegmentHeader* header() const { return header_; }
+
+ private:
+  struct Round {
+    uint64_t iteration = 0;
+    uint32_t arrived = 0;
+    bool running = false;  // all arrived, partitions queued or executing
+    size_t partitions_left = 0;
+    int64_t last_done = -1;
+    std::vector<bool> from;
+  };
+
+  struct Run {  // a tensor's current plan and its per-partition state
+    TensorPlan plan;
+    std::vector<std::unique_ptr<compress::TensorState>> states;
+    std::vector<std::vector<std::byte>> scratch;
+    std::optional<TensorPlan> next;
+  };
+
+  void loop();
+  void install(uint32_t tensor, TensorPlan plan);
+  void adopt_pending();
+  void run_task(const Task& t, std::span<char* const> bufs);
+  // Returns false (after failing the job) on a protocol violation.
+  bool drain();
+  bool check_left();
+  void run_batch(const std::vector<Task>& batch);
+  void complete(uint32_t tensor);
+  void fail(ErrorCode code, const std::string& reason);
+
+  std::string job_;
+  char* base_;
+  ipc::Layout layout_;
+  std::vector<TensorSpec> tensors_;
+  ThreadPool& pool_;
+  const Tunables& tunables_;
+  FailureFn on_failure_;
+  ipc::SegmentHeader* header_;
+  ipc::ClientArea* clients_;
+  std::vector<ipc::Ring> submit_;
+  std::vector<ipc::Ring> complete_;
+  std::vector<Round> rounds_;
+  std::unique_ptr<std::atomic<bool>[]> left_;
+  std::vector<Run> runs_;
+  uint32_t node_rank_;
+  uint64_t partition_bytes_;
+  std::mutex pending_mu_;
+  std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
+  int64_t switch_iteration_ = -1;
+  std::atomic<int64_t> switch_published_{-1};
+  Scheduler sched_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> failed_{false};
+  std::mutex abort_mu_;  // serialises publish_abort between the two threads
+  std::thread thread_;
+};
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,35 @@
+#include "daemon/scheduler.h"
+
+#include <algorithm>
+
+namespace bytecomp::daemon {
+
+size_t Scheduler::add(uint32_t tensor, uint64_t iteration, uint64_t bytes,
+                      uint64_t partition_bytes) {
+  const uint64_t part = std::max<uint64_t>(64, partition_bytes / 64 * 64);
+  size_t n = 0;
+  uint64_t begin = 0;
+  do {
+    const uint64_t end = std::min(bytes, begin + part);
+    queue_.emplace(std::make_pair(tensor, seq_++), Task{tensor, iteration, begin, end});
+    begin = end;
+    ++n;
+  } while (begin < bytes);
+  return n;
+}
+
+std::vector<Task> Scheduler::next_batch(size_t max_tasks, uint64_t max_bytes) {
+  std::vector<Task> batch;
+  uint64_t total = 0;
+  while (!queue_.empty() && batch.size() < std::max<size_t>(max_tasks, 1)) {
+    auto it = queue_.begin();
+    const uint64_t b = it->second.end - it->second.begin;
+    if (!batch.empty() && total + b > max_bytes) break;
+    total += b;
+    batch.push_back(it->second);
+    queue_.erase(it);
+  }
+  return batch;
+}
+
+}  // namespace bytecomp::daemon

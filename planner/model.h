@@ -1,0 +1,121 @@
+// Planner inputs: model profile, cluster description, compression cost tables
+// (paper section 4.3's empirical models), all loaded from versioned YAML with
+// located errors (common/config.h).
+//
+// Thread-safety: plain values; const access from many threads is safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace bytecomp::planner {
+
+struct TensorProfile {
+  std::string name;
+  uint64_t elements = 0;  // fp32 elements
+  double gap_us = 0;      // compute time since the previous gradient was ready
+};
+
+// Gradient tensors in backward order (first = first gradient ready).
+struct Profile {
+  std::string model;
+  std::vector<TensorProfile> tensors;
+  // Forward pass time. Profiles of the paper's artifact do not carry it; when
+  // absent it is taken as half the backward time (the usual 1:2 ratio), and
+  // the report says so.
+  std::optional<double> forward_us;
+
+  double backward_us() const;
+  double forward_or_default_us() const;
+  static Profile load_file(const std::string& path);
+  static Profile parse(std::string_view text, std::string name);
+};
+
+struct Link {
+  double gbps = 100;       // per port, gigabits per second
+  double latency_us = 10;  // per collective step
+  double bytes_per_us() const { return gbps * 1e3 / 8.0; }
+};
+
+struct Cluster {
+  std::string name;
+  int machines = 1;
+  int gpus_per_machine = 1;
+  Link intra{1200, 5};
+  Link inter{100, 25};
+  int cpu_cores = 8;             // per machine, available for compression
+  double host_copy_gbps = 0;     // GPU<->host copy for CPU compression; 0 = free
+  // Parameter servers: colocated with the workers (BytePS hybrid) or on
+  // dedicated machines with their own NIC bandwidth.
+  bool dedicated_servers = false;
+  int servers = 0;               // 0 = one per machine (colocated)
+  double server_gbps = 100;
+  uint64_t partition_bytes = 0;  // 0 = tensors are not partitioned
+
+  int workers() const { return machines * gpus_per_machine; }
+  static Cluster load_file(const std::string& path);
+  static Cluster parse(std::string_view text, std::string name);
+};
+
+// cost(n) = max(floor_us, a_us + b_us_per_melem * n / 2^20)
+struct LinearCost {
+  double a_us = 0;
+  double b_us_per_melem = 0;
+  double floor_us = 0;
+  double at(double elements) const;
+};
+
+struct DeviceCost {
+  LinearCost compress;
+  LinearCost decompress;
+};
+
+struct CompressorCost {
+  std::string name;
+  std::map<std::string, std::string> params;
+  bool error_feedback = false;
+  // wire bytes(n) = fixed_bytes + bytes_per_element * n
+  double bytes_per_element = 4;
+  double fixed_bytes = 0;
+  std::optional<DeviceCost> gpu;
+  std::optional<DeviceCost> cpu;  // cost on ONE core; the pool divides work
+  double wire_bytes(double elements) const {
+    return fixed_bytes + bytes_per_element * elements;
+  }
+};
+
+struct CostTable {
+  std::string name;
+  std::map<std::string, CompressorCost> compressors;
+
+  const CompressorCost* find(const std::string& name) const;
+  // A costs file (see docs/planner.md) or the paper's results file, whose
+  // gpu_compression_cost_us_v100 and artifact_cost_model sections make the
+  // V100 table.
+  static CostTable load_file(const std::string& path);
+  static CostTable parse(std::string_view text, std::string name);
+  static CostTable from_paper_results(std::string_view text, std::string name);
+  // Google Benchmark JSON of compress_bench (BM_Compress/<name>/<n>,
+  // BM_Decompress/<name>/<n>): fits a + b*n per compressor for the CPU.
+  static CostTable from_compress_bench_json(std::string_view json, std::string name);
+  std::string to_yaml() const;
+};
+
+// Default wire size per element (bytes) for a compressor at given params
+// (sparsifiers: values + 32-bit indices at `ratio`; randomk sends values only
+// because its indices come from a shared seed).
+double default_bytes_per_element(const std::string& compressor,
+                                 const std::map<std::string, std::string>& params);
+
+// "randomk:0.01", "qsgd:16", "efsignsgd", "dgc:ratio=0.01,momentum=0.9"
+struct CompressorSpec {
+  std::string name;
+  std::map<std::string, std::string> params;
+  static CompressorSpec parse(const std::string& text);  // throws Error
+  std::string text() const;
+};
+
+}  // namespace bytecomp::planner

@@ -1,0 +1,559 @@
+#include "planner/search.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+#include <time.h>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace bytecomp::planner {
+
+BC_LOG_CATEGORY(LogPlanner, "planner");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+double thread_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+constexpr double kEps = 1e-6;
+
+struct Summary {
+  double r[kResources] = {0, 0, 0, 0};
+  double latency = -1;  // -1: not computed
+};
+
+Summary summarize(Problem& p, int tensor, int opt) {
+  Summary s;
+  s.latency = 0;
+  for (int c = p.first_chunk(tensor); c < p.first_chunk(tensor + 1); ++c) {
+    double lat = 0;
+    for (const Op& op : p.chain(p.chunks()[c].elements, opt)) {
+      s.r[static_cast<int>(op.resource)] += op.duration_us;
+      lat += op.duration_us;
+    }
+    s.latency = std::max(s.latency, lat);
+  }
+  return s;
+}
+
+// Near-equal costs count as equal: a microsecond (or half a percent) on a
+// resource cannot decide an iteration of milliseconds, and treating them as
+// distinct keeps hundreds of useless options alive for small tensors.
+bool dominates(const Summary& a, const Summary& b) {
+  auto le = [](double x, double y) { return x <= y + std::max(1.0, 0.005 * y); };
+  for (int r = 0; r < kResources; ++r)
+    if (!le(a.r[r], b.r[r])) return false;
+  return le(a.latency, b.latency);
+}
+
+// Options of one tensor that are not dominated in (time on each resource,
+// chain latency) by another option of the candidate set. Dominated options
+// can only win through scheduling accidents; Algorithm 1 skips them.
+std::vector<int> pareto(Problem& p, int tensor, const std::vector<int>& cands,
+                        std::vector<Summary>* cache = nullptr) {
+  std::vector<std::pair<Summary, int>> all;
+  all.reserve(cands.size());
+  for (int o : cands) {
+    if (cache) {
+      Summary& sm = (*cache)[o];
+      if (sm.latency < 0) sm = summarize(p, tensor, o);
+      all.push_back({sm, o});
+    } else {
+      all.push_back({summarize(p, tensor, o), o});
+    }
+  }
+  std::sort(all.begin(), all.end(), [](const auto& x, const auto& y) {
+    return x.first.latency < y.first.latency ||
+           (x.first.latency == y.first.latency && x.second < y.second);
+  });
+  std::vector<std::pair<Summary, int>> kept;
+  for (const auto& x : all) {
+    bool dom = false;
+    for (const auto& k : kept)
+      if (dominates(k.first, x.first)) {
+        dom = true;
+        break;
+      }
+    if (!dom) kept.push_back(x);
+  }
+  std::vector<int> out;
+  for (const auto& k : kept) out.push_back(k.second);
+  return out;
+}
+
+Option template_option(const Problem& p) {
+  for (const Option& o : p.options())
+    if (o.compressor == p.compressor().name) return o;
+  Option o;
+  o.compressor = p.compressor().name;
+  o.params = p.compressor().params;
+  return o;
+}
+
+// Tensor order of Algorithm 1: size groups in descending order, closest to
+// the output (earliest gradient) first within a group.
+std::vector<int> size_order(const Problem& p) {
+  std::vector<int> order(p.tensors());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return p.profile().tensors[a].elements > p.profile().tensors[b].elements;
+  });
+  return order;
+}
+
+// Per distinct size, the candidate lists (sizes share chains).
+struct Candidates {
+  std::vector<std::vector<int>> gpu;  // raw + GPU-only options, Pareto
+  std::vector<std::vector<int>> all;  // every option, Pareto
+};
+
+Candidates candidates(Problem& p, int fp32_option, int max_gpu) {
+  // Algorithm 1 decides GPU compression: its candidates are the GPU options
+  // that are not dominated by each other nor by leaving the tensor as it is
+  // (FP32); the choice among uncompressed collectives is left to the
+  // refinement sweep (whose lists are built by all_candidates()).
+  std::vector<int> gpu_set;
+  if (fp32_option >= 0) gpu_set.push_back(fp32_option);
+  for (size_t o = 0; o < p.options().size(); ++o) {
+    const Option& op = p.options()[o];
+    if (op.compressed() && op.comp_device == Device::kGpu && op.decomp_device == Device::kGpu)
+      gpu_set.push_back(static_cast<int>(o));
+  }
+  Candidates c;
+  c.gpu.resize(p.tensors());
+  std::map<uint64_t, int> seen;
+  for (int i = 0; i < p.tensors(); ++i) {
+    auto [it, fresh] = seen.emplace(p.profile().tensors[i].elements, i);
+    if (!fresh) {
+      c.gpu[i] = c.gpu[it->second];
+      continue;
+    }
+    for (int o : pareto(p, i, gpu_set))
+      if (o != fp32_option) c.gpu[i].push_back(o);
+    if (max_gpu > 0 && static_cast<int>(c.gpu[i].size()) > max_gpu) {
+      // Keep those that load the scarcest resources least: the links'
+      // time plus the GPU time they take from the backward pass.
+      std::vector<std::pair<double, int>> scored;
+      for (int o : c.gpu[i]) {
+        const Summary sm = summarize(p, i, o);
+        scored.push_back({sm.r[static_cast<int>(Resource::kInter)] +
+                              sm.r[static_cast<int>(Resource::kIntra)] +
+                              sm.r[static_cast<int>(Resource::kGpu)],
+                          o});
+      }
+      std::stable_sort(scored.begin(), scored.end());
+      c.gpu[i].clear();
+      for (int k = 0; k < max_gpu; ++k) c.gpu[i].push_back(scored[k].second);
+    }
+  }
+  return c;
+}
+
+void all_candidates(Problem& p, Candidates& c) {
+  if (!c.all.empty()) return;
+  std::vector<int> all_set(p.options().size());
+  std::iota(all_set.begin(), all_set.end(), 0);
+  c.all.resize(p.tensors());
+  std::map<uint64_t, int> seen;
+  for (int i = 0; i < p.tensors(); ++i) {
+    auto [it, fresh] = seen.emplace(p.profile().tensors[i].elements, i);
+    if (!fresh) {
+      c.all[i] = c.all[it->second];
+      continue;
+    }
+    c.all[i] = pareto(p, i, all_set);
+    BC_LOG(LogPlanner(), kDebug) << "size " << p.profile().tensors[i].elements << ": "
+                                 << c.gpu[i].size() << " GPU candidates, " << c.all[i].size()
+                                 << " in all";
+  }
+}
+
+// One sweep over `order`: each tensor takes its best candidate.
+bool sweep(Evaluator& ev, const std::vector<int>& order,
+           const std::vector<std::vector<int>>& cands, double& f, double stop_at) {
+  bool improved = false;
+  for (int i : order) {
+    if (f <= stop_at) break;
+    double best = f;
+    int best_opt = -1;
+    for (int o : cands[i]) {
+      if (o == ev.base()[i]) continue;
+      const double v = ev.try_option(i, o, best - kEps);
+      if (v < best - kEps) {
+        best = v;
+        best_opt = o;
+      }
+    }
+    if (best_opt >= 0) {
+      ev.commit(i, best_opt);
+      f = best;
+      improved = true;
+    }
+  }
+  return improved;
+}
+
+// Moves every tensor of a size group to the same candidate option.
+bool group_sweep(Problem& p, Evaluator& ev, const std::vector<std::vector<int>>& cands,
+                 double& f, double stop_at) {
+  std::map<uint64_t, std::vector<int>> groups;
+  for (int i = 0; i < p.tensors(); ++i) groups[p.profile().tensors[i].elements].push_back(i);
+  bool improved = false;
+  for (auto it = groups.rbegin(); it != groups.rend(); ++it) {
+    const std::vector<int>& members = it->second;
+    if (members.size() < 2 || f <= stop_at) continue;
+    double best = f;
+    int best_opt = -1;
+    for (int o : cands[members.front()]) {
+      std::vector<std::pair<int, int>> changes;
+      for (int i : members)
+        if (ev.base()[i] != o) changes.push_back({i, o});
+      if (changes.empty()) continue;
+      const double v = ev.try_changes(changes, best - kEps);
+      if (v < best - kEps) {
+        best = v;
+        best_opt = o;
+      }
+    }
+    if (best_opt >= 0) {
+      for (int i : members) ev.commit(i, best_opt);
+      f = best;
+      improved = true;
+    }
+  }
+  return improved;
+}
+
+}  // namespace
+
+Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
+  const auto t0 = Clock::now();
+  const double c0 = thread_cpu_ms();
+  PlanStats st;
+  const int n = p.tensors();
+  Assignment start = baseline(p, Baseline::kFp32);
+  Candidates cand = candidates(p, start.empty() ? -1 : start[0], opts.max_gpu_candidates);
+  Evaluator ev(p);
+  if (start.empty()) {
+    // FP32's option is not allowed: start from each tensor's lowest-latency
+    // candidate.
+    start.resize(n);
+    all_candidates(p, cand);
+    for (int i = 0; i < n; ++i) start[i] = cand.all[i].front();
+  }
+  ev.set_base(start);
+  double f = ev.base_value();
+  const double lb = ev.lower_bound() + kEps;
+  const std::vector<int> order = size_order(p);
+
+  // Algorithm 1: GPU compression with bubble elimination.
+  for (int i : order) {
+    if (f <= lb) break;  // no bubble left: nothing can be gained
+    if (cand.gpu[i].empty()) continue;
+    ++st.tensors_examined;
+    double best = f;
+    int best_opt = -1;
+    for (int o : cand.gpu[i]) {
+      if (o == ev.base()[i]) continue;
+      const double v = ev.try_option(i, o, best - kEps);
+      if (v < best - kEps) {
+        best = v;
+        best_opt = o;
+      }
+    }
+    if (best_opt >= 0) {
+      ev.commit(i, best_opt);
+      f = best;
+    }
+  }
+  st.algorithm1_ms = ms_since(t0);
+
+  // Algorithm 2: offload GPU compression to the CPU pool. Tensors of equal
+  // size and option are interchangeable up to position, so per group the
+  // choice is how many to offload (those closest to the output first, whose
+  // CPU work overlaps most of the remaining backward pass).
+  const auto t1 = Clock::now();
+  std::map<std::pair<uint64_t, int>, std::vector<int>> groups;
+  for (int i = 0; i < n; ++i) {
+    const Option& o = p.options()[ev.base()[i]];
+    if (o.compressed() && (o.comp_device == Device::kGpu || o.decomp_device == Device::kGpu))
+      groups[{p.profile().tensors[i].elements, ev.base()[i]}].push_back(i);
+  }
+  std::vector<std::pair<std::pair<uint64_t, int>, std::vector<int>>> glist(groups.begin(),
+                                                                           groups.end());
+  std::stable_sort(glist.begin(), glist.end(),
+                   [](const auto& a, const auto& b) { return a.first.first > b.first.first; });
+  st.offload_groups = static_cast<int>(glist.size());
+  for (int round = 0; round < 1; ++round) {
+    bool changed = false;
+    for (const auto& [key, members] : glist) {
+      // Candidate offloaded variants: CPU for compression, decompression, or both.
+      std::vector<int> variants;
+      // Both on the CPU, or only the decompression (on the GPU it costs a
+      // piece per sender); compressing on the CPU while decompressing on the
+      // GPU is left to the refinement.
+      for (auto [cd, dd] : {std::pair{Device::kCpu, Device::kCpu},
+                            std::pair{Device::kGpu, Device::kCpu}}) {
+        Option v = p.options()[key.second];
+        v.comp_device = cd;
+        v.decomp_device = dd;
+        if (int idx = p.find_option(v); idx >= 0) variants.push_back(idx);
+      }
+      for (int var : variants) {
+        double best = f;
+        size_t best_j = 0;
+        std::vector<std::pair<int, int>> changes;
+        for (size_t j = 1; j <= members.size(); ++j) {
+          if (ev.base()[members[j - 1]] == var) continue;
+          changes.push_back({members[j - 1], var});
+          std::vector<std::pair<int, int>> sorted = changes;
+          std::sort(sorted.begin(), sorted.end());
+          const double v = ev.try_changes(sorted, best - kEps);
+          if (v < best - kEps) {
+            best = v;
+            best_j = changes.size();
+          }
+        }
+        for (size_t j = 0; j < best_j; ++j) ev.commit(changes[j].first, changes[j].second);
+        if (best_j > 0) {
+          f = best;
+          changed = true;
+        }
+      }
+    }
+    if (!changed) break;
+  }
+  st.algorithm2_ms = ms_since(t1);
+  st.decision_ms = ms_since(t0);
+  st.decision_cpu_ms = thread_cpu_ms() - c0;
+
+  all_candidates(p, cand);
+  // Refinement over the whole option set (the published code restricts
+  // itself to a handful of options; we sweep all non-dominated ones): single
+  // tensors, then whole size groups at once (a group often only pays off
+  // when all its members move, e.g. to the CPU pool).
+  for (int r = 0; r < opts.refine_rounds; ++r) {
+    bool improved = sweep(ev, order, cand.all, f, lb);
+    improved |= group_sweep(p, ev, cand.all, f, lb);
+    if (!improved) break;
+  }
+
+  Assignment result = ev.base();
+  if (opts.consider_baselines) {
+    for (Baseline b : kBaselines) {
+      Assignment a = baseline(p, b);
+      if (a.empty()) continue;
+      ev.set_base(a);
+      double fb = ev.base_value();
+      if (fb >= f - kEps) continue;
+      for (int r = 0; r < opts.refine_rounds; ++r) {
+        bool improved = sweep(ev, order, cand.all, fb, lb);
+        improved |= group_sweep(p, ev, cand.all, fb, lb);
+        if (!improved) break;
+      }
+      if (fb < f - kEps) {
+        BC_LOG(LogPlanner(), kInfo) << "refined baseline " << to_string(b) << " beats the plan";
+        f = fb;
+        result = ev.base();
+      }
+    }
+  }
+  st.total_ms = ms_since(t0);
+  st.total_cpu_ms = thread_cpu_ms() - c0;
+  st.simulations = ev.simulations();
+  if (stats) *stats = st;
+  return result;
+}
+
+const char* to_string(Baseline b) {
+  switch (b) {
+    case Baseline::kFp32: return "FP32";
+    case Baseline::kBytePSCompress: return "BytePS-Compress";
+    case Baseline::kHiPress: return "HiPress";
+    case Baseline::kHiTopKComm: return "HiTopKComm";
+  }
+  return "?";
+}
+
+Assignment baseline(Problem& p, Baseline b, uint64_t min_compress_bytes) {
+  Option raw;
+  raw.compressor = "none";
+  raw.scheme = Scheme::kHierarchical;
+  raw.intra = Collective::kReduceScatterAllgather;
+  raw.inter = Collective::kReduceScatterAllgather;
+  Option c = template_option(p);
+  c.scheme = Scheme::kHierarchical;
+  c.compress_before = Stage::kInter;
+  c.decompress_after = Stage::kInter;
+  switch (b) {
+    case Baseline::kFp32:
+      break;
+    case Baseline::kBytePSCompress:
+      // Intra-node reduce to one GPU, CPU compression, PS with server-side
+      // decompress-sum-recompress.
+      c.intra = Collective::kReduceBroadcast;
+      c.inter = Collective::kAlltoallAllgather;
+      c.comp_device = c.decomp_device = Device::kCpu;
+      break;
+    case Baseline::kHiPress:
+      c.intra = Collective::kReduceScatterAllgather;
+      c.inter = Collective::kAllgather;
+      c.comp_device = c.decomp_device = Device::kGpu;
+      break;
+    case Baseline::kHiTopKComm:
+      c.intra = Collective::kAlltoallAllgather;
+      c.inter = Collective::kAllgather;
+      c.compress_before = Stage::kIntra;
+      c.comp_device = c.decomp_device = Device::kGpu;
+      break;
+  }
+  int raw_idx = p.find_option(raw);
+  if (raw_idx < 0) {
+    // E.g. the CPU runtime: its uncompressed path reduces to one buffer.
+    raw.intra = Collective::kReduceBroadcast;
+    raw_idx = p.find_option(raw);
+  }
+  const int c_idx = b == Baseline::kFp32 ? raw_idx : p.find_option(c);
+  if (raw_idx < 0 || c_idx < 0) return {};
+  Assignment a(p.tensors());
+  for (int i = 0; i < p.tensors(); ++i) {
+    const uint64_t bytes = 4 * p.profile().tensors[i].elements;
+    const bool compress = b == Baseline::kHiTopKComm || bytes >= min_compress_bytes;
+    a[i] = compress ? c_idx : raw_idx;
+  }
+  return a;
+}
+
+Assignment exact(Problem& p, double* best_value, uint64_t max_leaves) {
+  const int n = p.tensors();
+  // Incumbent from the planner makes the bound bite early.
+  PlanOptions po;
+  Assignment best = plan(p, po);
+  Evaluator ev(p);
+  double best_f = ev.evaluate(best);
+  // Options ordered by standalone latency per tensor: good leaves first.
+  std::vector<std::vector<int>> order(n);
+  for (int i = 0; i < n; ++i) {
+    std::vector<std::pair<double, int>> v;
+    for (size_t o = 0; o < p.options().size(); ++o) {
+      double lat = 0;
+      for (int c = p.first_chunk(i); c < p.first_chunk(i + 1); ++c) {
+        double l = 0;
+        for (const Op& op : p.chain(p.chunks()[c].elements, static_cast<int>(o)))
+          l += op.duration_us;
+        lat = std::max(lat, l);
+      }
+      v.push_back({lat, static_cast<int>(o)});
+    }
+    std::stable_sort(v.begin(), v.end());
+    for (auto& x : v) order[i].push_back(x.second);
+  }
+  std::vector<double> rest_gap(n + 1, 0);
+  for (int i = n - 1; i >= 0; --i) rest_gap[i] = rest_gap[i + 1] + p.profile().tensors[i].gap_us;
+  const double fwd = p.forward_us();
+  ev.reset();
+  Assignment cur(n, 0);
+  uint64_t leaves = 0;
+  bool gave_up = false;
+  // Iterative DFS: idx[d] = position in order[d] being tried.
+  std::vector<size_t> idx(n + 1, 0);
+  int d = 0;
+  while (d >= 0) {
+    if (idx[d] >= order[d].size()) {
+      idx[d] = 0;
+      --d;
+      if (d >= 0) {
+        ev.pop_to(d);
+        ++idx[d];
+      }
+      continue;
+    }
+    ev.pop_to(d);
+    const int o = order[d][idx[d]];
+    cur[d] = o;
+    const double done = ev.push(o);
+    const double bound = fwd + std::max(done, ev.compute_end(d) + rest_gap[d + 1]);
+    if (bound >= best_f - kEps) {
+      ++idx[d];
+      continue;
+    }
+    if (d == n - 1) {
+      ++leaves;
+      const double f = fwd + std::max(done, ev.compute_end(d));
+      if (f < best_f - kEps) {
+        best_f = f;
+        best = cur;
+      }
+      ++idx[d];
+      if (leaves >= max_leaves) {
+        gave_up = true;
+        break;
+      }
+      continue;
+    }
+    ++d;
+    idx[d] = 0;
+  }
+  if (gave_up) return {};
+  if (best_value) *best_value = best_f;
+  return best;
+}
+
+double upper_bound_us(const Problem& p) {
+  Problem z = p.zero_cost_copy();
+  Assignment a = plan(z);
+  Evaluator ev(z);
+  return ev.evaluate(a);
+}
+
+Problem random_small_problem(std::mt19937& rng, const CostTable& costs, int tensors) {
+  std::uniform_real_distribution<double> u(0, 1);
+  std::ostringstream prof;
+  prof << "version: 1\nmodel: random\nforward_us: " << static_cast<int>(u(rng) * 2000)
+       << "\ntensors:\n";
+  for (int i = 0; i < tensors; ++i)
+    prof << "  - {name: t" << i
+         << ", elements: " << static_cast<uint64_t>(std::pow(10, 2 + 5 * u(rng)))
+         << ", gap_us: " << static_cast<int>(u(rng) * 3000) << "}\n";
+  std::ostringstream cl;
+  cl << "version: 1\nname: random\nmachines: 2\ngpus_per_machine: 2\n"
+     << "intra: {gbps: " << 50 + static_cast<int>(u(rng) * 500) << ", latency_us: 5}\n"
+     << "inter: {gbps: " << 5 + static_cast<int>(u(rng) * 50) << ", latency_us: 20}\n"
+     << "cpu_cores: " << 1 + static_cast<int>(u(rng) * 8) << "\n";
+  const char* comps[] = {"randomk:0.01", "dgc:0.01", "efsignsgd"};
+  Constraints c;
+  c.include_fp16 = false;
+  return Problem(Profile::parse(prof.str(), "random.yaml"), Cluster::parse(cl.str(), "random.yaml"),
+                 costs, CompressorSpec::parse(comps[rng() % 3]), c);
+}
+
+Strategy to_strategy(const Problem& p, const Assignment& a) {
+  Strategy s;
+  Option raw;
+  raw.compressor = "none";
+  raw.intra = Collective::kReduceScatterAllgather;
+  s.set_default(raw);
+  for (int i = 0; i < p.tensors(); ++i)
+    s.add_entry({p.profile().tensors[i].name, p.options()[a[i]]});
+  s.meta["model"] = p.profile().model;
+  s.meta["compressor"] = p.compressor().text();
+  s.meta["cluster"] = p.cluster().name;
+  return s;
+}
+
+}  // namespace bytecomp::planner

@@ -1,0 +1,73 @@
+// Decision algorithms (paper section 4.4), baselines, exact solver and the
+// Upper Bound.
+//
+// Thread-safety: functions take the Problem by reference and must not run
+// concurrently on the same Problem (its chain cache).
+#pragma once
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "planner/simulator.h"
+
+namespace bytecomp::planner {
+
+struct PlanStats {
+  // Wall-clock times; the *_cpu_ms twins count this thread's CPU time only,
+  // which is what to compare on a loaded machine.
+  double decision_ms = 0;       // Algorithm 1 + 2 (the paper's Table 5 figure)
+  double decision_cpu_ms = 0;
+  double total_ms = 0;          // + refinement and baseline restarts
+  double total_cpu_ms = 0;
+  double algorithm1_ms = 0;
+  double algorithm2_ms = 0;
+  uint64_t simulations = 0;
+  int tensors_examined = 0;     // by Algorithm 1 before the bubbles were gone
+  int offload_groups = 0;       // Algorithm 2 groups
+};
+
+struct PlanOptions {
+  // After Algorithms 1 and 2, sweep every tensor over the whole option set
+  // (GPU and CPU) until nothing improves (at most this many rounds).
+  int refine_rounds = 2;
+  // Algorithm 1 examines at most this many non-dominated GPU options per
+  // tensor (those loading links and GPU least); 0 = all of them.
+  int max_gpu_candidates = 0;
+  // Start from the best baseline as well and keep the better plan.
+  bool consider_baselines = true;
+};
+
+// The planner: Algorithm 1 (GPU options, bubble elimination, size groups
+// descending, closest to output first), Algorithm 2 (CPU offloading by
+// groups of equal size and option), then refinement.
+Assignment plan(Problem& p, const PlanOptions& opts = {}, PlanStats* stats = nullptr);
+
+enum class Baseline { kFp32, kBytePSCompress, kHiPress, kHiTopKComm };
+const char* to_string(Baseline b);
+constexpr Baseline kBaselines[] = {Baseline::kFp32, Baseline::kBytePSCompress,
+                                   Baseline::kHiPress, Baseline::kHiTopKComm};
+// A fixed strategy; tensors below `min_compress_bytes` stay uncompressed
+// (BytePS-Compress and HiPress only; HiTopKComm compresses every tensor).
+// Returns an empty assignment when the problem's option set lacks the
+// baseline's options (e.g. GPU compression forbidden).
+Assignment baseline(Problem& p, Baseline b, uint64_t min_compress_bytes = 1 << 20);
+
+// Exhaustive depth-first search with branch and bound over the whole option
+// set; gives up (returns empty) after `max_leaves` complete assignments.
+Assignment exact(Problem& p, double* best_value, uint64_t max_leaves = 50'000'000);
+
+// The paper's Upper Bound: the planner on a copy where compression is free
+// and causes no contention. Returns the iteration time.
+double upper_bound_us(const Problem& p);
+
+// A random small instance for quality studies: `tensors` tensors of 10^2 to
+// 10^7 elements with random gaps, 2 machines x 2 GPUs with random link
+// speeds and cores, one of randomk/dgc/efsignsgd (fp16 excluded so that the
+// exact solver stays fast).
+Problem random_small_problem(std::mt19937& rng, const CostTable& costs, int tensors = 3);
+
+// Strategy file for a plan: one exact entry per tensor.
+Strategy to_strategy(const Problem& p, const Assignment& a);
+
+}  // namespace bytecomp::planner

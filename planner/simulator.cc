@@ -1,0 +1,638 @@
+#include "planner/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace bytecomp::planner {
+
+const char* to_string(Resource r) {
+  switch (r) {
+    case Resource::kGpu: return "gpu";
+    case Resource::kCpu: return "cpu";
+    case Resource::kIntra: return "intra";
+    case Resource::kInter: return "inter";
+  }
+  return "?";
+}
+
+namespace {
+
+double param_or(const std::map<std::string, std::string>& p, const char* k, double def) {
+  auto it = p.find(k);
+  if (it == p.end()) return def;
+  try {
+    return std::stod(it->second);
+  } catch (const std::exception&) {
+    return def;
+  }
+}
+
+bool has_device(const CompressorCost& c, Device d) {
+  return d == Device::kGpu ? c.gpu.has_value() : c.cpu.has_value();
+}
+
+}  // namespace
+
+Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSpec spec,
+                 Constraints constraints)
+    : profile_(std::move(profile)),
+      cluster_(std::move(cluster)),
+      costs_(std::move(costs)),
+      spec_(std::move(spec)),
+      constraints_(constraints) {
+  if (!costs_.find(spec_.name))
+    throw Error(ErrorCode::kInvalidArgument,
+                "the cost table '" + costs_.name + "' has no figures for compressor '" +
+                    spec_.name + "'");
+  // The table was measured at its own ratio; the wire size follows the
+  // requested one (compression time is dominated by the O(n) pass).
+  CompressorCost& cc = costs_.compressors[spec_.name];
+  const double want = param_or(spec_.params, "ratio", -1);
+  const double have = param_or(cc.params, "ratio", -1);
+  if (want > 0 && have > 0) cc.bytes_per_element *= want / have;
+  for (const auto& [k, v] : spec_.params) cc.params[k] = v;
+  spec_.params = cc.params;
+  if (cluster_.cpu_cores == 0) constraints_.allow_cpu = false;
+  for (Option& o : enumerate_options(spec_, constraints_, cc.error_feedback)) {
+    if (o.compressed()) {
+      const CompressorCost* c = costs_.find(o.compressor);
+      if (!c || !has_device(*c, o.comp_device) || !has_device(*c, o.decomp_device)) continue;
+    }
+    options_.push_back(std::move(o));
+  }
+  if (options_.empty())
+    throw Error(ErrorCode::kInvalidArgument, "no option satisfies the constraints");
+  const uint64_t part_elems = cluster_.partition_bytes / 4;
+  for (int i = 0; i < tensors(); ++i) {
+    chunk_begin_.push_back(static_cast<int>(chunks_.size()));
+    uint64_t left = profile_.tensors[i].elements;
+    while (left > 0) {
+      const uint64_t take = part_elems == 0 ? left : std::min(left, part_elems);
+      chunks_.push_back({i, take});
+      left -= take;
+    }
+  }
+  chunk_begin_.push_back(static_cast<int>(chunks_.size()));
+  std::map<uint64_t, int> ids;
+  for (const Chunk& c : chunks_) {
+    auto [it, fresh] = ids.emplace(c.elements, static_cast<int>(ids.size()));
+    chunk_size_id_.push_back(it->second);
+  }
+  by_size_.assign(ids.size(), std::vector<std::vector<Op>>(options_.size()));
+}
+
+int Problem::find_option(const Option& o) const {
+  for (size_t i = 0; i < options_.size(); ++i)
+    if (options_[i] == o) return static_cast<int>(i);
+  return -1;
+}
+
+Problem Problem::zero_cost_copy() const {
+  CostTable t = costs_;
+  for (auto& [name, c] : t.compressors) {
+    for (auto* d : {&c.gpu, &c.cpu})
+      if (*d) **d = DeviceCost{};
+  }
+  Cluster cl = cluster_;
+  cl.host_copy_gbps = 0;
+  Problem p(profile_, cl, t, spec_, constraints_);
+  return p;
+}
+
+const std::vector<Op>& Problem::chain(uint64_t elements, int opt) {
+  auto& v = cache_[elements];
+  if (v.empty()) v.resize(options_.size());
+  auto& c = v[opt];
+  if (c.empty()) {
+    c = build_chain(elements, options_[opt]);
+    if (c.empty()) c.push_back({Resource::kInter, 0.0, "noop"});
+  }
+  return c;
+}
+
+std::vector<Op> Problem::build_chain(uint64_t elements, const Option& o) const {
+  std::vector<Op> ops;
+  const double n = static_cast<double>(elements);
+  const double S = 4.0 * n;
+  const int k = cluster_.gpus_per_machine, M = cluster_.machines;
+  const double Bi = cluster_.intra.bytes_per_us(), ai = cluster_.intra.latency_us;
+  const double Be = cluster_.inter.bytes_per_us(), ae = cluster_.inter.latency_us;
+  const CompressorCost* cc = o.compressed() ? costs_.find(o.compressor) : nullptr;
+  const double cores = std::max(1, cluster_.cpu_cores);
+  const double copy_bpu = cluster_.host_copy_gbps * 1e3 / 8.0;
+  auto wire = [&](double x) { return cc ? cc->wire_bytes(x) : 4.0 * x; };
+  auto add = [&](Resource r, double d, const char* what) {
+    if (d > 0) ops.push_back({r, d, what});
+  };
+  // (De)compression of `pieces` pieces of x elements on each of `par` GPUs'
+  // data; on the CPU the machine's pool does all of it.
+  auto comp = [&](double x, int par) {
+    if (o.comp_device == Device::kGpu) {
+      add(Resource::kGpu, cc->gpu->compress.at(x), "compress");
+    } else {
+      double t = par * cc->cpu->compress.at(x) / cores;
+      if (copy_bpu > 0) t += par * 4.0 * x / copy_bpu;
+      add(Resource::kCpu, t, "compress");
+    }
+  };
+  auto decomp = [&](double x, double pieces, int par) {
+    if (o.decomp_device == Device::kGpu) {
+      add(Resource::kGpu, pieces * cc->gpu->decompress.at(x), "decompress");
+    } else {
+      double t = par * pieces * cc->cpu->decompress.at(x) / cores;
+      if (copy_bpu > 0) t += par * 4.0 * x / copy_bpu;
+      add(Resource::kCpu, t, "decompress");
+    }
+  };
+  // Ring / tree step costs for P participants on a port of B bytes/us.
+  auto steps = [](int P) { return static_cast<double>(std::max(0, P - 1)); };
+  auto frac = [](int P) { return P <= 1 ? 0.0 : static_cast<double>(P - 1) / P; };
+
+  if (o.scheme == Scheme::kFlat) {
+    const int N = k * M;
+    if (N <= 1) {
+      if (cc) {
+        comp(n, 1);
+        decomp(n, 1, 1);
+      }
+      return ops;
+    }
+    const double c = wire(n);
+    const double bytes = cc ? c : S;
+    if (cc) comp(n, 1);
+    switch (o.inter) {
+      case Collective::kAllreduce:
+        add(Resource::kInter, 2 * steps(N) * ae + 2 * frac(N) * bytes / Be, "allreduce");
+        break;
+      case Collective::kReduceScatterAllgather:
+        add(Resource::kInter, steps(N) * ae + frac(N) * bytes / Be, "reduce_scatter");
+        add(Resource::kInter, steps(N) * ae + frac(N) * bytes / Be, "allgather");
+        break;
+      case Collective::kReduceBroadcast:
+        add(Resource::kInter, steps(N) * ae + bytes / Be, "reduce");
+        add(Resource::kInter, steps(N) * ae + bytes / Be, "broadcast");
+        break;
+      case Collective::kAllgather:
+        add(Resource::kInter, steps(N) * ae + steps(N) * c / Be, "allgather");
+        decomp(n, N, 1);
+        return ops;
+      case Collective::kAlltoallAllgather: {
+        const double shard = n / N;
+        add(Resource::kInter, steps(N) * ae + k * frac(M) * c / Be, "alltoall");
+        decomp(shard, N, 1);
+        comp(shard, 1);
+        add(Resource::kInter, steps(N) * ae + steps(N) * wire(shard) / Be, "allgather");
+        decomp(shard, N, 1);
+        return ops;
+      }
+      case Collective::kGatherBroadcast:
+        add(Resource::kInter, steps(N) * ae + (N - k) * c / Be, "gather");
+        decomp(n, N, 1);
+        comp(n, 1);
+        add(Resource::kInter, steps(N) * ae + c / Be, "broadcast");
+        decomp(n, 1, 1);
+        return ops;
+    }
+    if (cc) decomp(n, 1, 1);
+    return ops;
+  }
+
+  // Hierarchical: intra step 1, inter phase, intra step 2.
+  const bool scatter = o.intra == Collective::kReduceScatterAllgather ||
+                       o.intra == Collective::kAlltoallAllgather;
+  const bool s1 = cc && o.compress_before == Stage::kIntra;
+  const bool s3 = cc && o.decompress_after == Stage::kIntra;
+  const int par = scatter ? k : 1;           // GPUs holding data for the inter phase
+  const double m = scatter ? n / k : n;       // elements per holder
+  if (s1) comp(n, k);
+  if (k > 1) {
+    const double bytes = s1 ? wire(n) : S;
+    if (is_reducing(o.intra)) {
+      add(Resource::kIntra,
+          scatter ? steps(k) * ai + frac(k) * bytes / Bi : steps(k) * ai + bytes / Bi,
+          scatter ? "intra_reduce_scatter" : "intra_reduce");
+    } else if (scatter) {  // alltoall of compressed data
+      add(Resource::kIntra, steps(k) * ai + frac(k) * bytes / Bi, "intra_alltoall");
+      decomp(m, k, par);
+      comp(m, par);
+    } else {  // gather
+      add(Resource::kIntra, steps(k) * ai + steps(k) * bytes / Bi, "intra_gather");
+      decomp(n, k, 1);
+      comp(n, 1);
+    }
+  }
+  if (cc && !s1) comp(m, par);
+  // Inter phase: `par` holders share the NIC.
+  const double Bp = Be / par;
+  bool raw_after_inter = !cc;
+  if (M > 1) {
+    const double bytes = cc ? wire(m) : 4.0 * m;
+    const bool ps_sharded = o.inter == Collective::kReduceScatterAllgather ||
+                            o.inter == Collective::kAlltoallAllgather;
+    const bool ps_single = o.inter == Collective::kReduceBroadcast ||
+                           o.inter == Collective::kGatherBroadcast;
+    double B1 = Bp, B2 = Bp;
+    if (cluster_.dedicated_servers && (ps_sharded || ps_single)) {
+      const double servers = ps_single ? 1.0 : cluster_.servers;
+      const double server_bpu = cluster_.server_gbps * 1e3 / 8.0;
+      B1 = B2 = std::min(Bp, servers * server_bpu / (M * par));
+    }
+    switch (o.inter) {
+      case Collective::kAllreduce:
+        add(Resource::kInter, 2 * steps(M) * ae + 2 * frac(M) * bytes / Bp, "allreduce");
+        break;
+      case Collective::kReduceScatterAllgather:
+        add(Resource::kInter, steps(M) * ae + frac(M) * bytes / B1, "reduce_scatter");
+        add(Resource::kInter, steps(M) * ae + frac(M) * bytes / B2, "allgather");
+        break;
+      case Collective::kReduceBroadcast:
+        add(Resource::kInter, steps(M) * ae + bytes / B1, "reduce");
+        add(Resource::kInter, steps(M) * ae + bytes / B2, "broadcast");
+        break;
+      case Collective::kAllgather:
+        add(Resource::kInter, steps(M) * ae + steps(M) * bytes / Bp, "allgather");
+        decomp(m, M, par);
+        raw_after_inter = true;
+        break;
+      case Collective::kAlltoallAllgather: {
+        const double shard = m / M;
+        add(Resource::kInter, steps(M) * ae + frac(M) * bytes / B1, "alltoall");
+        decomp(shard, M, par);
+        comp(shard, par);
+        add(Resource::kInter, steps(M) * ae + steps(M) * wire(shard) / B2, "allgather");
+        if (!s3) {
+          decomp(shard, M, par);
+          raw_after_inter = true;
+        }
+        break;
+      }
+      case Collective::kGatherBroadcast:
+        add(Resource::kInter, steps(M) * ae + steps(M) * bytes / B1, "gather");
+        decomp(m, M, par);
+        comp(m, par);
+        add(Resource::kInter, steps(M) * ae + bytes / B2, "broadcast");
+        if (!s3) {
+          decomp(m, 1, par);
+          raw_after_inter = true;
+        }
+        break;
+    }
+  }
+  if (cc && !s3 && !raw_after_inter) decomp(m, 1, par);
+  if (cc && s3 && raw_after_inter) comp(m, par);  // the gathered sum travels compressed
+  if (k > 1) {
+    const double bytes = s3 ? wire(n) : S;
+    add(Resource::kIntra,
+        scatter ? steps(k) * ai + frac(k) * bytes / Bi : steps(k) * ai + bytes / Bi,
+        scatter ? "intra_allgather" : "intra_broadcast");
+  }
+  if (s3) decomp(n / par, par, k);
+  return ops;
+}
+
+// ---------------------------------------------------------------- evaluator
+
+Evaluator::Evaluator(Problem& p) : p_(p) {
+  const int n = p_.tensors();
+  compute_end_.assign(n, 0);
+  prefix_done_.assign(n + 1, 0);
+  log_.reserve(16 * p_.chunks().size() + 64);
+  snap_.resize(n);
+  base_compute_end_.assign(n, 0);
+  base_drained_.assign(n + 1, 0);
+  base_suffix_end_.assign(n + 1, 0);
+  base_inter_work_.assign(n + 1, 0);
+  base_done_.assign(n, 0);
+  base_inter_.assign(n, 0);
+  base_info_from_ = 0;  // nothing known yet: boundaries >= 0 need a refresh
+  for (auto& r : res_) r.gaps.reserve(4 * p_.chunks().size() + 16);
+  // Lower bound: backward without contention, then the cheapest chain of the
+  // last tensor with every resource free.
+  double bwd = p_.profile().backward_us();
+  double tail = std::numeric_limits<double>::infinity();
+  const int last = n - 1;
+  for (size_t o = 0; o < p_.options().size(); ++o) {
+    double t = 0;
+    for (int c = p_.first_chunk(last); c < p_.first_chunk(last + 1); ++c) {
+      double s = 0;
+      for (const Op& op : p_.chain(p_.chunks()[c].elements, static_cast<int>(o)))
+        s += op.duration_us;
+      t = std::max(t, s);
+    }
+    tail = std::min(tail, t);
+  }
+  lower_bound_ = p_.forward_us() + bwd + tail;
+}
+
+void Evaluator::rollback(int tensor) {
+  if (tensor >= prefix_) return;
+  while (!log_.empty() && log_.back().tensor >= tensor) {
+    const Undo u = log_.back();
+    log_.pop_back();
+    ResourceState& r = res_[u.resource];
+    switch (u.kind) {
+      case UndoKind::kSet: r.gaps[u.index] = u.old; break;
+      case UndoKind::kInserted: r.gaps.erase(r.gaps.begin() + u.index); break;
+      case UndoKind::kErased: r.gaps.insert(r.gaps.begin() + u.index, u.old); break;
+    }
+  }
+  // Appends never move existing gaps, so after the backfills are undone the
+  // tail is restored by truncation.
+  const Snapshot& sn = snap_[tensor];
+  for (int r = 0; r < kResources; ++r) {
+    res_[r].gaps.resize(sn.gaps[r]);
+    res_[r].last_end = sn.last_end[r];
+  }
+  prefix_ = tensor;
+}
+
+double Evaluator::place(Resource res, double ready, double dur, int tensor) {
+  const uint8_t ri = static_cast<uint8_t>(res);
+  ResourceState& r = res_[ri];
+  constexpr double kTiny = 1e-9;
+  if (ready < r.last_end && !r.gaps.empty()) {
+    // Earliest idle gap that holds the operation (first come, first served
+    // with backfilling).
+    auto it = std::upper_bound(r.gaps.begin(), r.gaps.end(), ready,
+                               [](double t, const Gap& g) { return t < g.end; });
+    for (; it != r.gaps.end(); ++it) {
+      const Gap g = *it;
+      const double s = std::max(g.start, ready);
+      if (s + dur > g.end + kTiny) continue;
+      const int k = static_cast<int>(it - r.gaps.begin());
+      const bool left = s > g.start + kTiny, right = s + dur < g.end - kTiny;
+      if (left && right) {
+        log_.push_back({tensor, ri, UndoKind::kSet, k, g});
+        r.gaps[k] = {g.start, s};
+        r.gaps.insert(r.gaps.begin() + k + 1, Gap{s + dur, g.end});
+        log_.push_back({tensor, ri, UndoKind::kInserted, k + 1, {}});
+      } else if (left) {
+        log_.push_back({tensor, ri, UndoKind::kSet, k, g});
+        r.gaps[k] = {g.start, s};
+      } else if (right) {
+        log_.push_back({tensor, ri, UndoKind::kSet, k, g});
+        r.gaps[k] = {s + dur, g.end};
+      } else {
+        log_.push_back({tensor, ri, UndoKind::kErased, k, g});
+        r.gaps.erase(r.gaps.begin() + k);
+      }
+      return s;
+    }
+  }
+  const double t = std::max(ready, r.last_end);
+  if (t > r.last_end + kTiny) r.gaps.push_back({r.last_end, t});
+  r.last_end = t + dur;
+  return t;
+}
+
+double Evaluator::run_compute(double start, double gap) const {
+  // Backward computation yields the GPU to compression kernels: it only
+  // advances in the GPU's idle gaps and after its last kernel.
+  const ResourceState& r = res_[static_cast<int>(Resource::kGpu)];
+  double t = start, left = gap;
+  if (t >= r.last_end) return t + left;
+  auto it = std::upper_bound(r.gaps.begin(), r.gaps.end(), t,
+                             [](double x, const Gap& g) { return x < g.end; });
+  for (; it != r.gaps.end(); ++it) {
+    if (it->start > t) t = it->start;  // busy until this gap
+    const double avail = it->end - t;
+    if (left <= avail) return t + left;
+    left -= avail;
+    t = it->end;
+  }
+  return std::max(t, r.last_end) + left;
+}
+
+double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
+  Snapshot& sn = snap_[i];
+  for (int r = 0; r < kResources; ++r) {
+    sn.last_end[r] = res_[r].last_end;
+    sn.gaps[r] = static_cast<uint32_t>(res_[r].gaps.size());
+  }
+  const double prev = i == 0 ? 0.0 : compute_end_[i - 1];
+  const double ready = run_compute(prev, p_.profile().tensors[i].gap_us);
+  compute_end_[i] = ready;
+  const std::string* name = tl ? &p_.profile().tensors[i].name : nullptr;
+  if (tl) tl->events.push_back({*name, "backward", Resource::kGpu, true, prev, ready});
+  double done = ready;
+  for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
+    double t = ready;
+    for (const Op& op : p_.chunk_chain(c, opt)) {
+      if (op.duration_us <= 0) continue;
+      const double s = place(op.resource, t, op.duration_us, i);
+      t = s + op.duration_us;
+      if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, t});
+    }
+    done = std::max(done, t);
+  }
+  prefix_done_[i + 1] = std::max(prefix_done_[i], done);
+  prefix_ = i + 1;
+  return done;
+}
+
+double Evaluator::evaluate(const Assignment& a, Timeline* tl) {
+  rollback(0);
+  base_value_ = -1;  // the state no longer matches the base
+  ++simulations_;
+  const int n = p_.tensors();
+  for (int i = 0; i < n; ++i) simulate_tensor(i, a[i], tl);
+  const double bwd = compute_end_[n - 1];
+  const double end = std::max(bwd, prefix_done_[n]);
+  const double f = p_.forward_us() + end;
+  if (tl) {
+    tl->iteration_us = f;
+    tl->backward_end_us = bwd;
+    tl->comm_end_us = prefix_done_[n];
+  }
+  // The state holds `a`; if it is the base, keep it as the base's state.
+  if (a == base_) base_value_ = f; else rollback(0);
+  return f;
+}
+
+void Evaluator::set_base(const Assignment& a) {
+  base_ = a;
+  rollback(0);
+  base_value_ = -1;
+  base_info_from_ = 0;
+}
+
+double Evaluator::base_value() {
+  if (base_value_ < 0) {
+    rollback(0);
+    const Assignment copy = base_;
+    evaluate(copy);
+  }
+  return base_value_;
+}
+
+bool Evaluator::drained(int j) const {
+  constexpr double kTiny = 1e-9;
+  const double start = j == 0 ? 0.0 : compute_end_[j - 1];
+  if (res_[static_cast<int>(Resource::kGpu)].last_end > start + kTiny) return false;
+  const double ready = start + p_.profile().tensors[j].gap_us;
+  for (int r = 1; r < kResources; ++r)
+    if (res_[r].last_end > ready + kTiny) return false;
+  return true;
+}
+
+void Evaluator::refresh_base_info(int from) {
+  const int n = p_.tensors();
+  for (int i = from; i < n; ++i) {
+    base_drained_[i] = drained(i);
+    base_done_[i] = simulate_tensor(i, base_[i], nullptr);
+    base_compute_end_[i] = compute_end_[i];
+    double w = 0;
+    for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c)
+      for (const Op& op : p_.chunk_chain(c, base_[i]))
+        if (op.resource == Resource::kInter) w += op.duration_us;
+    base_inter_[i] = w;
+  }
+  // Suffix aggregates change at every boundary, not only from `from` on.
+  base_drained_[n] = 0;
+  double tail = compute_end_[n - 1], work = 0;
+  base_suffix_end_[n] = tail;
+  base_inter_work_[n] = 0;
+  for (int i = n - 1; i >= 0; --i) {
+    tail = std::max(tail, base_done_[i]);
+    work += base_inter_[i];
+    base_suffix_end_[i] = tail;
+    base_inter_work_[i] = work;
+  }
+  base_value_ = p_.forward_us() + std::max(prefix_done_[n], compute_end_[n - 1]);
+  base_info_from_ = n + 1;
+}
+
+double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch,
+                             double cutoff) {
+  const int n = p_.tensors();
+  // The base's drain points beyond `from` must be known.
+  if (base_info_from_ <= n) {
+    const int start = base_info_from_;
+    if (prefix_ > start) rollback(start);
+    while (prefix_ < start) simulate_tensor(prefix_, base_[prefix_], nullptr);
+    refresh_base_info(start);
+  }
+  // Bring the prefix to `from` using the base.
+  if (prefix_ > from) rollback(from);
+  while (prefix_ < from) simulate_tensor(prefix_, base_[prefix_], nullptr);
+  ++simulations_;
+  const double fwd = p_.forward_us();
+  size_t next = 0;
+  for (int i = from; i < n; ++i) {
+    int opt = base_[i];
+    if (next < nch && ch[next].first == i) opt = ch[next++].second;
+    simulate_tensor(i, opt, nullptr);
+    if (fwd + prefix_done_[i + 1] >= cutoff) {
+      rollback(from);
+      return std::numeric_limits<double>::infinity();
+    }
+    const int j = i + 1;
+    if (next == nch && j < n && std::isfinite(cutoff)) {
+      // The base's remaining inter-node work can only use idle gaps after
+      // tensor j's gradient is ready, or time after the link's last end.
+      const ResourceState& r = res_[static_cast<int>(Resource::kInter)];
+      const double ready = compute_end_[i];
+      double idle = 0;
+      auto it = std::upper_bound(r.gaps.begin(), r.gaps.end(), ready,
+                                 [](double t, const Gap& g) { return t < g.end; });
+      int scanned = 0;
+      for (; it != r.gaps.end() && scanned < 64; ++it, ++scanned)
+        idle += it->end - std::max(it->start, ready);
+      if (it == r.gaps.end() &&
+          fwd + std::max(r.last_end, ready) + base_inter_work_[j] - idle >= cutoff) {
+        rollback(from);
+        return std::numeric_limits<double>::infinity();
+      }
+    }
+    if (next == nch && j < n && base_drained_[j] && drained(j)) {
+      // Both timelines are idle when tensor j starts: the rest is the
+      // base's, shifted by the difference in backward progress.
+      const double shift = compute_end_[i] - base_compute_end_[i];
+      const double f = fwd + std::max(prefix_done_[j], base_suffix_end_[j] + shift);
+      rollback(from);
+      return f;
+    }
+  }
+  const double f = fwd + std::max(compute_end_[n - 1], prefix_done_[n]);
+  rollback(from);
+  return f;
+}
+
+double Evaluator::try_option(int i, int opt, double cutoff) {
+  std::pair<int, int> c{i, opt};
+  return run_suffix(i, &c, 1, cutoff);
+}
+
+double Evaluator::try_changes(const std::vector<std::pair<int, int>>& changes, double cutoff) {
+  if (changes.empty()) return base_value();
+  return run_suffix(changes.front().first, changes.data(), changes.size(), cutoff);
+}
+
+void Evaluator::commit(int i, int opt) {
+  base_[i] = opt;
+  rollback(i);
+  base_value_ = -1;
+  // Boundaries <= i keep their drain facts; later ones must be refreshed.
+  base_info_from_ = std::min(base_info_from_, i);
+}
+
+// ---------------------------------------------------------------- trace
+
+namespace {
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      default:
+        if (static_cast<unsigned char>(ch) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", ch);
+          out += buf;
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out;
+}
+}  // namespace
+
+std::string Timeline::chrome_trace_json() const {
+  std::ostringstream os;
+  os.precision(12);
+  os << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
+  const char* tracks[] = {"GPU compression", "CPU compression pool", "intra-node link",
+                          "inter-node link"};
+  bool first = true;
+  auto sep = [&] {
+    if (!first) os << ",\n";
+    first = false;
+  };
+  sep();
+  os << R"({"ph":"M","pid":0,"tid":9,"name":"thread_name","args":{"name":"GPU backward"}})";
+  for (int r = 0; r < kResources; ++r) {
+    sep();
+    os << R"({"ph":"M","pid":0,"tid":)" << r << R"(,"name":"thread_name","args":{"name":")"
+       << tracks[r] << "\"}}";
+  }
+  for (const TraceEvent& e : events) {
+    sep();
+    os << R"({"ph":"X","pid":0,"tid":)" << (e.compute ? 9 : static_cast<int>(e.resource))
+       << R"(,"name":")" << json_escape(e.name) << R"(","cat":")" << json_escape(e.what)
+       << R"(","ts":)" << e.start_us << R"(,"dur":)" << (e.end_us - e.start_us)
+       << R"(,"args":{"op":")" << json_escape(e.what) << "\"}}";
+  }
+  os << "],\"otherData\":{\"iteration_us\":" << iteration_us
+     << ",\"backward_end_us\":" << backward_end_us << ",\"comm_end_us\":" << comm_end_us
+     << "}}\n";
+  return os.str();
+}
+
+}  // namespace bytecomp::planner

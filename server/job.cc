@@ -1,0 +1,265 @@
+#include "server/job.h"
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+namespace bytecomp::server {
+
+std::string_view to_string(Placement p) noexcept {
+  switch (p) {
+    case Placement::kSharded: return "ps";
+    case Placement::kSingle: return "ps_single";
+    case Placement::kPeer: return "allgather";
+  }
+  return "?";
+}
+std::string_view to_string(SumMode m) noexcept {
+  return m == SumMode::kDense ? "dense" : "compressed";
+}
+std::string_view to_string(PullFormat f) noexcept {
+  switch (f) {
+    case PullFormat::kFp32: return "fp32";
+    case PullFormat::kFp16: return "fp16";
+    case PullFormat::kCompressed: return "compressed";
+  }
+  return "?";
+}
+
+std::string TensorPlan::describe() const {
+  std::ostringstream os;
+  os << to_string(placement) << " push="
+     << (compressed_push() ? compress::to_string(compressor) : std::string("fp32"))
+     << " sum=" << to_string(sum) << " pull=" << to_string(pull);
+  if (server_error_feedback) os << " server_ef";
+  return os.str();
+}
+
+namespace {
+
+bool has_param(const std::string& compressor, std::string_view param) {
+  for (const auto& info : compress::list_compressors())
+    if (info.name == compressor)
+      for (const auto& p : info.params)
+        if (p.name == param) return true;
+  return false;
+}
+
+}  // namespace
+
+TensorPlan plan_for_option(const planner::Option& o, std::string_view tensor) {
+  using planner::Collective;
+  TensorPlan plan;
+  switch (o.inter) {
+    case Collective::kAllgather: plan.placement = Placement::kPeer; break;
+    case Collective::kReduceBroadcast:
+    case Collective::kGatherBroadcast: plan.placement = Placement::kSingle; break;
+    default: plan.placement = Placement::kSharded; break;
+  }
+  if (!o.compressed() || plan.placement == Placement::kPeer) return plan;
+
+  compress::CompressorSpec spec{o.compressor, o.params};
+  bool reducing = planner::is_reducing(o.inter);
+  std::unique_ptr<compress::Compressor> c;
+  try {
+    if (!reducing && has_param(o.compressor, "ef"))
+      spec.params["ef"] = o.error_feedback ? "true" : "false";
+    c = compress::make_compressor(spec);
+  } catch (const Error& e) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "tensor '" + std::string(tensor) + "': " + e.what());
+  }
+  plan.compressor = c->spec();
+  if (reducing) {
+    if (!c->additive())
+      throw Error(ErrorCode::kInvalidArgument,
+                  "tensor '" + std::string(tensor) + "': compressor '" + o.compressor +
+                      "' is not additive, so the servers cannot sum it compressed under '" +
+                      planner::to_string(o.inter) +
+                      "' (accepted: fp16, bf16, randomk; or use alltoall_allgather / "
+                      "gather_broadcast)");
+    plan.sum = SumMode::kCompressed;
+    plan.pull = PullFormat::kCompressed;
+    return plan;
+  }
+  plan.sum = SumMode::kDense;
+  if (o.compressor == "fp16") {
+    plan.pull = PullFormat::kFp16;
+  } else {
+    plan.pull = PullFormat::kCompressed;
+    plan.server_error_feedback = o.error_feedback;
+  }
+  return plan;
+}
+
+std::vector<TensorPlan> plan_job(const std::vector<TensorSpec>& tensors,
+                                 std::string_view strategy_yaml) {
+  planner::Strategy strategy;
+  if (!strategy_yaml.empty()) strategy = planner::Strategy::parse(strategy_yaml, "strategy");
+  std::vector<TensorPlan> plans;
+  plans.reserve(tensors.size());
+  for (const TensorSpec& t : tensors) {
+    if (t.dtype != compress::DType::kFloat32)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "tensor '" + t.name + "': dtype " + std::string(compress::to_string(t.dtype)) +
+                      " is not summed by the servers (accepted: float32; express half "
+                      "precision as an fp16/bf16 compressor)");
+    plans.push_back(plan_for_option(strategy.resolve(t.name, t.count * 4), t.name));
+  }
+  return plans;
+}
+
+const Partition* Assignment::find(uint64_t key) const {
+  auto it = std::lower_bound(partitions.begin(), partitions.end(), key,
+                             [](const Partition& p, uint64_t k) { return p.key < k; });
+  if (it == partitions.end() || it->key != key) return nullptr;
+  return &*it;
+}
+
+namespace {
+
+// FNV-1a over the fields, so every party can compare assignments cheaply.
+struct Digest {
+  uint64_t h = 1469598103934665603ull;
+  void add(uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xFF;
+      h *= 1099511628211ull;
+    }
+  }
+};
+
+size_t least_loaded(const std::vector<uint64_t>& load) {
+  return static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+}
+
+}  // namespace
+
+Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
+                             const std::vector<TensorPlan>& plans,
+                             const std::vector<ServerInfo>& servers,
+                             uint64_t partition_bytes) {
+  if (plans.size() != tensors.size())
+    throw Error(ErrorCode::kInvalidArgument,
+                "assign_partitions: " + std::to_string(plans.size()) + " plans for " +
+                    std::to_string(tensors.size()) + " tensors");
+  if (partition_bytes < 4)
+    throw Error(ErrorCode::kInvalidArgument,
+                "assign_partitions: partition_bytes " + std::to_string(partition_bytes) +
+                    " is below one fp32 element");
+  if (tensors.size() > 0xFFFFFFFFull)
+    throw Error(ErrorCode::kInvalidArgument, "assign_partitions: too many tensors");
+  const uint64_t per = partition_bytes / 4;
+
+  Assignment a;
+  a.by_tensor.resize(tensors.size());
+  for (uint32_t t = 0; t < tensors.size(); ++t) {
+    if (plans[t].placement == Placement::kPeer) continue;
+    uint64_t n = tensors[t].count;
+    uint64_t parts = n == 0 ? 0 : (n + per - 1) / per;
+    if (parts > 0xFFFFFFFFull)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "assign_partitions: tensor '" + tensors[t].name + "' has too many partitions");
+    for (uint64_t i = 0; i < parts; ++i) {
+      Partition p;
+      p.tensor = t;
+      p.index = static_cast<uint32_t>(i);
+      p.key = partition_key(t, p.index);
+      p.offset = i * per;
+      p.count = std::min(per, n - p.offset);
+      a.partitions.push_back(p);
+    }
+  }
+  if (!a.partitions.empty() && servers.empty())
+    throw Error(ErrorCode::kInvalidArgument, "assign_partitions: no servers");
+
+  // Units placed on a server: a sharded partition alone, a single-server
+  // tensor with all its partitions. Largest first, ties by first key.
+  struct Unit {
+    uint64_t bytes = 0;
+    uint64_t first_key = 0;
+    std::vector<size_t> parts;
+  };
+  std::vector<Unit> units;
+  {
+    std::vector<int64_t> single_unit(tensors.size(), -1);
+    for (size_t i = 0; i < a.partitions.size(); ++i) {
+      const Partition& p = a.partitions[i];
+      if (plans[p.tensor].placement == Placement::kSingle) {
+        if (single_unit[p.tensor] < 0) {
+          single_unit[p.tensor] = static_cast<int64_t>(units.size());
+          units.push_back({0, p.key, {}});
+        }
+        Unit& u = units[static_cast<size_t>(single_unit[p.tensor])];
+        u.bytes += p.count * 4;
+        u.parts.push_back(i);
+      } else {
+        units.push_back({p.count * 4, p.key, {i}});
+      }
+    }
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) {
+    return x.bytes != y.bytes ? x.bytes > y.bytes : x.first_key < y.first_key;
+  });
+  std::vector<uint64_t> server_load(servers.size(), 0);
+  std::vector<std::vector<size_t>> on_server(servers.size());
+  for (const Unit& u : units) {
+    size_t s = least_loaded(server_load);
+    server_load[s] += u.bytes;
+    for (size_t i : u.parts) {
+      a.partitions[i].server = servers[s].id;
+      on_server[s].push_back(i);
+    }
+  }
+  // Engines: largest partition first within each server.
+  for (size_t s = 0; s < servers.size(); ++s) {
+    std::vector<size_t>& idx = on_server[s];
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t x, size_t y) {
+      const Partition& px = a.partitions[x];
+      const Partition& py = a.partitions[y];
+      return px.count != py.count ? px.count > py.count : px.key < py.key;
+    });
+    std::vector<uint64_t> engine_load(std::max<uint32_t>(1, servers[s].engine_threads), 0);
+    for (size_t i : idx) {
+      size_t e = least_loaded(engine_load);
+      engine_load[e] += a.partitions[i].count * 4;
+      a.partitions[i].engine = static_cast<uint32_t>(e);
+    }
+  }
+  Digest d;
+  for (size_t i = 0; i < a.partitions.size(); ++i) {
+    const Partition& p = a.partitions[i];
+    a.by_tensor[p.tensor].push_back(static_cast<uint32_t>(i));
+    d.add(p.key);
+    d.add(p.offset);
+    d.add(p.count);
+    d.add(p.server);
+    d.add(p.engine);
+  }
+  a.digest = d.h;
+  return a;
+}
+
+uint64_t partition_seed(std::string_view job_name, uint64_t key) {
+  Digest d;
+  for (char ch : job_name) d.add(static_cast<unsigned char>(ch));
+  d.add(key);
+  return d.h;
+}
+
+uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count) {
+  if (!plan.compressed_push()) return count * 4;
+  return compress::make_compressor(plan.compressor)->max_compressed_bytes(count);
+}
+
+uint64_t pull_bytes_bound(const TensorPlan& plan, uint64_t count) {
+  switch (plan.pull) {
+    case PullFormat::kFp32: return count * 4;
+    case PullFormat::kFp16: return count * 2;
+    case PullFormat::kCompressed:
+      return compress::make_compressor(plan.compressor)->max_compressed_bytes(count);
+  }
+  return count * 4;
+}
+
+}  // namespace bytecomp::server

@@ -1,0 +1,465 @@
+#include "server/ps_client.h"
+
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+#include "common/log.h"
+#include "server/protocol.h"
+
+namespace bytecomp::server {
+
+BC_LOG_CATEGORY(LogPsClient, "ps_client");
+
+using transport::Buffer;
+using transport::Incoming;
+using transport::Message;
+using transport::Response;
+
+namespace {
+
+class JobImpl;
+
+// Shared by the client and its jobs, so a job handle outliving the client
+// fails cleanly instead of touching a dead transport.
+struct Core {
+  ClusterConfig cluster;
+  std::unique_ptr<transport::Transport> tp;
+  std::mutex mu;
+  bool closed = false;
+  std::map<uint32_t, std::shared_ptr<JobImpl>> jobs;
+  std::map<uint32_t, Status> early_aborts;  // aborted before join() returned
+
+  Millis or_default(Millis t) const { return t.count() > 0 ? t : cluster.request_timeout; }
+};
+
+Status to_status(const Response& r) {
+  if (!r.status.ok()) return r.status;
+  return proto::reply_status(r.response);
+}
+
+class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl> {
+ public:
+  JobImpl(std::shared_ptr<Core> core, JobInfo info) : core_(std::move(core)), info_(std::move(info)) {
+    changes_.push_back({info_.start_iteration, info_.strategy_yaml, info_.plans});
+  }
+
+  const JobInfo& info() const override { return info_; }
+
+  TensorPlan plan_at(uint32_t tensor, uint64_t iteration) const override {
+    if (tensor >= info_.tensors.size())
+      throw Error(ErrorCode::kInvalidArgument,
+                  "plan_at: tensor index " + std::to_string(tensor) + " out of range (job has " +
+                      std::to_string(info_.tensors.size()) + " tensors)");
+    std::lock_guard lk(mu_);
+    const StrategyChange* in_force = &changes_.front();
+    for (const StrategyChange& c : changes_)
+      if (c.iteration <= iteration) in_force = &c;
+    return in_force->plans[tensor];
+  }
+
+  void push(uint64_t key, uint64_t iteration, Buffer data, DoneCallback done,
+            Millis timeout) override {
+    Message m;
+    m.header.type = proto::kPush;
+    m.header.aux = info_.uid;
+    m.header.key = key;
+    m.header.arg = iteration;
+    m.payloads.push_back(std::move(data));
+    start(server_of(key), std::move(m), timeout,
+          [done = std::move(done)](const Status& s, Buffer) {
+            if (done) done(s);
+          });
+  }
+
+  void pull(uint64_t key, uint64_t iteration, PullCallback done, Millis timeout) override {
+    Message m;
+    m.header.type = proto::kPull;
+    m.header.aux = info_.uid;
+    m.header.key = key;
+    m.header.arg = iteration;
+    start(server_of(key), std::move(m), timeout, std::move(done));
+  }
+
+  void barrier(DoneCallback done, Millis timeout) override {
+    Message m;
+    m.header.type = proto::kBarrier;
+    m.header.aux = info_.uid;
+    {
+      std::lock_guard lk(mu_);
+      m.header.arg = barrier_seq_++;
+    }
+    start(core_->cluster.coordinator, std::move(m), timeout,
+          [done = std::move(done)](const Status& s, Buffer) {
+            if (done) done(s);
+          });
+  }
+
+  void set_strategy(std::string yaml, uint64_t iteration, DoneCallback done) override {
+    Message m;
+    m.header.type = proto::kSetStrategy;
+    m.header.aux = info_.uid;
+    m.header.arg = iteration;
+    m.payloads.push_back(Buffer::take(std::move(yaml)));
+    start(core_->cluster.coordinator, std::move(m), Millis{0},
+          [done = std::move(done)](const Status& s, Buffer) {
+            if (done) done(s);
+          });
+  }
+
+  void on_strategy_change(StrategyCallback cb) override {
+    std::lock_guard lk(mu_);
+    strategy_cbs_.push_back(std::move(cb));
+  }
+
+  void on_failure(FailureCallback cb) override {
+    Status now;
+    {
+      std::lock_guard lk(mu_);
+      if (failed_.ok()) {
+        failure_cbs_.push_back(std::move(cb));
+        return;
+      }
+      now = failed_;
+    }
+    cb(now);
+  }
+
+  Status status() const override {
+    std::lock_guard lk(mu_);
+    return failed_;
+  }
+
+  Status leave(Millis timeout) override {
+    {
+      std::lock_guard lk(mu_);
+      if (closed_) return Status::Ok();
+    }
+    Status st;
+    {
+      std::lock_guard lk(core_->mu);
+      if (core_->closed) st = Status(ErrorCode::kUnavailable, "client closed");
+    }
+    if (st.ok()) {
+      Message m;
+      m.header.type = proto::kLeave;
+      m.header.aux = info_.uid;
+      st = to_status(core_->tp->call(core_->cluster.coordinator, std::move(m), timeout));
+    }
+    close(Status(ErrorCode::kUnavailable, "job '" + info_.name + "' left"), false);
+    {
+      std::lock_guard lk(core_->mu);
+      core_->jobs.erase(info_.uid);
+    }
+    return st;
+  }
+
+  // Fails the job (first reason wins) and every pending operation.
+  void fail(const Status& why) { close(why, true); }
+
+  void apply_change(uint64_t iteration, const std::string& yaml) {
+    StrategyChange c;
+    c.iteration = iteration;
+    c.strategy_yaml = yaml;
+    try {
+      c.plans = plan_job(info_.tensors, yaml);
+    } catch (const Error& e) {
+      fail(Status(ErrorCode::kAborted, "job '" + info_.name +
+                                           "': announced strategy cannot be used: " + e.what()));
+      return;
+    }
+    std::vector<StrategyCallback> cbs;
+    {
+      std::lock_guard lk(mu_);
+      changes_.push_back(c);
+      std::stable_sort(changes_.begin(), changes_.end(),
+                       [](const StrategyChange& a, const StrategyChange& b) {
+                         return a.iteration < b.iteration;
+                       });
+      cbs = strategy_cbs_;
+    }
+    BC_LOG(LogPsClient(), kInfo) << "job '" << info_.name << "': strategy changes at iteration "
+                                 << iteration;
+    for (auto& cb : cbs) cb(c);
+  }
+
+  // Whether any of this job's servers (or the coordinator) is `id`.
+  bool uses(NodeId id) const {
+    if (id == core_->cluster.coordinator) return true;
+    for (const ServerInfo& s : info_.servers)
+      if (s.id == id) return true;
+    return false;
+  }
+
+ private:
+  using OpCallback = std::function<void(const Status&, Buffer)>;
+
+  NodeId server_of(uint64_t key) const {
+    const Partition* p = info_.assignment.find(key);
+    return p ? p->server : core_->cluster.coordinator;
+  }
+
+  void start(NodeId to, Message m, Millis timeout, OpCallback cb) {
+    uint64_t op = 0;
+    Status refused;
+    {
+      std::lock_guard lk(mu_);
+      if (!failed_.ok()) refused = failed_;
+      else if (closed_) refused = Status(ErrorCode::kUnavailable, "job '" + info_.name + "' is closed");
+      else {
+        op = next_op_++;
+        ops_.emplace(op, std::move(cb));
+      }
+    }
+    if (!refused.ok()) {
+      if (cb) cb(refused, {});
+      return;
+    }
+    std::weak_ptr<JobImpl> weak = weak_from_this();
+    try {
+      core_->tp->request(to, std::move(m), core_->or_default(timeout), [weak, op](Response r) {
+        if (auto self = weak.lock()) self->complete(op, std::move(r));
+      });
+    } catch (const Error& e) {
+      complete(op, Response{Status::FromError(e), transport::kNoNode, {}});
+    }
+  }
+
+  void complete(uint64_t op, Response r) {
+    OpCallback cb;
+    {
+      std::lock_guard lk(mu_);
+      auto it = ops_.find(op);
+      if (it == ops_.end()) return;  // already failed by an abort
+      cb = std::move(it->second);
+      ops_.erase(it);
+    }
+    Status st = to_status(r);
+    Buffer result;
+    if (st.ok() && !r.response.payloads.empty()) {
+      if (r.response.payloads.size() == 1) result = r.response.payloads[0];
+      else result = Buffer::take(proto::joined(r.response));
+    }
+    if (st.code() == ErrorCode::kAborted) fail(st);
+    if (cb) cb(st, std::move(result));
+  }
+
+  void close(const Status& why, bool is_failure) {
+    std::unordered_map<uint64_t, OpCallback> ops;
+    std::vector<FailureCallback> cbs;
+    {
+      std::lock_guard lk(mu_);
+      if (is_failure) {
+        if (!failed_.ok() || closed_) return;
+        failed_ = why;
+        cbs = std::move(failure_cbs_);
+      }
+      closed_ = true;
+      ops.swap(ops_);
+    }
+    if (is_failure)
+      BC_LOG(LogPsClient(), kWarn) << "job '" << info_.name << "' failed: " << why.message();
+    for (auto& [op, cb] : ops)
+      if (cb) cb(why, {});
+    for (auto& cb : cbs) cb(why);
+  }
+
+  std::shared_ptr<Core> core_;
+  const JobInfo info_;
+  mutable std::mutex mu_;
+  Status failed_;
+  bool closed_ = false;
+  uint64_t next_op_ = 1;
+  uint64_t barrier_seq_ = 0;
+  std::unordered_map<uint64_t, OpCallback> ops_;
+  std::vector<StrategyChange> changes_;
+  std::vector<StrategyCallback> strategy_cbs_;
+  std::vector<FailureCallback> failure_cbs_;
+};
+
+class ClientImpl final : public PsClient {
+ public:
+  ClientImpl(const ClusterConfig& cluster, const transport::TransportConfig& tc)
+      : core_(std::make_shared<Core>()) {
+    core_->cluster = cluster;
+    core_->tp = transport::make_transport(tc);
+    std::weak_ptr<Core> weak = core_;
+    core_->tp->set_handler(proto::kJobAborted, [weak](Incoming in) {
+      if (auto c = weak.lock()) on_aborted(*c, in);
+    });
+    core_->tp->set_handler(proto::kStrategyUpdate, [weak](Incoming in) {
+      if (auto c = weak.lock()) on_update(*c, in);
+    });
+    core_->tp->on_peer_failure([weak](NodeId id, const Status& s) {
+      if (auto c = weak.lock()) on_lost(*c, id, s);
+    });
+    core_->tp->start();
+    core_->tp->add_peer(cluster.coordinator, cluster.coordinator_info().address);
+  }
+  ~ClientImpl() override { close(); }
+
+  NodeId self() const override { return core_->tp->self(); }
+
+  std::shared_ptr<PsJob> join(const JobSpec& spec, Millis timeout) override {
+    {
+      std::lock_guard lk(core_->mu);
+      if (core_->closed) throw Error(ErrorCode::kUnavailable, "join: client closed");
+    }
+    if (timeout.count() <= 0) timeout = core_->cluster.admission_timeout + Millis{5000};
+    Message m;
+    m.header.type = proto::kRegister;
+    proto::Writer w;
+    proto::write_spec(w, spec);
+    m.payloads.push_back(w.take());
+    BC_LOG(LogPsClient(), kInfo) << "node " << self() << ": registering for job '" << spec.name
+                                 << "'";
+    Response r = core_->tp->call(core_->cluster.coordinator, std::move(m), timeout);
+    Status st = to_status(r);
+    if (!st.ok()) throw Error(st.code(), "join job '" + spec.name + "': " + st.message());
+    proto::Admission a = proto::decode_admission(proto::joined(r.response));
+    JobInfo info;
+    info.name = a.name;
+    info.uid = a.uid;
+    info.rank = a.rank;
+    info.nodes = a.nodes;
+    info.tensors = a.tensors;
+    info.deterministic = a.deterministic;
+    info.start_iteration = a.start_iteration;
+    info.partition_bytes = a.partition_bytes;
+    info.servers = a.servers;
+    info.strategy_yaml = a.strategy_yaml;
+    info.plans = plan_job(info.tensors, info.strategy_yaml);
+    info.assignment = assign_partitions(info.tensors, info.plans, info.servers, info.partition_bytes);
+    if (info.assignment.digest != a.digest)
+      throw Error(ErrorCode::kInternal, "join job '" + spec.name +
+                                            "': partition assignment differs from the "
+                                            "coordinator's (different library versions?)");
+    for (const ServerInfo& s : info.servers)
+      if (s.id != core_->cluster.coordinator) core_->tp->add_peer(s.id, s.address);
+    auto job = std::make_shared<JobImpl>(core_, std::move(info));
+    Status early;
+    {
+      std::lock_guard lk(core_->mu);
+      auto it = core_->early_aborts.find(a.uid);
+      if (it != core_->early_aborts.end()) {
+        early = it->second;
+        core_->early_aborts.erase(it);
+      } else {
+        core_->jobs[a.uid] = job;
+      }
+    }
+    if (!early.ok()) job->fail(early);
+    BC_LOG(LogPsClient(), kInfo) << "node " << self() << ": job '" << a.name << "' admitted (uid "
+                                 << a.uid << ", rank " << a.rank << ")";
+    return job;
+  }
+
+  ServerStats stats(NodeId server, Millis timeout) override {
+    Message m;
+    m.header.type = proto::kStats;
+    Response r = core_->tp->call(server, std::move(m), timeout);
+    Status st = to_status(r);
+    if (!st.ok()) throw Error(st.code(), "stats of server " + std::to_string(server) + ": " + st.message());
+    proto::Reader rd(proto::joined(r.response), "stats");
+    ServerStats s;
+    s.jobs = rd.u32("jobs");
+    s.job_bytes = rd.u64("job_bytes");
+    s.rounds_completed = rd.u64("rounds");
+    s.pushes_refused = rd.u64("pushes_refused");
+    s.frames_refused = rd.u64("frames_refused");
+    rd.end();
+    return s;
+  }
+
+  void close() override {
+    std::map<uint32_t, std::shared_ptr<JobImpl>> jobs;
+    {
+      std::lock_guard lk(core_->mu);
+      if (core_->closed) return;
+      core_->closed = true;
+      jobs.swap(core_->jobs);
+    }
+    for (auto& [uid, j] : jobs) j->fail(Status(ErrorCode::kUnavailable, "client closed"));
+    core_->tp->shutdown();
+  }
+
+ private:
+  static std::shared_ptr<JobImpl> find(Core& c, uint32_t uid) {
+    std::lock_guard lk(c.mu);
+    auto it = c.jobs.find(uid);
+    return it == c.jobs.end() ? nullptr : it->second;
+  }
+
+  static void on_aborted(Core& c, const Incoming& in) {
+    if (in.from != c.cluster.coordinator) return;
+    Status why(ErrorCode::kAborted, proto::joined(in.message));
+    std::shared_ptr<JobImpl> job;
+    {
+      std::lock_guard lk(c.mu);
+      auto it = c.jobs.find(in.message.header.aux);
+      if (it == c.jobs.end()) {
+        c.early_aborts[in.message.header.aux] = why;
+        return;
+      }
+      job = it->second;
+      c.jobs.erase(it);
+    }
+    job->fail(why);
+  }
+
+  static void on_update(Core& c, const Incoming& in) {
+    if (in.from != c.cluster.coordinator) return;
+    if (auto job = find(c, in.message.header.aux))
+      job->apply_change(in.message.header.arg, proto::joined(in.message));
+  }
+
+  static void on_lost(Core& c, NodeId id, const Status& s) {
+    std::vector<std::shared_ptr<JobImpl>> hit;
+    {
+      std::lock_guard lk(c.mu);
+      for (auto it = c.jobs.begin(); it != c.jobs.end();) {
+        if (it->second->uses(id)) {
+          hit.push_back(it->second);
+          it = c.jobs.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& j : hit)
+      j->fail(Status(ErrorCode::kPeerLost, (id == c.cluster.coordinator ? "coordinator " : "server ") +
+                                               std::to_string(id) + " lost: " + s.message()));
+  }
+
+  std::shared_ptr<Core> core_;
+};
+
+}  // namespace
+
+Status PsJob::barrier(Millis timeout) {
+  auto p = std::make_shared<std::promise<Status>>();
+  auto f = p->get_future();
+  barrier([p](const Status& s) { p->set_value(s); }, timeout);
+  if (f.wait_for(timeout + Millis{2000}) != std::future_status::ready)
+    return Status(ErrorCode::kTimeout, "barrier: no answer within " + std::to_string(timeout.count()) + " ms");
+  return f.get();
+}
+
+Status PsJob::set_strategy(std::string yaml, uint64_t iteration, Millis timeout) {
+  auto p = std::make_shared<std::promise<Status>>();
+  auto f = p->get_future();
+  set_strategy(std::move(yaml), iteration, [p](const Status& s) { p->set_value(s); });
+  if (f.wait_for(timeout) != std::future_status::ready)
+    return Status(ErrorCode::kTimeout,
+                  "set_strategy: no answer within " + std::to_string(timeout.count()) + " ms");
+  return f.get();
+}
+
+std::unique_ptr<PsClient> PsClient::create(const ClusterConfig& cluster,
+                                           const transport::TransportConfig& transport_config) {
+  return std::make_unique<ClientImpl>(cluster, transport_config);
+}
+
+}  // namespace bytecomp::server

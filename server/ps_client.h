@@ -1,0 +1,207 @@
+// The client side of the parameter server: what bytecompd (and the test tool
+// bytecomp-ps-worker) link to take part in a job.
+//
+//   auto cluster = server::load_cluster_config("cluster.yaml");
+//   transport::TransportConfig tc = ...;        // this node's transport section
+//   tc.node_id = my_node_id;                    // must be in JobSpec::nodes
+//   auto client = server::PsClient::create(cluster, tc);
+//   std::shared_ptr<server::PsJob> job = client->join(spec);  // blocks until admitted
+//   for (it = spec.start_iteration; ...; ++it)
+//     for (const Partition& p : job->my_partitions())          // all of them
+//       job->push(p.key, it, buffer_of(p), [](const Status& s) {...});
+//       job->pull(p.key, it, [](const Status& s, transport::Buffer sum) {...});
+//   job->barrier(std::chrono::seconds(30)).throw_if_error();
+//   job->leave();
+//
+// Round semantics (enforced by the server, see docs/server.md):
+//   * For each partition and iteration every node of the job pushes exactly
+//     once; when all pushes arrived the engine sums them and answers that
+//     iteration's pulls. A pull sent before the round completed waits on the
+//     server (bounded by the request timeout on our side).
+//   * A partition collects iteration i+1 once iteration i is complete; the
+//     result of i stays pullable until i+1 completes. So pull i before
+//     pushing i+1 (sending the pull request first is enough: messages from
+//     one node are handled in order).
+//   * Refusals come back as a failed Status (code kInvalidArgument) whose
+//     message names what was wrong: stale or future iteration, duplicate push
+//     from this node, wrong length, unknown key, unknown job.
+//
+// Push payload formats (per the tensor's TensorPlan):
+//   raw fp32: exactly Partition::count * 4 bytes (little-endian floats);
+//   compressed: one buffer produced by make_compressor(plan.compressor) for
+//     the partition's elements (count = Partition::count). For randomk the
+//     CompressContext::shared_seed must be partition_seed(job, key) and
+//     iteration the iteration, so all nodes pick the same indices.
+// Pull answer formats: PullFormat::kFp32 -> count*4 bytes of fp32;
+//   kFp16 -> count*2 bytes of fp16 words; kCompressed -> one compressed
+//   buffer (decompress it with the same compressor, accumulate=false).
+//
+// Error model (common/error.h): setup errors throw bytecomp::Error
+// (create(): bad config or cannot bind; join(): admission failed — the
+// message names missing nodes, the differing tensor, or the bad strategy —
+// with codes kTimeout, kInvalidArgument, kPeerLost, kUnavailable).
+// Everything asynchronous completes with a Status:
+//   kOk; kInvalidArgument (refused by the server, message says why);
+//   kTimeout (no answer within the timeout); kPeerLost (a server or the
+//   coordinator stopped answering heartbeats); kAborted (the job was aborted:
+//   a node died, a node left early, or the job failed; message names it);
+//   kUnavailable (client or job closed).
+// Once a job is aborted every pending and later operation of it fails with
+// kAborted (the first reason), and on_failure callbacks run once.
+//
+// Threading:
+//   * PsClient and PsJob are thread-safe: any method from any thread.
+//   * Completion callbacks (push/pull/barrier/set_strategy done, strategy
+//     changes, failures) run on the transport's completion thread. Do not
+//     block in them (they delay every other completion) and do not call the
+//     blocking helpers (join, barrier(timeout), leave) from them; issuing
+//     new async operations from a callback is fine.
+//   * Each callback runs exactly once, also when the job/client is closed
+//     (with kUnavailable) — no lost completions.
+//
+// Ownership:
+//   * PsClient is owned by the caller (unique_ptr); it owns its transport
+//     (one connection to each server). Destroying it closes every job
+//     (pending operations fail with kUnavailable) and joins its threads.
+//     Do not destroy it from one of its callbacks.
+//   * PsJob is shared (the client keeps a reference while the job is open so
+//     callbacks can hold one). leave() or the client's destruction closes it.
+//   * push() shares the Buffer with the transport until the bytes are sent
+//     (see transport::Buffer); do not modify the memory before its release
+//     function ran. A pulled Buffer owns its bytes.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "server/cluster_config.h"
+#include "server/job.h"
+#include "transport/transport.h"
+
+namespace bytecomp::server {
+
+using Millis = std::chrono::milliseconds;
+
+// A strategy change, effective from `iteration` on (for every node and
+// server alike). plans[i] is tensor i's plan from that iteration.
+struct StrategyChange {
+  uint64_t iteration = 0;
+  std::string strategy_yaml;
+  std::vector<TensorPlan> plans;
+};
+
+// What admission tells every party.
+struct JobInfo {
+  std::string name;
+  uint32_t uid = 0;                  // cluster-unique job number (wire id)
+  uint32_t rank = 0;                 // this node's rank
+  std::vector<NodeId> nodes;         // rank order
+  std::vector<TensorSpec> tensors;
+  bool deterministic = false;
+  uint64_t start_iteration = 0;
+  uint64_t partition_bytes = 0;
+  std::vector<ServerInfo> servers;
+  std::string strategy_yaml;         // in force from start_iteration
+  std::vector<TensorPlan> plans;     // per tensor, from strategy_yaml
+  Assignment assignment;
+};
+
+struct ServerStats {
+  uint32_t jobs = 0;              // jobs currently set up on the server
+  uint64_t job_bytes = 0;         // memory reserved for them
+  uint64_t rounds_completed = 0;  // since start
+  uint64_t pushes_refused = 0;
+  uint64_t frames_refused = 0;    // malformed / unknown messages
+};
+
+using DoneCallback = std::function<void(const Status&)>;
+using PullCallback = std::function<void(const Status&, transport::Buffer result)>;
+using StrategyCallback = std::function<void(const StrategyChange&)>;
+using FailureCallback = std::function<void(const Status&)>;
+
+class PsJob {
+ public:
+  virtual ~PsJob() = default;
+
+  virtual const JobInfo& info() const = 0;
+  // Plan of `tensor` in force at `iteration` (takes announced strategy
+  // changes into account). Throws Error(kInvalidArgument) for a bad index.
+  virtual TensorPlan plan_at(uint32_t tensor, uint64_t iteration) const = 0;
+
+  // Asynchronous data path. `timeout` Millis{0} = cluster request_timeout.
+  // Unknown keys are sent anyway (the server refuses them: that is tested).
+  virtual void push(uint64_t key, uint64_t iteration, transport::Buffer data,
+                    DoneCallback done, Millis timeout = Millis{0}) = 0;
+  virtual void pull(uint64_t key, uint64_t iteration, PullCallback done,
+                    Millis timeout = Millis{0}) = 0;
+
+  // Every node of the job calls barrier with the same sequence of calls;
+  // done runs when all arrived (kOk) or the job failed / timeout passed.
+  virtual void barrier(DoneCallback done, Millis timeout) = 0;
+  Status barrier(Millis timeout);  // blocking form
+
+  // Asks the coordinator to switch to `strategy_yaml` from `iteration` on.
+  // Refused (kInvalidArgument) when some server already collects pushes at
+  // or past `iteration` (request it at least one iteration ahead), when the
+  // YAML is invalid, or when it would move a tensor between placements
+  // (ps / ps_single / allgather need a new job). On success every party,
+  // this one included, gets on_strategy_change before done runs.
+  virtual void set_strategy(std::string strategy_yaml, uint64_t iteration,
+                            DoneCallback done) = 0;
+  Status set_strategy(std::string strategy_yaml, uint64_t iteration, Millis timeout);
+
+  // Register before pushing (callbacks added later miss earlier events,
+  // except on_failure, which runs at once if the job already failed).
+  virtual void on_strategy_change(StrategyCallback callback) = 0;
+  virtual void on_failure(FailureCallback callback) = 0;
+  // kOk while the job runs; the abort reason afterwards.
+  virtual Status status() const = 0;
+
+  // The job is done on this node: tells the coordinator (which releases the
+  // job on every server once all nodes left) and closes the handle.
+  // Pending operations fail with kUnavailable. Idempotent; blocks at most
+  // `timeout`.
+  virtual Status leave(Millis timeout = Millis{5000}) = 0;
+
+ protected:
+  PsJob() = default;
+};
+
+class PsClient {
+ public:
+  // Makes the client's transport from `transport_config` (its node_id is
+  // this node's id; listen may be empty) and connects to every server of the
+  // cluster. Throws Error (kConfig / kInvalidArgument / kUnavailable).
+  static std::unique_ptr<PsClient> create(const ClusterConfig& cluster,
+                                          const transport::TransportConfig& transport_config);
+  virtual ~PsClient() = default;
+  PsClient(const PsClient&) = delete;
+  PsClient& operator=(const PsClient&) = delete;
+
+  virtual NodeId self() const = 0;
+
+  // Registers this node for `spec` and blocks until the coordinator admitted
+  // the job (all nodes registered, declarations equal, servers set up) or
+  // refused it. `timeout` Millis{0} = cluster admission_timeout (plus a
+  // margin: the coordinator's own timeout answers first). Throws
+  // Error(kTimeout) naming the missing nodes, Error(kInvalidArgument) naming
+  // the tensor that differs and on which node, Error(kPeerLost/kUnavailable)
+  // when the coordinator cannot be reached.
+  virtual std::shared_ptr<PsJob> join(const JobSpec& spec, Millis timeout = Millis{0}) = 0;
+
+  // Asks one server for its counters (tests, monitoring).
+  virtual ServerStats stats(NodeId server, Millis timeout = Millis{5000}) = 0;
+
+  // Closes every job (kUnavailable) and the transport; idempotent.
+  virtual void close() = 0;
+
+ protected:
+  PsClient() = default;
+};
+
+}  // namespace bytecomp::server

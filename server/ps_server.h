@@ -1,0 +1,71 @@
+// bytecomp-server: the parameter server (sums pushes per partition and
+// iteration, answers pulls) and, on the server named in the cluster config,
+// the job coordinator (rendezvous, admission, strategy changes, barrier,
+// failure notification). docs/server.md describes the protocol and rounds.
+//
+// Structure:
+//   * one transport (its handler threads parse and route messages);
+//   * `engine_threads` engine threads; every partition belongs to one engine
+//     (from the assignment), which alone touches the partition's state, so
+//     the data path takes no lock shared across partitions (a job's small
+//     mutex is taken once per round, to fix the round's plan);
+//   * the coordinator's state sits behind its own mutex and one timer thread
+//     (admission deadlines); it is on the control path only.
+//
+// Threading: ParameterServer is thread-safe; shutdown() may be called from
+// any thread except the transport's and engines' own.
+// Lock order (where two meet): Coordinator::mu_ before ServerState::jobs_mu_
+// before Job::mu_. No lock is held while calling into the transport.
+// Ownership: the server owns its transport, engines and jobs; a job's memory
+// goes away when the job ends or is aborted and its last queued engine task
+// has run.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "server/cluster_config.h"
+#include "transport/transport.h"
+
+namespace bytecomp::server {
+
+struct ServerConfig {
+  NodeId node_id = 0;
+  uint32_t engine_threads = 2;
+  uint64_t max_job_bytes = 4ull << 30;     // reservation per job
+  uint64_t max_total_bytes = 16ull << 30;  // reservation over all jobs
+  uint32_t max_jobs = 64;
+  ClusterConfig cluster;
+  transport::TransportConfig transport;  // listen defaults to this server's cluster address
+
+  // server.yaml (Document::locate(path, "server.yaml"), env prefix
+  // BYTECOMP_SERVER): sections server, transport, logging. server.cluster_file
+  // (relative to server.yaml's directory) names the cluster config. Throws
+  // config::ConfigError naming file, line and key.
+  static ServerConfig load(const std::optional<std::string>& path);
+};
+
+class ParameterServer {
+ public:
+  // Binds, starts engines and handlers; a non-coordinator server registers
+  // with the coordinator in the background (retrying until it answers).
+  // Throws Error on bind/config failure.
+  explicit ParameterServer(ServerConfig config);
+  ~ParameterServer();
+  ParameterServer(const ParameterServer&) = delete;
+  ParameterServer& operator=(const ParameterServer&) = delete;
+
+  std::vector<std::string> addresses() const;
+  // Aborts every job (pending pulls answered with kUnavailable), stops the
+  // transport and joins every thread. Idempotent.
+  void shutdown();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace bytecomp::server

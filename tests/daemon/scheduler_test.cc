@@ -1,0 +1,82 @@
+#include "daemon/scheduler.h"
+
+#include <gtest/gtest.h>
+
+using bytecomp::daemon::Scheduler;
+using bytecomp::daemon::Task;
+
+TEST(Scheduler, PartitionsCoverTheTensorExactly) {
+  Scheduler s;
+  EXPECT_EQ(s.add(0, 1, 1000, 256), 4u);
+  auto b = s.next_batch(10, 1 << 20);
+  ASSERT_EQ(b.size(), 4u);
+  uint64_t at = 0;
+  for (const Task& t : b) {
+    EXPECT_EQ(t.begin, at);
+    EXPECT_EQ(t.begin % 64, 0u);
+    at = t.end;
+  }
+  EXPECT_EQ(at, 1000u);
+  EXPECT_TRUE(s.empty());
+  EXPECT_EQ(s.add(1, 1, 4, 4096), 1u);  // a single tiny partition
+}
+
+TEST(Scheduler, FirstDeclaredTensorGoesFirstAndOvertakesALargeOne) {
+  Scheduler s;
+  s.add(7, 0, 10 * 64, 64);  // large, low priority, arrived first
+  auto first = s.next_batch(2, 1 << 20);
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(first[0].tensor, 7u);
+  s.add(2, 0, 64, 64);  // arrives while tensor 7 is in progress
+  s.add(0, 0, 64, 64);
+  auto next = s.next_batch(3, 1 << 20);
+  ASSERT_EQ(next.size(), 3u);
+  EXPECT_EQ(next[0].tensor, 0u);
+  EXPECT_EQ(next[1].tensor, 2u);
+  EXPECT_EQ(next[2].tensor, 7u);
+  EXPECT_EQ(next[2].begin, 128u);  // tensor 7 resumes where it stopped
+}
+
+TEST(Scheduler, BatchRespectsBytesInFlight) {
+  Scheduler s;
+  s.add(0, 0, 1000 * 64, 256);
+  auto b = s.next_batch(100, 1024);
+  EXPECT_EQ(b.size(), 4u);  // 4 x 256 bytes
+  auto one = s.next_batch(100, 1);  // the first partition always fits
+  EXPECT_EQ(one.size(), 1u);
+}
+
+#include <cstdlib>
+
+#include "common/config.h"
+#include "daemon/config.h"
+
+using bytecomp::daemon::DaemonConfig;
+namespace config = bytecomp::config;
+
+TEST(DaemonConfig, ExampleFileParses) {
+  const std::string root = std::getenv("BYTECOMP_SOURCE_ROOT");
+  DaemonConfig c = DaemonConfig::parse(config::Document::load_file(root + "/configs/daemon.yaml"));
+  EXPECT_EQ(c.socket_path, "/run/bytecomp/bytecompd.sock");
+  EXPECT_EQ(c.socket_mode, 0666u);
+  EXPECT_EQ(c.partition_bytes, 4u << 20);
+  EXPECT_EQ(c.max_job_bytes, 16ull << 30);
+}
+
+TEST(DaemonConfig, ErrorsNameTheKey) {
+  auto err = [](const std::string& text) {
+    try {
+      DaemonConfig::parse(config::Document::parse(text, "d.yaml"));
+    } catch (const config::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(err("version: 1\ncontrol: {socket: rel.sock}\n").find("control.socket"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nshm: {instance: 'a.b'}\n").find("shm.instance"), std::string::npos);
+  EXPECT_NE(err("version: 1\nscheduler: {partition_bytes: 8MiB, max_inflight_bytes: 4MiB}\n")
+                .find("scheduler.max_inflight_bytes"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nscheduler: {thread: 2}\n").find("unknown key"), std::string::npos);
+}

@@ -1,0 +1,457 @@
+// Planner tests: hand-computed timelines, the decision tree, the algorithms
+// against the exact solver and the baselines, and input errors.
+#include <gtest/gtest.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "common/config.h"
+#include "common/error.h"
+#include "planner/cli.h"
+#include "planner/search.h"
+
+using bytecomp::Error;
+using bytecomp::config::ConfigError;
+using namespace bytecomp::planner;
+
+namespace {
+
+std::string data(const std::string& rel) { return planner_data_dir() + "/" + rel; }
+
+// Two machines with one GPU each: no intra-node steps, an 8 Gb/s link
+// (1000 bytes/us) with 10 us per step, so every figure below is by hand.
+Cluster tiny_cluster(int cores = 1) {
+  return Cluster::parse("version: 1\nname: tiny\nmachines: 2\ngpus_per_machine: 1\n"
+                        "inter: {gbps: 8, latency_us: 10}\nintra: {gbps: 8, latency_us: 10}\n"
+                        "cpu_cores: " + std::to_string(cores) + "\n",
+                        "tiny.yaml");
+}
+
+Profile two_tensors(double gap_a, double gap_b) {
+  std::ostringstream os;
+  os << "version: 1\nmodel: two\nforward_us: 0\ntensors:\n"
+     << "  - {name: a, elements: 1000, gap_us: " << gap_a << "}\n"
+     << "  - {name: b, elements: 1000, gap_us: " << gap_b << "}\n";
+  return Profile::parse(os.str(), "two.yaml");
+}
+
+// onebit: 1/8 byte per element; GPU compress 20 us, decompress 10 us per
+// piece; CPU compress 30 us, decompress 5 us (one core).
+CostTable tiny_costs() {
+  return CostTable::parse(R"(version: 1
+name: tiny
+compressors:
+  - name: onebit
+    bytes_per_element: 0.125
+    gpu: {compress: {a_us: 20}, decompress: {a_us: 10}}
+    cpu: {compress: {a_us: 30}, decompress: {a_us: 5}}
+)", "tiny-costs.yaml");
+}
+
+Option fp32() {
+  Option o;
+  o.intra = Collective::kReduceScatterAllgather;
+  return o;
+}
+
+Option onebit_flat_allgather(Device d) {
+  Option o;
+  o.compressor = "onebit";
+  o.error_feedback = false;
+  o.scheme = Scheme::kFlat;
+  o.inter = Collective::kAllgather;
+  o.comp_device = o.decomp_device = d;
+  return o;
+}
+
+int index_of(const Problem& p, Option o) {
+  // Params/error feedback as the problem enumerates them.
+  for (const Option& x : p.options())
+    if (x.compressor == o.compressor) {
+      o.params = x.params;
+      o.error_feedback = x.error_feedback;
+      break;
+    }
+  int i = p.find_option(o);
+  EXPECT_GE(i, 0) << o.describe();
+  return i;
+}
+
+const TraceEvent* find_event(const Timeline& tl, const std::string& tensor,
+                             const std::string& what) {
+  for (const TraceEvent& e : tl.events)
+    if (e.name == tensor && e.what == what) return &e;
+  return nullptr;
+}
+
+}  // namespace
+
+TEST(Simulator, OverlapWithBackward) {
+  // a ready at 100: reduce_scatter 10 + 2000/1000 = 12 us, allgather 12 us.
+  Problem p(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"));
+  Evaluator ev(p);
+  const int f = index_of(p, fp32());
+  Timeline tl;
+  EXPECT_DOUBLE_EQ(ev.evaluate({f, f}, &tl), 174.0);  // b: ready 150, +24
+  EXPECT_DOUBLE_EQ(tl.backward_end_us, 150.0);
+  EXPECT_DOUBLE_EQ(find_event(tl, "a", "allgather")->end_us, 124.0);
+}
+
+TEST(Simulator, BubbleWhenCommunicationQueues) {
+  // b is ready at 5 while a occupies the link until 24: b waits (a bubble
+  // after the backward pass ends at 5).
+  Problem p(two_tensors(0, 5), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"));
+  Evaluator ev(p);
+  const int f = index_of(p, fp32());
+  Timeline tl;
+  EXPECT_DOUBLE_EQ(ev.evaluate({f, f}, &tl), 48.0);
+  EXPECT_DOUBLE_EQ(find_event(tl, "b", "reduce_scatter")->start_us, 24.0);
+}
+
+TEST(Simulator, GpuCompressionDelaysBackward) {
+  // a (ready 100): compress on GPU [100,120], allgather 10 + 125/1000 us,
+  // decompress 2 pieces [130.125,150.125]. b's 50 us of backward only runs
+  // while the GPU is free: [120,130.125] and [150.125,190]. Then FP32: +24.
+  Problem p(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"));
+  Evaluator ev(p);
+  Timeline tl;
+  const double f = ev.evaluate(
+      {index_of(p, onebit_flat_allgather(Device::kGpu)), index_of(p, fp32())}, &tl);
+  EXPECT_NEAR(tl.backward_end_us, 190.0, 1e-9);
+  EXPECT_NEAR(f, 214.0, 1e-9);
+  EXPECT_NEAR(find_event(tl, "a", "decompress")->start_us, 130.125, 1e-9);
+}
+
+TEST(Simulator, CpuCompressionQueuesOnTheCores) {
+  // One core: a compresses [0,30], allgathers [30,40.125], decompresses two
+  // pieces [40.125,50.125]. b's compression (ready 5, 30 us) does not fit in
+  // the 10.125 us hole and waits until 50.125.
+  Problem p(two_tensors(0, 5), tiny_cluster(1), tiny_costs(), CompressorSpec::parse("onebit"));
+  Evaluator ev(p);
+  const int c = index_of(p, onebit_flat_allgather(Device::kCpu));
+  Timeline tl;
+  ev.evaluate({c, c}, &tl);
+  EXPECT_DOUBLE_EQ(find_event(tl, "b", "compress")->start_us, 50.125);
+  // Two cores halve each job: a [0,15], [15,25.125], [25.125,30.125]; b's
+  // 15 us job does not fit the 10.125 us hole either: 30.125.
+  Problem p2(two_tensors(0, 5), tiny_cluster(2), tiny_costs(), CompressorSpec::parse("onebit"));
+  Evaluator ev2(p2);
+  const int c2 = index_of(p2, onebit_flat_allgather(Device::kCpu));
+  Timeline tl2;
+  ev2.evaluate({c2, c2}, &tl2);
+  EXPECT_DOUBLE_EQ(find_event(tl2, "b", "compress")->start_us, 30.125);
+}
+
+TEST(Simulator, ChromeTraceIsValidJson) {
+  Problem p(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"));
+  Evaluator ev(p);
+  Timeline tl;
+  ev.evaluate({index_of(p, onebit_flat_allgather(Device::kGpu)), index_of(p, fp32())}, &tl);
+  YAML::Node j = YAML::Load(tl.chrome_trace_json());
+  ASSERT_TRUE(j["traceEvents"].IsSequence());
+  int complete = 0;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"].as<std::string>() == "X") ++complete;
+  EXPECT_EQ(complete, static_cast<int>(tl.events.size()));
+  EXPECT_NEAR(j["otherData"]["iteration_us"].as<double>(), 214.0, 1e-6);
+}
+
+TEST(Simulator, IncrementalEqualsFullSimulation) {
+  Problem p(Profile::load_file(data("profiles/lstm.yaml")), Cluster::load_file(data("clusters/pcie.yaml")),
+            CostTable::load_file(data("profiles/paper-results.yaml")), CompressorSpec::parse("efsignsgd"));
+  Evaluator ev(p), ref(p);
+  ev.set_base(baseline(p, Baseline::kFp32));
+  std::mt19937 rng(7);
+  for (int step = 0; step < 300; ++step) {
+    const int i = rng() % p.tensors(), o = rng() % p.options().size();
+    Assignment b = ev.base();
+    b[i] = o;
+    const double truth = ref.evaluate(b);
+    const double base = ev.base_value();
+    ASSERT_NEAR(ev.try_option(i, o), truth, 1e-6) << step;
+    const double cut = ev.try_option(i, o, base);
+    if (truth < base) ASSERT_NEAR(cut, truth, 1e-6) << step;
+    else ASSERT_TRUE(cut >= base) << step;
+    if (rng() % 3 == 0) ev.commit(i, o);
+  }
+}
+
+TEST(Options, CountsAndPruningRules) {
+  Constraints c;
+  c.include_fp16 = false;
+  const CompressorSpec dgc = CompressorSpec::parse("dgc:0.01");
+  // Uncompressed: flat 3 collectives + hierarchical 2 divisible intra x 3
+  // inter = 9. DGC flat: 3 gathering collectives x 4 device pairs = 12.
+  // Hierarchical: (2 raw intra + 2 compressed intra) x 3 inter x 2
+  // decompression places x 4 device pairs = 96. Total 117.
+  const OptionCount all = count_options(dgc, c, {});
+  EXPECT_EQ(all.total, 117u);
+  EXPECT_EQ(all.uncompressed, 9u);
+  EXPECT_EQ(all.flat, 15u);
+  EXPECT_EQ(enumerate_options(dgc, c).size(), all.total);
+  const OptionCount none = count_options(dgc, c, {false, false, false});
+  const OptionCount r1 = count_options(dgc, c, {true, false, false});
+  const OptionCount r2 = count_options(dgc, c, {true, true, false});
+  EXPECT_GT(none.total, r1.total);
+  EXPECT_GT(r1.total, r2.total);
+  EXPECT_GT(r2.total, all.total);
+  // R1 removes the 3 extra placements of every flat option: 3 x 4 for none
+  // (before R3) and 3 x 12 for dgc.
+  EXPECT_EQ(none.total - r1.total, 3u * (3 * 4 + 12));
+  // Every enumerated option is a valid strategy option.
+  for (const Option& o : enumerate_options(CompressorSpec::parse("randomk:0.01"), Constraints{}))
+    EXPECT_EQ(o.problem(), "") << o.describe();
+}
+
+TEST(Options, UserConstraints) {
+  const CompressorSpec spec = CompressorSpec::parse("topk:0.01");
+  Constraints nogpu;
+  nogpu.allow_gpu = false;
+  for (const Option& o : enumerate_options(spec, nogpu))
+    EXPECT_TRUE(!o.compressed() || (o.comp_device == Device::kCpu && o.decomp_device == Device::kCpu));
+  Constraints once;
+  once.max_compressions = 1;
+  auto v = enumerate_options(spec, once);
+  EXPECT_LT(v.size(), enumerate_options(spec, Constraints{}).size());
+  for (const Option& o : v) EXPECT_LE(compression_ops(o), 1) << o.describe();
+  Constraints cpu;
+  cpu.cpu_runtime_only = true;
+  auto rt = enumerate_options(spec, cpu);
+  ASSERT_FALSE(rt.empty());
+  for (const Option& o : rt) EXPECT_NE(runtime_inter_mode(o), "") << o.describe();
+}
+
+Problem random_instance(std::mt19937& rng, const CostTable& costs) {
+  return random_small_problem(rng, costs, 3);
+}
+
+TEST(Search, HeuristicVersusExactAndBaselines) {
+  const CostTable costs = CostTable::load_file(data("profiles/paper-results.yaml"));
+  std::mt19937 rng(42);
+  for (int k = 0; k < 8; ++k) {
+    Problem p = random_instance(rng, costs);
+    double best = 0;
+    Assignment ex = exact(p, &best);
+    ASSERT_FALSE(ex.empty());
+    Evaluator ev(p);
+    const double ours = ev.evaluate(plan(p));
+    EXPECT_NEAR(ev.evaluate(ex), best, 1e-6);
+    EXPECT_LE(best, ours + 1e-6);
+    for (Baseline b : kBaselines) {
+      Assignment a = baseline(p, b);
+      if (a.empty()) continue;
+      const double fb = ev.evaluate(a);
+      EXPECT_LE(ours, fb + 1e-6) << to_string(b);
+      EXPECT_LE(best, fb + 1e-6) << to_string(b);
+    }
+  }
+}
+
+TEST(Search, BranchAndBoundEqualsBruteForce) {
+  const CostTable costs = CostTable::load_file(data("profiles/paper-results.yaml"));
+  std::mt19937 rng(5);
+  for (int k = 0; k < 3; ++k) {
+    Problem full = random_instance(rng, costs);
+    // Two of the three tensors keep the brute force at 117^2 simulations.
+    Profile prof = full.profile();
+    prof.tensors.pop_back();
+    Problem p(prof, full.cluster(), full.costs(), full.compressor(), full.constraints());
+    double best = 0;
+    ASSERT_FALSE(exact(p, &best).empty());
+    Evaluator ev(p);
+    const int n = static_cast<int>(p.options().size());
+    double brute = std::numeric_limits<double>::infinity();
+    for (int a = 0; a < n; ++a)
+      for (int b = 0; b < n; ++b) brute = std::min(brute, ev.evaluate({a, b}));
+    EXPECT_NEAR(brute, best, 1e-6);
+  }
+}
+
+TEST(Search, PaperWorkloadsBeatEveryBaselineAndRespectTheUpperBound) {
+  const CostTable costs = CostTable::load_file(data("profiles/paper-results.yaml"));
+  for (auto [model, cluster, comp] : {std::tuple{"vgg16", "pcie", "randomk:0.01"},
+                                      std::tuple{"lstm", "pcie", "efsignsgd"},
+                                      std::tuple{"gpt2", "nvlink", "efsignsgd"}}) {
+    Problem p(Profile::load_file(data(std::string("profiles/") + model + ".yaml")),
+              Cluster::load_file(data(std::string("clusters/") + cluster + ".yaml")), costs,
+              CompressorSpec::parse(comp));
+    PlanStats st;
+    Assignment a = plan(p, {}, &st);
+    Evaluator ev(p);
+    const double ours = ev.evaluate(a);
+    for (Baseline b : kBaselines) {
+      Assignment ba = baseline(p, b);
+      ASSERT_FALSE(ba.empty());
+      EXPECT_LE(ours, ev.evaluate(ba) + 1e-6) << model << " " << to_string(b);
+    }
+    EXPECT_GE(ours, ev.lower_bound() - 1e-6);
+    EXPECT_LE(upper_bound_us(p), ours + 1e-6) << model;
+    EXPECT_GT(st.simulations, 0u);
+  }
+}
+
+TEST(Inputs, ProfileErrors) {
+  auto err = [](const std::string& text) {
+    try {
+      Profile::parse(text, "p.yaml");
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(err("version: 1\nmodel: m\n").find("tensors"), std::string::npos);
+  EXPECT_NE(err("version: 1\nmodel: m\ntensors: []\n").find("at least one"), std::string::npos);
+  std::string e = err("version: 1\nmodel: m\ntensors:\n  - {name: a, elements: 0, gap_us: 1}\n");
+  EXPECT_NE(e.find("p.yaml:4"), std::string::npos) << e;
+  EXPECT_NE(e.find("tensors[0].elements"), std::string::npos) << e;
+  e = err("version: 1\nmodel: m\ntensors:\n  - {name: a, elements: 4, gap_us: -1}\n");
+  EXPECT_NE(e.find("gap_us"), std::string::npos) << e;
+  e = err("version: 1\nmodel: m\ntensors:\n  - {name: a, elements: 4}\n");
+  EXPECT_NE(e.find("gap_us"), std::string::npos) << e;
+  EXPECT_NO_THROW(Profile::load_file(data("profiles/resnet101.yaml")));
+  EXPECT_EQ(Profile::load_file(data("profiles/resnet101.yaml")).tensors.size(), 314u);
+}
+
+TEST(Inputs, ClusterErrors) {
+  auto err = [](const std::string& text) {
+    try {
+      Cluster::parse(text, "c.yaml");
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(err("version: 1\ngpus_per_machine: 8\n").find("machines"), std::string::npos);
+  EXPECT_NE(err("version: 1\nmachines: 0\ngpus_per_machine: 8\n").find("out of range"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nmachines: 2\ngpus_per_machine: 8\ninter: {gbps: 0}\n").find("inter.gbps"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nmachines: 2\ngpus_per_machine: 8\nservers: {placement: dedicated}\n")
+                .find("count"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nmachines: 2\ngpus_per_machine: 8\nservers: {placement: cloud}\n")
+                .find("colocated"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nmachines: 2\ngpus_per_machine: 8\nnics: 2\n").find("unknown key 'nics'"),
+            std::string::npos);
+}
+
+TEST(Inputs, CostTablesAndConverter) {
+  const CostTable v100 = CostTable::load_file(data("profiles/paper-results.yaml"));
+  ASSERT_NE(v100.find("randomk"), nullptr);
+  ASSERT_NE(v100.find("fp16"), nullptr);
+  // randomk: total 88 us, decode 34 us per 2^20-element shard.
+  EXPECT_DOUBLE_EQ(v100.find("randomk")->gpu->compress.at(1 << 20), 54.0);
+  EXPECT_DOUBLE_EQ(v100.find("randomk")->gpu->decompress.at(1 << 21), 68.0);
+  EXPECT_DOUBLE_EQ(v100.find("randomk")->gpu->decompress.at(10), 34.0);
+  EXPECT_DOUBLE_EQ(v100.find("randomk")->bytes_per_element, 0.08);
+  // Round trip through the costs format.
+  const CostTable back = CostTable::parse(v100.to_yaml(), "back.yaml");
+  EXPECT_DOUBLE_EQ(back.find("dgc")->gpu->compress.at(3 << 20), v100.find("dgc")->gpu->compress.at(3 << 20));
+  // Google Benchmark JSON: 1 ms at 2^20 and 21 ms at 2^20 * 21 elements ->
+  // b = 1 ms per 2^20 elements, a = 0; threads:2 ignored; medians preferred.
+  const char* json = R"({"context": {}, "benchmarks": [
+    {"name": "BM_Compress/topk/1048576", "run_type": "iteration", "real_time": 1000000, "time_unit": "ns"},
+    {"name": "BM_Compress/topk/22020096", "run_type": "iteration", "real_time": 21000, "time_unit": "us"},
+    {"name": "BM_Compress/topk/22020096/threads:2", "run_type": "iteration", "real_time": 1, "time_unit": "us"},
+    {"name": "BM_Decompress/topk/1048576_median", "run_name": "BM_Decompress/topk/1048576", "run_type": "aggregate", "aggregate_name": "median", "real_time": 110, "time_unit": "us"},
+    {"name": "BM_Decompress/topk/1048576_mean", "run_name": "BM_Decompress/topk/1048576", "run_type": "aggregate", "aggregate_name": "mean", "real_time": 999, "time_unit": "us"},
+    {"name": "BM_Memcpy/1048576", "run_type": "iteration", "real_time": 50, "time_unit": "us"}
+  ]})";
+  const CostTable t = CostTable::from_compress_bench_json(json, "bench.json");
+  ASSERT_NE(t.find("topk"), nullptr);
+  EXPECT_NEAR(t.find("topk")->cpu->compress.b_us_per_melem, 1000.0, 1e-9);
+  EXPECT_NEAR(t.find("topk")->cpu->compress.a_us, 0.0, 1e-9);
+  EXPECT_NEAR(t.find("topk")->cpu->decompress.at(1 << 20), 110.0, 1e-9);
+  EXPECT_DOUBLE_EQ(t.find("topk")->bytes_per_element, 0.08);
+  EXPECT_FALSE(t.find("topk")->gpu.has_value());
+  auto err = [](auto fn) {
+    try {
+      fn();
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(err([] { CostTable::from_compress_bench_json("{not json", "b.json"); }).find("b.json"),
+            std::string::npos);
+  EXPECT_NE(err([] { CostTable::from_compress_bench_json("{}", "b.json"); }).find("benchmarks"),
+            std::string::npos);
+  EXPECT_NE(err([] {
+              CostTable::from_compress_bench_json(
+                  R"({"benchmarks":[{"name":"BM_Compress/topk/1024","real_time":5,"time_unit":"us"}]})",
+                  "b.json");
+            }).find("no BM_Decompress"),
+            std::string::npos);
+  EXPECT_NE(err([] { CostTable::parse("version: 1\ncompressors:\n  - {name: zip}\n", "c.yaml"); })
+                .find("compressors[0].name"),
+            std::string::npos);
+  EXPECT_NE(err([] { CostTable::parse("version: 1\ncompressors:\n  - {name: topk}\n", "c.yaml"); })
+                .find("gpu and/or cpu"),
+            std::string::npos);
+}
+
+TEST(Inputs, CompressorSpec) {
+  EXPECT_EQ(CompressorSpec::parse("randomk:0.01").params.at("ratio"), "0.01");
+  EXPECT_EQ(CompressorSpec::parse("qsgd:16").params.at("levels"), "16");
+  EXPECT_EQ(CompressorSpec::parse("dgc:ratio=0.05,momentum=0.9").params.at("momentum"), "0.9");
+  EXPECT_THROW(CompressorSpec::parse("zip"), Error);
+  EXPECT_THROW(CompressorSpec::parse("none"), Error);
+  EXPECT_THROW(CompressorSpec::parse("randomk:2"), Error);
+  EXPECT_THROW(CompressorSpec::parse("randomk:ratio="), Error);
+  // A table without the compressor is refused with its name.
+  try {
+    Problem p(two_tensors(1, 1), tiny_cluster(), tiny_costs(), CompressorSpec::parse("topk:0.01"));
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("topk"), std::string::npos);
+  }
+}
+
+TEST(Cli, PlansWritesAStrategyTheDaemonAcceptsAndATrace) {
+  const std::string dir = std::filesystem::temp_directory_path() /
+                          ("bc_plan_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  std::ostringstream out, err;
+  const std::vector<std::string> args = {
+      "--profile", data("profiles/vgg16.yaml"), "--cluster", data("clusters/pcie.yaml"),
+      "--compressor", "randomk:0.01", "--runtime", "cpu", "--out", dir + "/s.yaml",
+      "--trace", dir + "/t.json", "--json"};
+  ASSERT_EQ(run_cli(args, out, err), 0) << err.str();
+  YAML::Node j = YAML::Load(out.str());
+  EXPECT_EQ(j["tensors"].as<int>(), 32);
+  EXPECT_GT(j["speedup_over_fp32"]["ours"].as<double>(), 1.0);
+  Strategy s = Strategy::load_file(dir + "/s.yaml");
+  std::vector<TensorDecl> decl;
+  for (const auto& t : Profile::load_file(data("profiles/vgg16.yaml")).tensors)
+    decl.push_back({t.name, 4 * t.elements});
+  EXPECT_NO_THROW(s.check_cpu_runtime(decl));
+  EXPECT_TRUE(YAML::LoadFile(dir + "/t.json")["traceEvents"].IsSequence());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Cli, ErrorsNameWhatIsWrong) {
+  auto run = [](std::vector<std::string> args) {
+    std::ostringstream out, err;
+    const int rc = run_cli(args, out, err);
+    return std::pair{rc, err.str()};
+  };
+  auto [rc, e] = run({"--cluster", "c.yaml", "--compressor", "topk"});
+  EXPECT_EQ(rc, 1);
+  EXPECT_NE(e.find("--profile"), std::string::npos);
+  std::tie(rc, e) = run({"--profile", "/nonexistent.yaml", "--cluster", "c", "--compressor", "topk"});
+  EXPECT_NE(e.find("/nonexistent.yaml"), std::string::npos);
+  std::tie(rc, e) = run({"--bogus"});
+  EXPECT_NE(e.find("--bogus"), std::string::npos);
+  std::tie(rc, e) = run({"count", "--compressor", "dgc:0.01", "--runtime", "gpu"});
+  EXPECT_NE(e.find("accepted: any, cpu"), std::string::npos);
+  std::tie(rc, e) = run({});
+  EXPECT_EQ(rc, 2);
+  std::ostringstream out, err;
+  EXPECT_EQ(run_cli({"count", "--compressor", "dgc:0.01", "--no-fp16", "--json"}, out, err), 0);
+  EXPECT_EQ(YAML::Load(out.str())["pruned"].as<int>(), 117);
+}

@@ -1,0 +1,194 @@
+#include "planner/strategy.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "common/config.h"
+
+using bytecomp::config::ConfigError;
+using namespace bytecomp::planner;
+
+namespace {
+
+const char* kSample = R"(version: 1
+meta: {model: bert_base}
+default:
+  compressor: none
+  scheme: hierarchical
+  intra: reduce_broadcast
+  inter: reduce_scatter_allgather
+rules:
+  - match: "*.bias"
+    option: {compressor: none, inter: reduce_broadcast}
+  - match: "*"
+    min_bytes: 1MiB
+    option:
+      compressor: topk
+      params: {ratio: 0.01}
+      error_feedback: true
+      comp_device: cpu
+      decomp_device: cpu
+      inter: alltoall_allgather
+entries:
+  - tensor: fc.weight
+    option: {compressor: fp16, inter: allreduce}
+)";
+
+std::string error_of(const std::string& text) {
+  try {
+    Strategy::parse(text, "s.yaml");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Strategy, ParsesAndResolvesExactThenRuleThenDefault) {
+  Strategy s = Strategy::parse(kSample, "s.yaml");
+  EXPECT_EQ(s.meta.at("model"), "bert_base");
+  EXPECT_EQ(s.resolve("fc.weight", 1 << 30).compressor, "fp16");
+  EXPECT_EQ(s.resolve("fc.weight", 1 << 30).inter, Collective::kAllreduce);
+  // Rule order: a big bias matches the first rule.
+  EXPECT_EQ(s.resolve("layer.bias", 8 << 20).inter, Collective::kReduceBroadcast);
+  const Option& big = s.resolve("layer.weight", 2 << 20);
+  EXPECT_EQ(big.compressor, "topk");
+  EXPECT_EQ(big.params.at("ratio"), "0.01");
+  EXPECT_TRUE(big.error_feedback);
+  EXPECT_EQ(runtime_inter_mode(big), "ps");
+  // Below min_bytes: default.
+  EXPECT_EQ(s.resolve("layer.weight", 1000).compressor, "none");
+  EXPECT_EQ(runtime_inter_mode(s.resolve("layer.weight", 1000)), "ps");
+}
+
+TEST(Strategy, SaveLoadRoundTrips) {
+  Strategy s = Strategy::parse(kSample, "s.yaml");
+  Option o;
+  o.compressor = "dgc";
+  o.params = {{"ratio", "0.01"}, {"momentum", "0.9"}};
+  o.error_feedback = true;
+  o.comp_device = Device::kGpu;
+  o.decomp_device = Device::kCpu;
+  o.scheme = Scheme::kHierarchical;
+  o.intra = Collective::kAlltoallAllgather;
+  o.inter = Collective::kAllgather;
+  o.compress_before = Stage::kIntra;
+  o.decompress_after = Stage::kIntra;
+  ASSERT_EQ(o.problem(), "");
+  s.add_entry({"tricky \"name\": x", o});
+  Option flat;
+  flat.compressor = "efsignsgd";
+  flat.scheme = Scheme::kFlat;
+  flat.inter = Collective::kGatherBroadcast;
+  s.add_entry({"flat.t", flat});
+  const std::string path = std::filesystem::temp_directory_path() /
+                           ("bc_strategy_" + std::to_string(getpid()) + ".yaml");
+  s.save(path);
+  Strategy back = Strategy::load_file(path);
+  std::filesystem::remove(path);
+  ASSERT_EQ(back.entries().size(), s.entries().size());
+  for (size_t i = 0; i < s.entries().size(); ++i) {
+    EXPECT_EQ(back.entries()[i].tensor, s.entries()[i].tensor);
+    EXPECT_EQ(back.entries()[i].option, s.entries()[i].option) << back.entries()[i].option.describe();
+  }
+  ASSERT_EQ(back.rules().size(), 2u);
+  EXPECT_EQ(back.rules()[1].min_bytes, 1u << 20);
+  EXPECT_EQ(back.rules()[1].option, s.rules()[1].option);
+  EXPECT_EQ(back.default_option(), s.default_option());
+  EXPECT_EQ(back.meta, s.meta);
+  EXPECT_EQ(back.to_yaml(), s.to_yaml());
+}
+
+TEST(Strategy, ErrorsAreLocatedAndNamed) {
+  EXPECT_NE(error_of("version: 2\n").find("version"), std::string::npos);
+  std::string e = error_of("version: 1\ndefault: {compressor: zip}\n");
+  EXPECT_NE(e.find("s.yaml:2"), std::string::npos) << e;
+  EXPECT_NE(e.find("default.compressor"), std::string::npos) << e;
+  EXPECT_NE(e.find("randomk"), std::string::npos) << e;  // accepted values listed
+  e = error_of("version: 1\ndefault: {compressor: none, inter: allgather}\n");
+  EXPECT_NE(e.find("cannot carry uncompressed"), std::string::npos) << e;
+  e = error_of("version: 1\ndefault: {compressor: topk, inter: allreduce}\n");
+  EXPECT_NE(e.find("cannot carry data compressed by topk"), std::string::npos) << e;
+  // randomk with a shared seed is additive: allreduce is fine.
+  EXPECT_EQ(error_of("version: 1\ndefault: {compressor: randomk, inter: allreduce}\n"), "");
+  e = error_of("version: 1\ndefault: {compressor: none, params: {ratio: 1}}\n");
+  EXPECT_NE(e.find("takes no params"), std::string::npos) << e;
+  e = error_of("version: 1\ndefault: {compressor: topk, params: {ratio: [1]}, inter: allgather}\n");
+  EXPECT_NE(e.find("params.ratio"), std::string::npos) << e;
+  e = error_of("version: 1\ndefault: {compressor: topk, inter: allgather, scheme: flat, "
+               "compress_before: intra}\n");
+  EXPECT_NE(e.find("flat scheme has one phase"), std::string::npos) << e;
+  e = error_of("version: 1\ndefault: {compressor: none, intra: allreduce}\n");
+  EXPECT_NE(e.find("indivisible"), std::string::npos) << e;
+  e = error_of("version: 1\ndefault: {compressor: none, colour: red}\n");
+  EXPECT_NE(e.find("unknown key 'default.colour'"), std::string::npos) << e;
+  e = error_of("version: 1\nentries:\n  - {tensor: a, option: {compressor: none}}\n"
+               "  - {tensor: a, option: {compressor: none}}\n");
+  EXPECT_NE(e.find("two entries"), std::string::npos) << e;
+  EXPECT_NE(e.find("s.yaml:4"), std::string::npos) << e;
+  e = error_of("version: 1\nentries:\n  - {tensor: a}\n");
+  EXPECT_NE(e.find("option"), std::string::npos) << e;
+  e = error_of("version: 1\nrules:\n  - {match: x, min_bytes: 10, max_bytes: 5, option: {}}\n");
+  EXPECT_NE(e.find("max_bytes is below"), std::string::npos) << e;
+  e = error_of("version: 1\nrules:\n  - {match: x, min_bytes: lots, option: {}}\n");
+  EXPECT_NE(e.find("rules[0].min_bytes"), std::string::npos) << e;
+  e = error_of("version: 1\nentries: [\n");
+  EXPECT_NE(e.find("s.yaml"), std::string::npos) << e;
+  try {
+    Strategy::load_file("/nonexistent/strategy.yaml");
+    ADD_FAILURE();
+  } catch (const ConfigError& err) {
+    EXPECT_NE(std::string(err.what()).find("/nonexistent/strategy.yaml"), std::string::npos);
+  }
+}
+
+TEST(Strategy, CheckNamesUnknownTensors) {
+  Strategy s = Strategy::parse(kSample, "s.yaml");
+  EXPECT_NO_THROW(s.check({{"fc.weight", 400}, {"other", 4}}));
+  try {
+    s.check({{"other", 4}});
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'fc.weight'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Strategy, CpuRuntimeRefusesWhatItCannotRun) {
+  Strategy s = Strategy::parse(kSample, "s.yaml");
+  EXPECT_NO_THROW(s.check_cpu_runtime({{"fc.weight", 400}, {"a.bias", 4}, {"w", 4 << 20}}));
+  Option gpu;
+  gpu.compressor = "randomk";
+  gpu.comp_device = Device::kGpu;
+  gpu.inter = Collective::kAllgather;
+  s.add_entry({"g", gpu});
+  try {
+    s.check_cpu_runtime({{"fc.weight", 400}, {"g", 4}});
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'g'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("GPU compression"), std::string::npos) << e.what();
+  }
+  Option o;
+  o.compressor = "onebit";
+  o.inter = Collective::kGatherBroadcast;
+  EXPECT_EQ(runtime_inter_mode(o), "ps_single");
+  o.inter = Collective::kAllgather;
+  EXPECT_EQ(runtime_inter_mode(o), "allgather");
+  o.scheme = Scheme::kFlat;
+  EXPECT_EQ(runtime_inter_mode(o), "");
+  EXPECT_NE(cpu_runtime_unsupported(o).find("hierarchical"), std::string::npos);
+}
+
+TEST(Strategy, GlobRules) {
+  Rule r;
+  r.match = "bert.*.bias";
+  r.min_bytes = 8;
+  r.max_bytes = 16;
+  EXPECT_TRUE(r.matches("bert.layer.0.bias", 8));
+  EXPECT_FALSE(r.matches("bert.layer.0.bias", 17));
+  EXPECT_FALSE(r.matches("bert.layer.0.weight", 8));
+  EXPECT_FALSE(r.matches("gpt.bias", 8));
+}

@@ -1,0 +1,52 @@
+"""Multi-process checks of bytecomp.torch for test_multi (under bytecomp-run).
+
+    multi_worker.py state         broadcast_optimizer_state / broadcast_object /
+                                  allreduce give every rank root's values
+    multi_worker.py mismatch      rank 1 passes a different state_dict to
+                                  broadcast_parameters: every rank must raise
+    multi_worker.py declare       rank 1 builds a different model: the job
+                                  must not start, each rank raises
+Prints 'OK <what>' or 'RAISED <class>: <message>' (then exits 3)."""
+import sys
+
+import torch
+
+import bytecomp
+import bytecomp.torch as bc
+
+mode = sys.argv[1]
+bc.init()
+r = bc.rank()
+try:
+    if mode == "state":
+        torch.manual_seed(r)
+        m = torch.nn.Linear(5, 3)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        if r == 0:   # only the root has momentum buffers
+            m(torch.randn(4, 5)).sum().backward()
+            opt.step()
+        bc.broadcast_parameters(m.state_dict(), root_rank=0)
+        bc.broadcast_optimizer_state(opt, root_rank=0)
+        got = [m.weight.detach().clone(), m.bias.detach().clone()] + [
+            opt.state[p]["momentum_buffer"].clone() for p in m.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in got]).double()
+        mean = bc.allreduce(flat, average=True)
+        assert torch.equal(mean, flat), "ranks differ after the broadcasts"
+        assert opt.param_groups[0]["lr"] == 0.1
+        obj = bc.broadcast_object({"rank": r, "data": list(range(r + 3))}, root_rank=1)
+        assert obj == {"rank": 1, "data": [0, 1, 2, 3]}, obj
+        s = bc.allreduce(torch.tensor([float(r)]), average=False)
+        assert s.item() == sum(range(bc.size())), s
+        print("OK state", flush=True)
+    elif mode == "mismatch":
+        sd = {"w": torch.zeros(4)} if r != 1 else {"w": torch.zeros(5)}
+        bc.broadcast_parameters(sd, root_rank=0)
+        print("OK mismatch (not detected)", flush=True)
+    elif mode == "declare":
+        m = torch.nn.Linear(4, 2 if r != 1 else 3)
+        bc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1),
+                                named_parameters=m.named_parameters())
+        print("OK declare (not detected)", flush=True)
+except (ValueError, bytecomp.BytecompError) as e:
+    print("RAISED %s: %s" % (type(e).__name__, e), flush=True)
+    sys.exit(3)

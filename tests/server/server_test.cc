@@ -1,0 +1,729 @@
+// bytecomp-server with real processes on loopback: a server process, worker
+// processes (bytecomp-ps-worker, built on the client library the daemon
+// links) and in-process clients of that same library for the refusal cases.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <zmq.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <map>
+#include <thread>
+
+#include "compress/compressor.h"
+#include "compress/reduce.h"
+#include "server/protocol.h"
+#include "server/ps_client.h"
+#include "tests/server/proc.h"
+#include "tests/server/testdata.h"
+
+using namespace bytecomp;
+using namespace bytecomp::server;
+using namespace std::chrono_literals;
+using testing_proc = bytecomp::server::testing::Process;
+namespace td = bytecomp::server::testing;
+
+namespace {
+
+constexpr uint64_t kPartitionBytes = 64 * 1024;
+
+struct Dump {
+  std::map<std::pair<uint64_t, uint64_t>, std::string> results;  // (iteration, key) -> bytes
+};
+
+Dump read_dump(const std::string& path) {
+  Dump d;
+  std::string s = td::read_file(path);
+  size_t pos = 0;
+  while (pos + 24 <= s.size()) {
+    uint64_t h[3];
+    std::memcpy(h, s.data() + pos, 24);
+    pos += 24;
+    if (pos + h[2] > s.size()) break;
+    d.results[{h[0], h[1]}] = s.substr(pos, h[2]);
+    pos += h[2];
+  }
+  return d;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/bytecomp-server-test-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    workers_.clear();
+    if (server_) {
+      server_->kill(SIGTERM);
+      bool exited = server_->wait(10s);
+      EXPECT_TRUE(exited) << "server did not exit on SIGTERM";
+      if (exited && !server_killed_) {
+        EXPECT_EQ(server_->exit_code(), 0) << server_->err();
+        EXPECT_NE(server_->err().find("stopped"), std::string::npos) << server_->err();
+      }
+      server_.reset();
+    }
+    std::filesystem::remove_all(dir_);
+  }
+
+  void write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ + "/" + name) << text;
+  }
+
+  std::string cluster_yaml(const std::string& address, int admission_ms) {
+    return "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: " +
+           std::to_string(kPartitionBytes) + "\n  servers:\n    - {id: 0, address: \"" + address +
+           "\"}\n  daemons:\n    - {id: 100, address: \"tcp://127.0.0.1:9\"}\n"
+           "  timeouts: {admission_ms: " +
+           std::to_string(admission_ms) +
+           ", request_ms: 10000, setup_ms: 5000}\n"
+           "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n";
+  }
+
+  // Starts the server on an ephemeral port and writes cluster.yaml for clients.
+  void start_server(int admission_ms = 5000, const std::string& extra = "") {
+    write("server-cluster.yaml", cluster_yaml("tcp://127.0.0.1:0", admission_ms));
+    write("server.yaml",
+          "version: 1\nserver: {node_id: 0, cluster_file: server-cluster.yaml, engine_threads: 2" +
+              extra +
+              "}\ntransport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1, "
+              "handler_threads: 2}\nlogging: {levels: info}\n");
+    std::string ready = dir_ + "/ready";
+    server_ = std::make_unique<testing_proc>(
+        std::vector<std::string>{td::self_dir() + "/../../server/bytecomp-server", "--config",
+                                 dir_ + "/server.yaml", "--ready-file", ready},
+        dir_ + "/server.out", dir_ + "/server.err");
+    auto until = std::chrono::steady_clock::now() + 15s;
+    while (!std::filesystem::exists(ready)) {
+      ASSERT_TRUE(server_->running()) << server_->err();
+      ASSERT_LT(std::chrono::steady_clock::now(), until) << "server did not get ready";
+      std::this_thread::sleep_for(10ms);
+    }
+    std::string addr = td::read_file(ready);
+    addr.erase(addr.find_last_not_of("\n") + 1);
+    address_ = addr;
+    write("cluster.yaml", cluster_yaml(addr, admission_ms));
+    cluster_ = load_cluster_config(dir_ + "/cluster.yaml");
+  }
+
+  testing_proc& worker(const std::string& tag, std::vector<std::string> args) {
+    args.insert(args.begin(), {td::self_dir() + "/bytecomp-ps-worker", "--cluster",
+                               dir_ + "/cluster.yaml"});
+    workers_.push_back(std::make_unique<testing_proc>(args, dir_ + "/" + tag + ".out",
+                                                      dir_ + "/" + tag + ".err"));
+    return *workers_.back();
+  }
+
+  std::unique_ptr<PsClient> client(NodeId id) {
+    transport::TransportConfig tc = cluster_.transport;
+    tc.node_id = id;
+    tc.listen = {};
+    return PsClient::create(cluster_, tc);
+  }
+
+  ServerStats stats() {
+    auto c = client(199);
+    return c->stats(0);
+  }
+
+  // Polls until the server holds no job (memory released).
+  void expect_released() {
+    ServerStats s;
+    auto until = std::chrono::steady_clock::now() + 5s;
+    do {
+      s = stats();
+      if (s.jobs == 0 && s.job_bytes == 0) return;
+      std::this_thread::sleep_for(50ms);
+    } while (std::chrono::steady_clock::now() < until);
+    ADD_FAILURE() << "server still holds " << s.jobs << " jobs, " << s.job_bytes << " bytes";
+  }
+
+  std::string dir_;
+  std::string address_;
+  ClusterConfig cluster_;
+  std::unique_ptr<testing_proc> server_;
+  bool server_killed_ = false;
+  std::vector<std::unique_ptr<testing_proc>> workers_;
+};
+
+std::string nodes_arg(const std::vector<NodeId>& n) {
+  std::string s;
+  for (NodeId id : n) s += (s.empty() ? "" : ",") + std::to_string(id);
+  return s;
+}
+
+// Reference of a raw fp32 job: sums in rank order, one float addition per
+// element and rank, like the server's deterministic mode.
+std::vector<float> raw_reference(uint64_t seed, uint32_t ranks, uint32_t tensor, uint64_t it,
+                                 const Partition& p) {
+  std::vector<float> sum(p.count), tmp(p.count);
+  td::fill(sum.data(), p.count, seed, 0, tensor, it, p.offset);
+  for (uint32_t r = 1; r < ranks; ++r) {
+    td::fill(tmp.data(), p.count, seed, r, tensor, it, p.offset);
+    for (uint64_t i = 0; i < p.count; ++i) sum[i] += tmp[i];
+  }
+  return sum;
+}
+
+std::vector<TensorSpec> parse_tensors(const std::string& s) {
+  std::vector<TensorSpec> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto c = item.find(':');
+    out.push_back({item.substr(0, c), std::stoull(item.substr(c + 1)), compress::DType::kFloat32});
+  }
+  return out;
+}
+
+void check_raw_dump(const Dump& d, const std::vector<TensorSpec>& tensors, uint64_t seed,
+                    uint32_t ranks, uint64_t start, uint64_t iterations, bool exact) {
+  std::vector<TensorPlan> plans(tensors.size());
+  ServerInfo s0{0, "", 2};
+  Assignment a = assign_partitions(tensors, plans, {s0}, kPartitionBytes);
+  size_t checked = 0;
+  for (uint64_t it = start; it < start + iterations; ++it)
+    for (const Partition& p : a.partitions) {
+      auto f = d.results.find({it, p.key});
+      ASSERT_NE(f, d.results.end()) << "no result for iteration " << it << " key " << p.key;
+      std::vector<float> ref = raw_reference(seed, ranks, p.tensor, it, p);
+      ASSERT_EQ(f->second.size(), ref.size() * 4);
+      const float* got = reinterpret_cast<const float*>(f->second.data());
+      if (exact) {
+        ASSERT_EQ(std::memcmp(got, ref.data(), ref.size() * 4), 0)
+            << "iteration " << it << " key " << p.key << " differs bitwise";
+      } else {
+        for (size_t i = 0; i < ref.size(); ++i)
+          ASSERT_NEAR(got[i], ref[i], 1e-5f * ranks * 4) << "iteration " << it << " element " << i;
+      }
+      ++checked;
+    }
+  EXPECT_EQ(checked, iterations * a.partitions.size());
+}
+
+}  // namespace
+
+TEST_F(ServerTest, DeterministicSumsAreExactOverManyIterations) {
+  start_server();
+  const std::string tensors = "emb:70000,fc:20000,bias:7";  // 5 + 2 + 1 partitions
+  const std::vector<NodeId> nodes = {100, 101, 102};
+  const uint64_t iters = 15;
+  for (size_t r = 0; r < nodes.size(); ++r)
+    worker("w" + std::to_string(r),
+           {"--node", std::to_string(nodes[r]), "--job", "det", "--nodes", nodes_arg(nodes),
+            "--tensors", tensors, "--deterministic", "--iterations", std::to_string(iters),
+            "--start", "3", "--seed", "42", "--dump", dir_ + "/w" + std::to_string(r) + ".bin",
+            "--leave"});
+  for (auto& w : workers_) {
+    ASSERT_TRUE(w->wait(60s)) << w->out() << w->err();
+    ASSERT_EQ(w->exit_code(), 0) << w->out() << w->err();
+    EXPECT_NE(w->out().find("OK"), std::string::npos);
+  }
+  for (size_t r = 0; r < nodes.size(); ++r)
+    check_raw_dump(read_dump(dir_ + "/w" + std::to_string(r) + ".bin"), parse_tensors(tensors), 42,
+                   3, 3, iters, /*exact=*/true);
+  expect_released();
+  EXPECT_GE(stats().rounds_completed, iters * 8);
+}
+
+TEST_F(ServerTest, ArrivalOrderSumsMatchReferenceWithinRounding) {
+  start_server();
+  const std::string tensors = "a:30000,b:100";
+  const std::vector<NodeId> nodes = {100, 101, 102, 103};
+  for (size_t r = 0; r < nodes.size(); ++r)
+    worker("w" + std::to_string(r),
+           {"--node", std::to_string(nodes[r]), "--job", "fast", "--nodes", nodes_arg(nodes),
+            "--tensors", tensors, "--iterations", "8", "--seed", "5", "--dump",
+            dir_ + "/w" + std::to_string(r) + ".bin", "--leave"});
+  for (auto& w : workers_) {
+    ASSERT_TRUE(w->wait(60s)) << w->out() << w->err();
+    ASSERT_EQ(w->exit_code(), 0) << w->out() << w->err();
+  }
+  for (size_t r = 0; r < nodes.size(); ++r)
+    check_raw_dump(read_dump(dir_ + "/w" + std::to_string(r) + ".bin"), parse_tensors(tensors), 5,
+                   4, 0, 8, /*exact=*/false);
+  expect_released();
+}
+
+TEST_F(ServerTest, TwoJobsAtOnceDoNotSeeEachOthersData) {
+  start_server();
+  const std::string tensors = "w:40000,b:50";  // same names in both jobs
+  struct J {
+    std::string name;
+    std::vector<NodeId> nodes;
+    uint64_t seed;
+  };
+  std::vector<J> jobs = {{"jobA", {100, 101}, 11}, {"jobB", {102, 103}, 22}};
+  for (const J& j : jobs)
+    for (size_t r = 0; r < j.nodes.size(); ++r)
+      worker(j.name + std::to_string(r),
+             {"--node", std::to_string(j.nodes[r]), "--job", j.name, "--nodes", nodes_arg(j.nodes),
+              "--tensors", tensors, "--deterministic", "--iterations", "10", "--seed",
+              std::to_string(j.seed), "--dump", dir_ + "/" + j.name + std::to_string(r) + ".bin",
+              "--leave"});
+  for (auto& w : workers_) {
+    ASSERT_TRUE(w->wait(60s)) << w->out() << w->err();
+    ASSERT_EQ(w->exit_code(), 0) << w->out() << w->err();
+  }
+  for (const J& j : jobs)
+    for (size_t r = 0; r < j.nodes.size(); ++r)
+      check_raw_dump(read_dump(dir_ + "/" + j.name + std::to_string(r) + ".bin"),
+                     parse_tensors(tensors), j.seed, 2, 0, 10, /*exact=*/true);
+  expect_released();
+}
+
+// One job with a tensor per compressor (and per server-side treatment): what
+// the workers pull equals, byte for byte, the reference computed here from
+// the same compressors: decompress-and-sum in rank order then recompress
+// with server-side error feedback (or cast to fp16), or aggregate() in the
+// compressed domain for the additive ones.
+TEST_F(ServerTest, CompressedPushesMatchReferenceDecompressAndSum) {
+  start_server();
+  std::string entries;
+  std::vector<TensorSpec> tensors;
+  for (const auto& info : compress::list_compressors()) {
+    std::string ef = (info.name == "topk" || info.name == "qsgd") ? ", error_feedback: true" : "";
+    tensors.push_back({"d_" + info.name, 20000, compress::DType::kFloat32});
+    entries += "  - {tensor: d_" + info.name + ", option: {compressor: " + info.name + ef +
+               ", inter: alltoall_allgather}}\n";
+    if (info.additive) {
+      tensors.push_back({"c_" + info.name, 20000, compress::DType::kFloat32});
+      entries += "  - {tensor: c_" + info.name + ", option: {compressor: " + info.name +
+                 ", inter: reduce_scatter_allgather}}\n";
+    }
+  }
+  std::string yaml = "version: 1\nentries:\n" + entries;
+  write("strategy.yaml", yaml);
+  std::string targ;
+  for (const auto& t : tensors) targ += (targ.empty() ? "" : ",") + t.name + ":" + std::to_string(t.count);
+  const std::vector<NodeId> nodes = {100, 101, 102};
+  const uint64_t iters = 3, seed = 9;
+  for (size_t r = 0; r < nodes.size(); ++r)
+    worker("w" + std::to_string(r),
+           {"--node", std::to_string(nodes[r]), "--job", "cmp", "--nodes", nodes_arg(nodes),
+            "--tensors", targ, "--strategy", dir_ + "/strategy.yaml", "--deterministic",
+            "--iterations", std::to_string(iters), "--seed", std::to_string(seed), "--dump",
+            dir_ + "/w" + std::to_string(r) + ".bin", "--leave"});
+  for (auto& w : workers_) {
+    ASSERT_TRUE(w->wait(90s)) << w->out() << w->err();
+    ASSERT_EQ(w->exit_code(), 0) << w->out() << w->err();
+  }
+  std::vector<TensorPlan> plans = plan_job(tensors, yaml);
+  Assignment a = assign_partitions(tensors, plans, {ServerInfo{0, "", 2}}, kPartitionBytes);
+  std::vector<Dump> dumps;
+  for (size_t r = 0; r < nodes.size(); ++r)
+    dumps.push_back(read_dump(dir_ + "/w" + std::to_string(r) + ".bin"));
+  size_t compared = 0;
+  for (const Partition& p : a.partitions) {
+    const TensorPlan& plan = plans[p.tensor];
+    ASSERT_TRUE(plan.compressed_push());
+    auto comp = compress::make_compressor(plan.compressor);
+    std::vector<std::unique_ptr<compress::TensorState>> wstate;
+    for (size_t r = 0; r < nodes.size(); ++r) wstate.push_back(comp->make_state(p.count));
+    auto sstate = comp->make_state(p.count);
+    for (uint64_t it = 0; it < iters; ++it) {
+      std::vector<std::vector<std::byte>> pushed;
+      for (uint32_t r = 0; r < nodes.size(); ++r) {
+        std::vector<float> g(p.count);
+        td::fill(g.data(), p.count, seed, r, p.tensor, it, p.offset);
+        std::vector<std::byte> out(comp->max_compressed_bytes(p.count));
+        compress::CompressContext ctx;
+        ctx.iteration = it;
+        ctx.shared_seed = partition_seed("cmp", p.key);
+        ctx.private_seed = td::splitmix(r * 31 + p.key);
+        out.resize(comp->compress(compress::ConstTensorView::cpu(g.data(), p.count), out,
+                                  *wstate[r], ctx));
+        pushed.push_back(std::move(out));
+      }
+      compress::CompressContext sctx;
+      sctx.iteration = it;
+      sctx.shared_seed = partition_seed("cmp", p.key);
+      sctx.private_seed = p.key;  // server node id 0
+      std::string expected;
+      if (plan.sum == SumMode::kCompressed) {
+        std::vector<std::span<const std::byte>> in;
+        for (auto& b : pushed) in.emplace_back(b);
+        std::vector<std::byte> out(comp->max_compressed_bytes(p.count));
+        out.resize(comp->aggregate(in, out, sctx));
+        expected.assign(reinterpret_cast<const char*>(out.data()), out.size());
+      } else {
+        std::vector<float> sum(p.count);
+        for (uint32_t r = 0; r < nodes.size(); ++r)
+          comp->decompress(pushed[r], compress::TensorView::cpu(sum.data(), p.count), r > 0, sctx);
+        if (plan.pull == PullFormat::kFp16) {
+          std::vector<uint16_t> h(p.count);
+          compress::fp32_to_fp16(h.data(), sum.data(), p.count);
+          expected.assign(reinterpret_cast<const char*>(h.data()), h.size() * 2);
+        } else {
+          ASSERT_EQ(plan.pull, PullFormat::kCompressed);
+          std::vector<std::byte> out(comp->max_compressed_bytes(p.count));
+          out.resize(comp->compress(compress::ConstTensorView::cpu(sum.data(), p.count), out,
+                                    *sstate, sctx));
+          expected.assign(reinterpret_cast<const char*>(out.data()), out.size());
+        }
+      }
+      for (size_t r = 0; r < nodes.size(); ++r) {
+        auto f = dumps[r].results.find({it, p.key});
+        ASSERT_NE(f, dumps[r].results.end());
+        ASSERT_EQ(f->second.size(), expected.size())
+            << tensors[p.tensor].name << " (" << plan.describe() << ") iteration " << it;
+        ASSERT_TRUE(f->second == expected)
+            << tensors[p.tensor].name << " (" << plan.describe() << ") iteration " << it
+            << " differs from the reference";
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, a.partitions.size() * iters * nodes.size());
+  expect_released();
+}
+
+// In-process clients (the same library) for every refusal of the round.
+TEST_F(ServerTest, RefusesBadPushesAndPullsNamingWhatWasWrong) {
+  start_server();
+  auto a = client(100), b = client(101);
+  JobSpec spec;
+  spec.name = "refuse";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"w", 1000}, {"c", 1000}};
+  spec.strategy_yaml =
+      "version: 1\nentries:\n  - {tensor: c, option: {compressor: topk, inter: alltoall_allgather}}\n";
+  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
+  auto jb = b->join(spec);
+  auto ja = fa.get();
+  const uint64_t key = partition_key(0, 0), ckey = partition_key(1, 0);
+
+  auto push = [](PsJob& j, uint64_t k, uint64_t it, size_t floats, float v = 1.0f) {
+    std::vector<float> d(floats, v);
+    std::promise<Status> p;
+    j.push(k, it, transport::Buffer::copy_of(d.data(), d.size() * 4),
+           [&](const Status& s) { p.set_value(s); });
+    return p.get_future().get();
+  };
+  auto pull = [](PsJob& j, uint64_t k, uint64_t it) {
+    std::promise<std::pair<Status, transport::Buffer>> p;
+    j.pull(k, it, [&](const Status& s, transport::Buffer r) { p.set_value({s, r}); });
+    return p.get_future().get();
+  };
+  auto expect_refused = [](const Status& s, const std::string& text) {
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(text), std::string::npos) << s.to_string();
+  };
+
+  ASSERT_TRUE(push(*ja, key, 0, 1000).ok());
+  expect_refused(push(*ja, key, 0, 1000), "duplicate push from node 100 (rank 0)");
+  expect_refused(push(*ja, key, 1, 1000), "future iteration 1");
+  expect_refused(push(*jb, key, 0, 999), "wrong length 3996 bytes");
+  expect_refused(push(*jb, partition_key(7, 0), 0, 1000), "unknown key 0x700000000");
+  expect_refused(push(*jb, partition_key(0, 3), 0, 1000), "has no partition 3");
+  expect_refused(push(*jb, ckey, 0, 1000), "malformed compressed buffer");
+  // A pull that arrives early waits for the round.
+  auto early = std::async(std::launch::async, [&] { return pull(*ja, key, 0); });
+  EXPECT_EQ(early.wait_for(300ms), std::future_status::timeout);
+  ASSERT_TRUE(push(*jb, key, 0, 1000, 2.0f).ok());
+  auto [st, res] = early.get();
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  ASSERT_EQ(res.size(), 4000u);
+  EXPECT_EQ(reinterpret_cast<const float*>(res.data())[999], 3.0f);
+  expect_refused(push(*ja, key, 0, 1000), "stale iteration 0");
+  expect_refused(pull(*ja, key, 5).first, "future iteration 5");
+  // Round 1 completes; iteration 0's result is then gone.
+  ASSERT_TRUE(pull(*jb, key, 0).first.ok());
+  ASSERT_TRUE(push(*ja, key, 1, 1000).ok());
+  ASSERT_TRUE(push(*jb, key, 1, 1000).ok());
+  ASSERT_TRUE(pull(*ja, key, 1).first.ok());
+  expect_refused(pull(*ja, key, 0).first, "stale iteration 0");
+  EXPECT_GE(stats().pushes_refused, 8u);
+  // The job keeps working after all that.
+  ASSERT_TRUE(push(*ja, key, 2, 1000).ok());
+  ASSERT_TRUE(push(*jb, key, 2, 1000).ok());
+  EXPECT_TRUE(pull(*jb, key, 2).first.ok());
+  EXPECT_TRUE(ja->leave().ok());
+  EXPECT_TRUE(jb->leave().ok());
+  expect_released();
+}
+
+TEST_F(ServerTest, GarbageFramesAndUnknownJobsAreRefusedAndTheServerSurvives) {
+  start_server();
+  // Raw ZeroMQ garbage: not even a transport header.
+  {
+    void* ctx = zmq_ctx_new();
+    void* s = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    ASSERT_EQ(zmq_connect(s, address_.c_str()), 0);
+    for (int i = 0; i < 20; ++i) {
+      std::string junk(static_cast<size_t>(1 + i * 37), static_cast<char>(i * 13));
+      zmq_send(s, junk.data(), junk.size(), i % 2 ? ZMQ_SNDMORE : 0);
+    }
+    zmq_send(s, "x", 1, 0);
+    std::this_thread::sleep_for(200ms);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+  }
+  // Valid transport frames, invalid server messages.
+  {
+    transport::TransportConfig tc = cluster_.transport;
+    tc.node_id = 150;
+    tc.listen = {};
+    auto tp = transport::make_transport(tc);
+    tp->start();
+    tp->add_peer(0, address_);
+    auto call = [&](uint16_t type, uint32_t aux, std::string payload) {
+      transport::Message m;
+      m.header.type = type;
+      m.header.aux = aux;
+      if (!payload.empty()) m.payloads.push_back(transport::Buffer::copy_of(payload));
+      transport::Response r = tp->call(0, std::move(m), 5000ms);
+      EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+      return proto::reply_status(r.response);
+    };
+    Status s = call(proto::kRegister, 0, "\x01\x00garbage");
+    EXPECT_EQ(s.code(), ErrorCode::kMalformed) << s.to_string();
+    EXPECT_NE(s.message().find("register"), std::string::npos) << s.to_string();
+    s = call(proto::kRegister, 0, "\x09\x00");
+    EXPECT_NE(s.message().find("protocol version 9"), std::string::npos) << s.to_string();
+    s = call(0x1234, 0, "");
+    EXPECT_NE(s.message().find("unknown message type 0x1234"), std::string::npos) << s.to_string();
+    s = call(proto::kPush, 999, "abcd");
+    EXPECT_NE(s.message().find("unknown job uid 999"), std::string::npos) << s.to_string();
+    s = call(proto::kJobSetup, 5, "zz");
+    EXPECT_NE(s.message().find("not the coordinator"), std::string::npos) << s.to_string();
+    tp->shutdown();
+  }
+  EXPECT_GE(stats().frames_refused, 3u);
+  // Still serving.
+  const std::vector<NodeId> nodes = {100, 101};
+  for (size_t r = 0; r < nodes.size(); ++r)
+    worker("w" + std::to_string(r),
+           {"--node", std::to_string(nodes[r]), "--job", "after", "--nodes", nodes_arg(nodes),
+            "--tensors", "x:1000", "--iterations", "3", "--leave"});
+  for (auto& w : workers_) {
+    ASSERT_TRUE(w->wait(30s));
+    EXPECT_EQ(w->exit_code(), 0) << w->out() << w->err();
+  }
+}
+
+TEST_F(ServerTest, MismatchedDeclarationsFailNamingTensorAndNode) {
+  start_server();
+  auto a = client(100), b = client(101);
+  JobSpec sa, sb;
+  sa.name = sb.name = "mismatch";
+  sa.nodes = sb.nodes = {100, 101};
+  sa.tensors = {{"emb", 1000}, {"fc", 200}};
+  sb.tensors = {{"emb", 1000}, {"fc", 300}};
+  auto fa = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      a->join(sa);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "joined";
+  });
+  std::this_thread::sleep_for(100ms);
+  std::string eb;
+  try {
+    b->join(sb);
+  } catch (const Error& e) {
+    eb = e.what();
+  }
+  std::string ea = fa.get();
+  for (const std::string& e : {ea, eb}) {
+    EXPECT_NE(e.find("tensor #1 differs on node 101"), std::string::npos) << e;
+    EXPECT_NE(e.find("'fc' 300 x float32"), std::string::npos) << e;
+    EXPECT_NE(e.find("'fc' 200 x float32"), std::string::npos) << e;
+  }
+  // A node outside the declared list is refused too.
+  auto c = client(105);
+  try {
+    c->join(sa);
+    ADD_FAILURE() << "node 105 joined a job of nodes 100, 101";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not in the job's node list"), std::string::npos) << e.what();
+  }
+  expect_released();
+}
+
+TEST_F(ServerTest, AdmissionTimesOutNamingTheMissingNodes) {
+  start_server(/*admission_ms=*/800);
+  auto a = client(101);
+  JobSpec s;
+  s.name = "incomplete";
+  s.nodes = {101, 100, 102};
+  s.tensors = {{"w", 10}};
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    a->join(s);
+    FAIL() << "admitted with missing nodes";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    std::string m = e.what();
+    EXPECT_NE(m.find("node 100 (tcp://127.0.0.1:9) (rank 1)"), std::string::npos) << m;
+    EXPECT_NE(m.find("node 102 (rank 2)"), std::string::npos) << m;
+    EXPECT_EQ(m.find("node 101", m.find("missing:")), std::string::npos) << m;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+}
+
+TEST_F(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
+  start_server();
+  auto a = client(100), b = client(101);
+  JobSpec spec;
+  spec.name = "change";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"w", 5000}};
+  spec.deterministic = true;
+  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
+  auto jb = b->join(spec);
+  auto ja = fa.get();
+  // Barrier: nobody passes until both arrived.
+  std::promise<Status> pa;
+  ja->barrier([&](const Status& s) { pa.set_value(s); }, 5000ms);
+  auto fpa = pa.get_future();
+  EXPECT_EQ(fpa.wait_for(300ms), std::future_status::timeout);
+  EXPECT_TRUE(jb->barrier(5000ms).ok());
+  EXPECT_TRUE(fpa.get().ok());
+
+  std::atomic<int> seen{0};
+  for (auto* j : {ja.get(), jb.get()})
+    j->on_strategy_change([&](const StrategyChange& c) {
+      EXPECT_EQ(c.iteration, 2u);
+      ++seen;
+    });
+  auto round = [&](uint64_t it) {
+    std::vector<std::future<std::pair<Status, transport::Buffer>>> fs;
+    for (auto* j : {ja.get(), jb.get()}) {
+      TensorPlan plan = j->plan_at(0, it);
+      std::vector<float> g(5000);
+      td::fill(g.data(), g.size(), 3, j->info().rank, 0, it, 0);
+      transport::Buffer payload;
+      if (plan.compressed_push()) {
+        auto c = compress::make_compressor(plan.compressor);
+        auto st = c->make_state(g.size());
+        std::vector<std::byte> out(c->max_compressed_bytes(g.size()));
+        out.resize(c->compress(compress::ConstTensorView::cpu(g.data(), g.size()), out, *st, {}));
+        payload = transport::Buffer::take(std::move(out));
+      } else {
+        payload = transport::Buffer::copy_of(g.data(), g.size() * 4);
+      }
+      j->push(partition_key(0, 0), it, payload, [](const Status& s) { EXPECT_TRUE(s.ok()) << s.to_string(); });
+      auto p = std::make_shared<std::promise<std::pair<Status, transport::Buffer>>>();
+      fs.push_back(p->get_future());
+      j->pull(partition_key(0, 0), it, [p](const Status& s, transport::Buffer r) { p->set_value({s, r}); });
+    }
+    std::vector<transport::Buffer> out;
+    for (auto& f : fs) {
+      auto [s, r] = f.get();
+      EXPECT_TRUE(s.ok()) << s.to_string();
+      out.push_back(r);
+    }
+    return out;
+  };
+  EXPECT_EQ(round(0)[0].size(), 20000u);
+  const std::string fp16 =
+      "version: 1\nentries:\n  - {tensor: w, option: {compressor: fp16, inter: alltoall_allgather}}\n";
+  Status s = ja->set_strategy(fp16, 2, 5000ms);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_GE(seen.load(), 1);  // the requester saw the change before its done
+  EXPECT_EQ(round(1)[0].size(), 20000u);  // still fp32 at iteration 1
+  auto r2 = round(2);                     // fp16 from iteration 2, for everyone
+  EXPECT_EQ(r2[0].size(), 10000u);
+  EXPECT_EQ(r2[1].size(), 10000u);
+  EXPECT_EQ(seen.load(), 2);
+  EXPECT_EQ(ja->plan_at(0, 1).pull, PullFormat::kFp32);
+  EXPECT_EQ(jb->plan_at(0, 2).pull, PullFormat::kFp16);
+  // Too late: iteration 3 already started on the server.
+  std::vector<float> g(5000, 1.0f);
+  auto c = compress::make_compressor(ja->plan_at(0, 3).compressor);
+  auto st = c->make_state(g.size());
+  std::vector<std::byte> out(c->max_compressed_bytes(g.size()));
+  out.resize(c->compress(compress::ConstTensorView::cpu(g.data(), g.size()), out, *st, {}));
+  std::promise<Status> pushed;
+  ja->push(partition_key(0, 0), 3, transport::Buffer::take(std::move(out)),
+           [&](const Status& s2) { pushed.set_value(s2); });
+  ASSERT_TRUE(pushed.get_future().get().ok());
+  s = ja->set_strategy("version: 1\n", 3, 5000ms);
+  EXPECT_NE(s.message().find("already started iteration 3"), std::string::npos) << s.to_string();
+  s = jb->set_strategy(
+      "version: 1\nentries:\n  - {tensor: w, option: {compressor: none, inter: reduce_broadcast}}\n", 9,
+      5000ms);
+  EXPECT_NE(s.message().find("placement change needs a new job"), std::string::npos) << s.to_string();
+  EXPECT_TRUE(ja->leave().ok());
+  EXPECT_TRUE(jb->leave().ok());
+  expect_released();
+}
+
+TEST_F(ServerTest, WorkerKilledMidIterationAbortsTheJobForEveryone) {
+  start_server();
+  const std::vector<NodeId> nodes = {100, 101, 102};
+  for (size_t r = 0; r < nodes.size(); ++r) {
+    std::vector<std::string> args = {"--node", std::to_string(nodes[r]), "--job", "victim", "--nodes",
+                                     nodes_arg(nodes), "--tensors", "w:50000", "--iterations", "50",
+                                     "--timeout-ms", "30000"};
+    if (r == 2) args.insert(args.end(), {"--pause-at", "3:1"});  // pushes 1 of 4 partitions
+    worker("w" + std::to_string(r), args);
+  }
+  ASSERT_TRUE(workers_[2]->wait_for_output("PAUSED", 30s)) << workers_[2]->out() << workers_[2]->err();
+  auto mid = stats();
+  EXPECT_EQ(mid.jobs, 1u);
+  EXPECT_GT(mid.job_bytes, 0u);
+  auto t0 = std::chrono::steady_clock::now();
+  workers_[2]->kill(SIGKILL);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(workers_[r]->wait(10s)) << "worker " << r << " hangs";
+    EXPECT_EQ(workers_[r]->exit_code(), 3) << workers_[r]->out();
+    EXPECT_NE(workers_[r]->out().find("ERROR aborted"), std::string::npos) << workers_[r]->out();
+    EXPECT_NE(workers_[r]->out().find("node 102"), std::string::npos) << workers_[r]->out();
+  }
+  // Heartbeat bound: peer_timeout 1 s plus scheduling.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  expect_released();
+}
+
+TEST_F(ServerTest, ServerKilledWorkersGetAnErrorNotAHang) {
+  start_server();
+  const std::vector<NodeId> nodes = {100, 101};
+  worker("w0", {"--node", "100", "--job", "orphan", "--nodes", nodes_arg(nodes), "--tensors", "w:1000",
+                "--iterations", "50", "--timeout-ms", "30000"});
+  worker("w1", {"--node", "101", "--job", "orphan", "--nodes", nodes_arg(nodes), "--tensors", "w:1000",
+                "--iterations", "50", "--timeout-ms", "30000", "--pause-at", "2:0"});
+  ASSERT_TRUE(workers_[1]->wait_for_output("PAUSED", 30s)) << workers_[1]->err();
+  auto t0 = std::chrono::steady_clock::now();
+  server_->kill(SIGKILL);
+  server_killed_ = true;
+  ASSERT_TRUE(workers_[0]->wait(10s)) << "worker hangs after the server died";
+  EXPECT_EQ(workers_[0]->exit_code(), 3) << workers_[0]->out();
+  EXPECT_NE(workers_[0]->out().find("ERROR peer_lost"), std::string::npos) << workers_[0]->out();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+}
+
+TEST_F(ServerTest, SigtermShutsDownCleanlyWithAJobRunning) {
+  start_server();
+  auto a = client(100);
+  JobSpec s;
+  s.name = "solo";
+  s.nodes = {100};
+  s.tensors = {{"w", 100}};
+  auto j = a->join(s);
+  std::promise<Status> p;
+  j->pull(partition_key(0, 0), 0, [&](const Status& st, transport::Buffer) { p.set_value(st); });
+  auto f = p.get_future();
+  EXPECT_EQ(f.wait_for(200ms), std::future_status::timeout);
+  server_->kill(SIGTERM);
+  ASSERT_TRUE(server_->wait(10s));
+  EXPECT_EQ(server_->exit_code(), 0) << server_->err();
+  ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
+  Status st = f.get();
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("shut down"), std::string::npos) << st.to_string();
+  std::string log = server_->err();
+  for (const char* line : {"serving on", "job 'solo'", "admitted", "received SIGTERM", "stopped"})
+    EXPECT_NE(log.find(line), std::string::npos) << line << "\n" << log;
+  server_.reset();
+}
