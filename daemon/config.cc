@@ -50,6 +50,27 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   }
   sched.finish();
 
+  config::Reader inter = root.section("internode");
+  std::vector<std::string> nodes;
+  inter.get("cluster_file", c.cluster_file)
+      .get("node_id", c.node_id, Range<uint32_t>{0, 0xFFFFFFFEu})
+      .get("nodes", nodes);
+  for (const std::string& n : nodes) {
+    try {
+      size_t used = 0;
+      const unsigned long v = std::stoul(n, &used);
+      if (used != n.size() || v > 0xFFFFFFFEul) throw std::out_of_range(n);
+      c.nodes.push_back(static_cast<uint32_t>(v));
+    } catch (const std::exception&) {
+      inter.fail("nodes", "'" + n + "' is not a node id", "a list of daemon node ids (integers)");
+    }
+  }
+  if (!c.cluster_file.empty() && c.nodes.empty()) {
+    inter.fail("nodes", "empty while cluster_file is set",
+               "the daemons' node ids in node-rank order, this daemon's node_id among them");
+  }
+  inter.finish();
+
   config::Reader strategy = root.section("strategy");
   strategy.get("file", c.strategy_file);
   strategy.finish();

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/config.h"
 
@@ -31,6 +32,11 @@ struct DaemonConfig {
   // Strategy file (planner's format); empty: every tensor uncompressed.
   // Reloadable: running jobs switch at an iteration boundary.
   std::string strategy_file;
+  // internode: not reloadable. Multi-node jobs go through the parameter
+  // servers of cluster_file; node_rank r of a job is daemon nodes[r].
+  std::string cluster_file;
+  uint32_t node_id = 0;
+  std::vector<uint32_t> nodes;
 
   // Throws config::ConfigError naming file, line, key and accepted values.
   // Applies the `logging:` section (and BYTECOMP_LOG) as a side effect.

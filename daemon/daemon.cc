@@ -13,7 +13,9 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 
 #include "bytecomp_build_config.h"
 #include "client/ipc/protocol.h"
@@ -70,6 +72,13 @@ struct Daemon::Job {
 
 namespace {
 
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
 // Bound on what one connection's declarations may cost the daemon.
 constexpr uint64_t kMaxDeclaredBytes = 64ull << 20;
 
@@ -92,6 +101,17 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
       pool_(static_cast<size_t>(config_.threads)) {
   tunables_.apply(config_);
   strategy_ = load_strategy();
+  if (strategy_) strategy_text_ = read_text(config_.strategy_file);
+  if (!config_.cluster_file.empty()) {
+    server::ClusterConfig cluster = server::load_cluster_config(config_.cluster_file);
+    transport::TransportConfig tc = cluster.transport;
+    tc.node_id = config_.node_id;
+    tc.listen = {};
+    admission_timeout_ = cluster.admission_timeout;
+    ps_client_ = server::PsClient::create(cluster, tc);
+    BC_LOG(LogDaemon(), kInfo) << "inter-node: node " << config_.node_id << " of cluster "
+                               << config_.cluster_file;
+  }
   const int stale = remove_stale(instance_);
   if (stale > 0) {
     BC_LOG(LogDaemon(), kInfo) << "removed " << stale << " stale shared-memory segment(s)";
@@ -401,14 +421,55 @@ std::shared_ptr<const planner::Strategy> Daemon::load_strategy() const {
       planner::Strategy::load_file(config_.strategy_file));
 }
 
+
 void Daemon::maybe_start(Job& j) {
   if (j.started != j.local_size) return;
+  Engine::JoinFn join;
   if (j.num_nodes > 1) {
-    abort_job(j, ErrorCode::kUnavailable,
-              "job '" + j.id + "' spans " + std::to_string(j.num_nodes) +
-                  " nodes, but this bytecompd has no inter-node path yet (parameter servers and "
-                  "peer daemons are not supported in this release): run with num_nodes 1");
-    return;
+    std::string problem;
+    if (!ps_client_) {
+      problem = "this bytecompd has no inter-node path configured (set internode.cluster_file, "
+                "node_id and nodes in its configuration)";
+    } else if (config_.nodes.size() < j.num_nodes) {
+      problem = "internode.nodes lists " + std::to_string(config_.nodes.size()) + " daemons";
+    } else if (config_.nodes[j.node_rank] != config_.node_id) {
+      problem = "node rank " + std::to_string(j.node_rank) + " is daemon " +
+                std::to_string(config_.nodes[j.node_rank]) + " in internode.nodes, but this is " +
+                std::to_string(config_.node_id) + " (connect to the right node's daemon)";
+    }
+    server::JobSpec spec;
+    spec.name = j.id;
+    spec.nodes.assign(config_.nodes.begin(), config_.nodes.begin() + std::min<size_t>(
+                                                                      config_.nodes.size(), j.num_nodes));
+    for (const auto& d : j.reference) {
+      if (d.dtype != ipc::DType::kFloat32 && problem.empty()) {
+        problem = "tensor '" + d.name + "' is " + ipc::dtype_name(d.dtype) +
+                  ": the parameter servers sum float32 only";
+      }
+      spec.tensors.push_back({d.name, d.count, compress::DType::kFloat32});
+    }
+    if (strategy_) spec.strategy_yaml = strategy_text_;
+    if (problem.empty()) {
+      try {
+        for (const auto& plan : server::plan_job(spec.tensors, spec.strategy_yaml)) {
+          if (plan.placement == server::Placement::kPeer) {
+            problem = "a tensor's strategy uses inter: allgather between daemons, which this "
+                      "release does not implement (use a ps or ps_single collective)";
+            break;
+          }
+        }
+      } catch (const Error& e) {
+        problem = e.what();
+      }
+    }
+    if (!problem.empty()) {
+      abort_job(j, ErrorCode::kUnavailable,
+                "job '" + j.id + "' spans " + std::to_string(j.num_nodes) + " nodes: " + problem);
+      return;
+    }
+    server::PsClient* client = ps_client_.get();
+    const auto timeout = admission_timeout_;
+    join = [client, spec, timeout] { return client->join(spec, timeout); };
   }
   std::vector<uint64_t> sizes;
   std::vector<TensorSpec> specs;
@@ -434,8 +495,11 @@ void Daemon::maybe_start(Job& j) {
                              std::to_string(next_job_seq_++);
     Job* jp = &j;
     const int wake = wake_fd_;
-    std::vector<TensorPlan> plans = strategy_ ? make_plans(*strategy_, config_.strategy_file, specs)
-                                              : uncompressed_plans(specs.size());
+    // Multi-node jobs follow the coordinator's plans (ps_->plan_at).
+    std::vector<TensorPlan> plans = strategy_ && !join
+                                        ? make_plans(*strategy_, config_.strategy_file, specs)
+                                        : uncompressed_plans(specs.size());
+    if (strategy_ && join) (void)make_plans(*strategy_, config_.strategy_file, specs);
     j.segment = std::make_unique<Segment>(name, layout.total_bytes, j.uid, j.gid);
     j.engine = std::make_unique<Engine>(
         j.id, j.segment->data(), layout, std::move(specs), std::move(plans), j.node_rank, pool_,
@@ -449,7 +513,8 @@ void Daemon::maybe_start(Job& j) {
           }
           const uint64_t one = 1;
           (void)::write(wake, &one, sizeof one);
-        });
+        },
+        std::move(join));
     for (Conn* m : j.members) {
       m->state = Conn::State::kRunning;
       send_msg(m->fd, ipc::encode(ipc::Ready{name, layout.total_bytes}));
@@ -587,8 +652,23 @@ void Daemon::reload() {
     config_.strategy_file = next.strategy_file;
     tunables_.apply(config_);
     strategy_ = strategy;
+    strategy_text_ = strategy_ ? read_text(config_.strategy_file) : std::string();
     for (auto& [key, j] : jobs_) {
       if (!j->engine) continue;
+      if (j->num_nodes > 1) {
+        // One node asks the coordinator, which announces the change to
+        // every node and server for the same iteration.
+        if (j->node_rank == 0) {
+          try {
+            if (strategy_) (void)make_plans(*strategy_, config_.strategy_file, j->specs);
+            j->engine->request_strategy(strategy_text_);
+          } catch (const Error& e) {
+            BC_LOG(LogDaemon(), kError) << "SIGHUP: job " << j->id << " keeps its strategy: "
+                                        << e.what();
+          }
+        }
+        continue;
+      }
       try {
         j->engine->set_plans(strategy_ ? make_plans(*strategy_, config_.strategy_file, j->specs)
                                        : uncompressed_plans(j->specs.size()));

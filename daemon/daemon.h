@@ -19,6 +19,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <optional>
@@ -30,6 +31,7 @@
 #include "common/thread_pool.h"
 #include "daemon/config.h"
 #include "planner/strategy.h"
+#include "server/ps_client.h"
 
 namespace bytecomp::daemon {
 
@@ -72,6 +74,9 @@ class Daemon {
   std::string instance_;
   Tunables tunables_;
   std::shared_ptr<const planner::Strategy> strategy_;
+  std::string strategy_text_;  // the file's text, sent to the coordinator
+  std::unique_ptr<server::PsClient> ps_client_;  // null: single-node only
+  std::chrono::milliseconds admission_timeout_{30000};
   ThreadPool pool_;
   int listen_fd_ = -1;
   int wake_fd_ = -1;

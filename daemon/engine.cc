@@ -1,6 +1,9 @@
 #include "daemon/engine.h"
 
+#include <cstring>
+
 #include "common/log.h"
+#include "compress/reduce.h"
 #include "daemon/local_reduce.h"
 
 namespace bytecomp::daemon {
@@ -13,10 +16,48 @@ namespace {
 constexpr auto kIdleWait = std::chrono::milliseconds(200);
 }  // namespace
 
+void Inbox::ring() {
+  if (doorbell_ == nullptr) return;
+  try {
+    doorbell_->post();
+  } catch (...) {
+  }
+}
+
+void Inbox::deliver(Arrival a) {
+  std::lock_guard lock(mu_);
+  if (doorbell_ == nullptr) return;
+  arrivals_.push_back(std::move(a));
+  ring();
+}
+
+void Inbox::fail(const Status& s) {
+  std::lock_guard lock(mu_);
+  if (doorbell_ == nullptr) return;
+  if (failure_.ok()) failure_ = s;
+  ring();
+}
+
+void Inbox::close() {
+  std::lock_guard lock(mu_);
+  doorbell_ = nullptr;
+  arrivals_.clear();
+}
+
+std::vector<Inbox::Arrival> Inbox::take() {
+  std::lock_guard lock(mu_);
+  return std::exchange(arrivals_, {});
+}
+
+Status Inbox::failure() {
+  std::lock_guard lock(mu_);
+  return failure_;
+}
+
 Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
                std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans,
                uint32_t node_rank, ThreadPool& pool, const Tunables& tunables,
-               FailureFn on_failure)
+               FailureFn on_failure, JoinFn join)
     : job_(std::move(job_name)),
       base_(static_cast<char*>(segment)),
       layout_(layout),
@@ -43,6 +84,8 @@ Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
         layout.ring_capacity);
   }
   for (Round& r : rounds_) r.from.assign(layout.local_size, false);
+  join_ = std::move(join);
+  inbox_ = std::make_shared<Inbox>(&header_->doorbell);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -56,6 +99,15 @@ void Engine::stop() {
     // Scribbled over by a client; the idle timeout ends the loop.
   }
   if (thread_.joinable()) thread_.join();
+  // Late PS callbacks must not touch the segment once it is unmapped.
+  inbox_->close();
+  if (ps_) {
+    // Tells the coordinator (so the other nodes learn at once when this
+    // node stops early) and fails what is still pending.
+    const Status s = ps_->leave(std::chrono::milliseconds(2000));
+    if (!s.ok()) BC_LOG(LogEngine(), kDebug) << "job " << job_ << ": leave: " << s.to_string();
+    ps_.reset();
+  }
 }
 
 void Engine::install(uint32_t t, TensorPlan plan) {
@@ -86,11 +138,43 @@ void Engine::set_plans(std::vector<TensorPlan> plans) {
   }
 }
 
+void Engine::request_strategy(std::string strategy_yaml) {
+  {
+    std::lock_guard lock(pending_mu_);
+    pending_yaml_ = std::move(strategy_yaml);
+  }
+  try {
+    header_->doorbell.post();
+  } catch (...) {
+  }
+}
+
 void Engine::adopt_pending() {
   std::optional<std::vector<TensorPlan>> p;
+  std::optional<std::string> yaml;
   {
     std::lock_guard lock(pending_mu_);
     p.swap(pending_);
+    if (ps_) yaml.swap(pending_yaml_);
+  }
+  if (yaml) {
+    int64_t latest = -1;
+    for (const Round& r : rounds_) {
+      latest = std::max(latest, r.last_done);
+      if (r.arrived > 0) latest = std::max(latest, static_cast<int64_t>(r.iteration));
+    }
+    // Two ahead: the servers may already collect latest + 1 for some tensor.
+    const auto at = static_cast<uint64_t>(latest + 2);
+    const std::string job = job_;
+    ps_->set_strategy(std::move(*yaml), at, [job, at](const Status& s) {
+      if (s.ok()) {
+        BC_LOG(LogEngine(), kInfo) << "job " << job << ": strategy change applies on every node "
+                                   << "from iteration " << at;
+      } else {
+        BC_LOG(LogEngine(), kError) << "job " << job << ": strategy change refused: "
+                                    << s.to_string();
+      }
+    });
   }
   if (!p) return;
   // The switch iteration is after every round already begun, so no tensor
@@ -130,13 +214,52 @@ void Engine::fail(ErrorCode code, const std::string& reason) {
 
 void Engine::loop() {
   try {
+    if (join_) {
+      // Blocks until every node registered (bounded by the cluster's
+      // admission timeout); submissions wait in the rings meanwhile.
+      try {
+        ps_ = join_();
+      } catch (const Error& e) {
+        fail(e.code() == ErrorCode::kOk ? ErrorCode::kUnavailable : e.code(),
+             std::string("joining the parameter servers failed: ") + e.what());
+        return;
+      }
+      const uint64_t pb = ps_->info().partition_bytes;
+      if (pb % 64 != 0) {
+        fail(ErrorCode::kConfig, "cluster partition_bytes " + std::to_string(pb) +
+                                     " is not a multiple of 64");
+        return;
+      }
+      partition_bytes_ = pb;
+      ps_parts_.resize(tensors_.size());
+      for (size_t t = 0; t < tensors_.size(); ++t) {
+        ps_parts_[t].resize(static_cast<size_t>((tensors_[t].bytes + pb - 1) / pb));
+      }
+      std::weak_ptr<Inbox> inbox = inbox_;
+      ps_->on_failure([inbox](const Status& s) {
+        if (auto i = inbox.lock()) i->fail(s);
+      });
+      BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
+                                 << ps_->info().rank << " of " << ps_->info().nodes.size();
+    }
     while (!stop_.load()) {
       ipc::timed_wait(header_->doorbell, kIdleWait);
       if (stop_.load()) break;
+      if (const Status f = inbox_->failure(); !f.ok()) {
+        fail(f.code() == ErrorCode::kOk ? ErrorCode::kAborted : f.code(),
+             "inter-node: " + f.message());
+        break;
+      }
       adopt_pending();
       if (!drain() || !check_left()) break;
-      while (!sched_.empty() && !stop_.load()) {
-        run_batch(sched_.next_batch(pool_.concurrency(), tunables_.max_inflight_bytes.load()));
+      while (!stop_.load()) {
+        if (ps_ && !process_arrivals()) return;
+        if (sched_.empty()) break;
+        const uint64_t bound = tunables_.max_inflight_bytes.load();
+        // With partitions on the network, wait for results (the doorbell
+        // rings) before putting more bytes in flight.
+        if (inflight_bytes_ >= bound) break;
+        run_batch(sched_.next_batch(pool_.concurrency(), bound - inflight_bytes_));
         // New arrivals between batches, so a high-priority tensor overtakes
         // the rest of a large one.
         if (!drain()) break;
@@ -226,6 +349,16 @@ void Engine::run_batch(const std::vector<Task>& batch) {
     const ipc::TensorSlot& s = layout_.tensors[batch[i].tensor];
     for (uint32_t r = 0; r < layout_.local_size; ++r) bufs[i].push_back(base_ + s.offset + s.stride * r);
   }
+  if (ps_) {
+    for (const Task& t : batch) inflight_bytes_ += t.end - t.begin;
+    pool_.parallel_for(
+        batch.size(), 1,
+        [&](size_t b, size_t e) {
+          for (size_t i = b; i < e; ++i) start_ps_task(batch[i], bufs[i]);
+        },
+        batch.size());
+    return;  // completed by process_arrivals()
+  }
   pool_.parallel_for(
       batch.size(), 1,
       [&](size_t b, size_t e) {
@@ -264,6 +397,129 @@ void Engine::run_task(const Task& t, std::span<char* const> bufs) {
   run.plan.compressor->decompress(std::span<const std::byte>(wire.data(), len),
                                   compress::TensorView::cpu(sum, n), false, ctx);
   copy_from_first(bufs, t.begin, t.end);
+}
+
+Engine::PsPart& Engine::ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration) {
+  PsPart& part = ps_parts_.at(tensor).at(static_cast<size_t>(begin / partition_bytes_));
+  // The plan in force at this iteration, the same on every node and server
+  // (strategy changes are announced by the coordinator ahead of time).
+  server::TensorPlan plan = ps_->plan_at(tensor, iteration);
+  if (!(plan == part.plan) || (plan.compressed_push() && !part.compressor) ||
+      (plan.pull == server::PullFormat::kCompressed && !part.compressor)) {
+    part.plan = plan;
+    part.compressor.reset();
+    part.state.reset();
+    if (plan.compressed_push()) {
+      part.compressor = compress::make_compressor(plan.compressor);
+    }
+  }
+  return part;
+}
+
+void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
+  const TensorSpec& spec = tensors_[t.tensor];
+  const auto index = static_cast<uint32_t>(t.begin / partition_bytes_);
+  const uint64_t key = server::partition_key(t.tensor, index);
+  const server::Partition* p = ps_->info().assignment.find(key);
+  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
+  if (p == nullptr || p->offset * 4 != t.begin || p->count != n) {
+    throw Error(ErrorCode::kInternal, "partition " + std::to_string(index) + " of tensor '" +
+                                          spec.name + "' does not match the servers' assignment");
+  }
+  sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
+  PsPart& part = ps_part(t.tensor, t.begin, t.iteration);
+  transport::Buffer payload;
+  if (part.plan.compressed_push()) {
+    if (!part.state) part.state = part.compressor->make_state(n);
+    std::vector<std::byte> out(part.compressor->max_compressed_bytes(n));
+    compress::CompressContext ctx;
+    ctx.iteration = t.iteration;
+    ctx.shared_seed = server::partition_seed(ps_->info().name, key);
+    ctx.private_seed = ctx.shared_seed ^ (0x9e3779b97f4a7c15ull * (ps_->info().rank + 1));
+    const size_t len =
+        part.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state, ctx);
+    out.resize(len);
+    payload = transport::Buffer::take(std::move(out));
+  } else {
+    // A copy: the shared memory may be unmapped (job aborted) while the
+    // transport still holds the buffer.
+    payload = transport::Buffer::copy_of(sum, n * 4);
+  }
+  std::weak_ptr<Inbox> inbox = inbox_;
+  ps_->push(key, t.iteration, std::move(payload), [inbox, name = spec.name](const Status& s) {
+    if (s.ok()) return;
+    if (auto i = inbox.lock()) {
+      i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
+    }
+  });
+  ps_->pull(key, t.iteration, [inbox, t](const Status& s, transport::Buffer result) {
+    if (auto i = inbox.lock()) {
+      i->deliver({t.tensor, t.iteration, t.begin, t.end, s, std::move(result)});
+    }
+  });
+}
+
+bool Engine::process_arrivals() {
+  std::vector<Inbox::Arrival> arrived = inbox_->take();
+  if (arrived.empty()) return true;
+  for (const auto& a : arrived) {
+    if (!a.status.ok()) {
+      fail(a.status.code(), "pull of tensor '" + tensors_[a.tensor].name + "' (iteration " +
+                                std::to_string(a.iteration) + ") failed: " + a.status.message());
+      return false;
+    }
+  }
+  std::vector<std::string> errors(arrived.size());
+  pool_.parallel_for(
+      arrived.size(), 1,
+      [&](size_t b, size_t e) {
+        for (size_t i = b; i < e; ++i) {
+          const auto& a = arrived[i];
+          const ipc::TensorSlot& slot = layout_.tensors[a.tensor];
+          std::vector<char*> bufs;
+          for (uint32_t r = 0; r < layout_.local_size; ++r) {
+            bufs.push_back(base_ + slot.offset + slot.stride * r);
+          }
+          const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
+          float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
+          PsPart& part = ps_parts_[a.tensor][static_cast<size_t>(a.begin / partition_bytes_)];
+          const server::PullFormat fmt = part.plan.pull;
+          try {
+            if (fmt == server::PullFormat::kFp32) {
+              if (a.result.size() != n * 4) throw Error(ErrorCode::kMalformed, "fp32 answer size");
+              std::memcpy(out, a.result.data(), n * 4);
+            } else if (fmt == server::PullFormat::kFp16) {
+              if (a.result.size() != n * 2) throw Error(ErrorCode::kMalformed, "fp16 answer size");
+              std::vector<uint16_t> words(n);
+              std::memcpy(words.data(), a.result.data(), n * 2);
+              compress::fp16_to_fp32(out, words.data(), n);
+            } else {
+              if (!part.compressor) throw Error(ErrorCode::kInternal, "no compressor");
+              compress::CompressContext ctx;
+              ctx.iteration = a.iteration;
+              part.compressor->decompress(a.result.span(), compress::TensorView::cpu(out, n),
+                                          false, ctx);
+            }
+            copy_from_first(bufs, a.begin, a.end);
+          } catch (const std::exception& e) {
+            errors[i] = e.what();
+          }
+        }
+      },
+      arrived.size());
+  for (size_t i = 0; i < arrived.size(); ++i) {
+    if (!errors[i].empty()) {
+      fail(ErrorCode::kMalformed, "answer for tensor '" + tensors_[arrived[i].tensor].name +
+                                      "' unusable: " + errors[i]);
+      return false;
+    }
+  }
+  for (const auto& a : arrived) {
+    inflight_bytes_ -= a.end - a.begin;
+    if (--rounds_[a.tensor].partitions_left == 0) complete(a.tensor);
+  }
+  return true;
 }
 
 void Engine::complete(uint32_t tensor) {

@@ -37,17 +37,49 @@
 #include "daemon/engine_types.h"
 #include "daemon/plan.h"
 #include "daemon/scheduler.h"
+#include "server/ps_client.h"
 
 namespace bytecomp::daemon {
+
+// Results of asynchronous PS operations, handed from the transport's
+// completion thread to the engine. Shared with the callbacks, which may run
+// after the engine is gone: close() makes them no-ops.
+// Thread-safety: thread-safe.
+class Inbox {
+ public:
+  struct Arrival {
+    uint32_t tensor;
+    uint64_t iteration;
+    uint64_t begin, end;
+    Status status;
+    transport::Buffer result;
+  };
+  explicit Inbox(boost::interprocess::interprocess_semaphore* doorbell) : doorbell_(doorbell) {}
+  void deliver(Arrival a);
+  void fail(const Status& s);
+  void close();
+  std::vector<Arrival> take();
+  Status failure();
+
+ private:
+  void ring();  // mu_ held
+  std::mutex mu_;
+  boost::interprocess::interprocess_semaphore* doorbell_;  // null once closed
+  std::vector<Arrival> arrivals_;
+  Status failure_;
+};
 
 class Engine {
  public:
   using FailureFn = std::function<void(ErrorCode, const std::string&)>;
+  // Multi-node jobs: joins the PS job (blocking; called on the engine thread).
+  using JoinFn = std::function<std::shared_ptr<server::PsJob>()>;
 
   // `segment` must stay mapped until the engine is destroyed.
   Engine(std::string job_name, void* segment, const ipc::Layout& layout,
          std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans, uint32_t node_rank,
-         ThreadPool& pool, const Tunables& tunables, FailureFn on_failure);
+         ThreadPool& pool, const Tunables& tunables, FailureFn on_failure,
+         JoinFn join = nullptr);
   ~Engine();  // stops and joins
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -60,6 +92,10 @@ class Engine {
   // Installs new plans (one per tensor, already checked) at the next
   // iteration boundary. Thread-safe.
   void set_plans(std::vector<TensorPlan> plans);
+  // Multi-node jobs: asks the coordinator to switch every node and server to
+  // `strategy_yaml` at one iteration (a little after the latest begun here).
+  // Thread-safe; the outcome is logged.
+  void request_strategy(std::string strategy_yaml);
   // Iteration from which the last set_plans() applies, -1 before the engine
   // adopted it. Thread-safe.
   int64_t plans_switch_iteration() const { return switch_published_.load(); }
@@ -87,6 +123,16 @@ class Engine {
   void install(uint32_t tensor, TensorPlan plan);
   void adopt_pending();
   void run_task(const Task& t, std::span<char* const> bufs);
+  // Multi-node: local sum, compress, push + pull (completes asynchronously).
+  void start_ps_task(const Task& t, std::span<char* const> bufs);
+  // Multi-node: writes arrived pull results to every local rank.
+  bool process_arrivals();
+  struct PsPart {  // per tensor partition: the plan in force and its state
+    server::TensorPlan plan;
+    std::unique_ptr<compress::Compressor> compressor;
+    std::unique_ptr<compress::TensorState> state;
+  };
+  PsPart& ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration);
   // Returns false (after failing the job) on a protocol violation.
   bool drain();
   bool check_left();
@@ -112,9 +158,15 @@ class Engine {
   uint64_t partition_bytes_;
   std::mutex pending_mu_;
   std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
+  std::optional<std::string> pending_yaml_;          // guarded by pending_mu_
   int64_t switch_iteration_ = -1;
   std::atomic<int64_t> switch_published_{-1};
   Scheduler sched_;
+  JoinFn join_;
+  std::shared_ptr<server::PsJob> ps_;
+  std::shared_ptr<Inbox> inbox_;
+  std::vector<std::vector<PsPart>> ps_parts_;
+  uint64_t inflight_bytes_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   std::mutex abort_mu_;  // serialises publish_abort between the two threads

@@ -348,7 +348,9 @@ CostTable CostTable::from_compress_bench_json(std::string_view json, std::string
     if (std::find(names.begin(), names.end(), c.name) == names.end()) continue;
     if (c.name == "randomk" || c.name == "topk" || c.name == "dgc") c.params["ratio"] = "0.01";
     if (c.name == "qsgd") c.params["levels"] = "16";
-    c.error_feedback = c.name == "efsignsgd" || c.name == "dgc";
+    // compress_bench measures these with their error-feedback update.
+    c.error_feedback = c.name == "efsignsgd" || c.name == "dgc" || c.name == "randomk" ||
+                       c.name == "topk" || c.name == "onebit";
     c.bytes_per_element = default_bytes_per_element(c.name, c.params);
     c.cpu = DeviceCost{fit(pts), fit(dit->second)};
     t.compressors[c.name] = std::move(c);

@@ -40,9 +40,11 @@ struct Summary {
 Summary summarize(Problem& p, int tensor, int opt) {
   Summary s;
   s.latency = 0;
+  thread_local std::vector<Op> scratch;
   for (int c = p.first_chunk(tensor); c < p.first_chunk(tensor + 1); ++c) {
     double lat = 0;
-    for (const Op& op : p.chain(p.chunks()[c].elements, opt)) {
+    p.chain_into(p.chunks()[c].elements, opt, scratch);
+    for (const Op& op : scratch) {
       s.r[static_cast<int>(op.resource)] += op.duration_us;
       lat += op.duration_us;
     }
@@ -239,55 +241,37 @@ bool group_sweep(Problem& p, Evaluator& ev, const std::vector<std::vector<int>>&
   return improved;
 }
 
-}  // namespace
-
-Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
-  const auto t0 = Clock::now();
-  const double c0 = thread_cpu_ms();
-  PlanStats st;
-  const int n = p.tensors();
-  Assignment start = baseline(p, Baseline::kFp32);
-  Candidates cand = candidates(p, start.empty() ? -1 : start[0], opts.max_gpu_candidates);
-  Evaluator ev(p);
-  if (start.empty()) {
-    // FP32's option is not allowed: start from each tensor's lowest-latency
-    // candidate.
-    start.resize(n);
-    all_candidates(p, cand);
-    for (int i = 0; i < n; ++i) start[i] = cand.all[i].front();
-  }
-  ev.set_base(start);
-  double f = ev.base_value();
-  const double lb = ev.lower_bound() + kEps;
-  const std::vector<int> order = size_order(p);
-
-  // Algorithm 1: GPU compression with bubble elimination.
-  for (int i : order) {
-    if (f <= lb) break;  // no bubble left: nothing can be gained
-    if (cand.gpu[i].empty()) continue;
-    ++st.tensors_examined;
-    double best = f;
-    int best_opt = -1;
-    for (int o : cand.gpu[i]) {
-      if (o == ev.base()[i]) continue;
-      const double v = ev.try_option(i, o, best - kEps);
-      if (v < best - kEps) {
-        best = v;
-        best_opt = o;
+// Exchanges the options of two tensors (among the largest ones): greedy
+// single moves cannot leave an optimum where two tensors hold each other's
+// best option, e.g. which of them goes to the CPU pool.
+bool swap_sweep(Problem& p, Evaluator& ev, const std::vector<int>& order, double& f,
+                double stop_at) {
+  constexpr size_t kLargest = 16;
+  const size_t m = std::min(order.size(), kLargest);
+  bool improved = false;
+  for (size_t x = 0; x < m; ++x) {
+    for (size_t y = x + 1; y < m; ++y) {
+      if (f <= stop_at) return improved;
+      int i = order[x], j = order[y];
+      if (i > j) std::swap(i, j);
+      const int oi = ev.base()[i], oj = ev.base()[j];
+      if (oi == oj) continue;
+      const double v = ev.try_changes({{i, oj}, {j, oi}}, f - kEps);
+      if (v < f - kEps) {
+        ev.commit(i, oj);
+        ev.commit(j, oi);
+        f = v;
+        improved = true;
       }
     }
-    if (best_opt >= 0) {
-      ev.commit(i, best_opt);
-      f = best;
-    }
   }
-  st.algorithm1_ms = ms_since(t0);
+  (void)p;
+  return improved;
+}
 
-  // Algorithm 2: offload GPU compression to the CPU pool. Tensors of equal
-  // size and option are interchangeable up to position, so per group the
-  // choice is how many to offload (those closest to the output first, whose
-  // CPU work overlaps most of the remaining backward pass).
-  const auto t1 = Clock::now();
+// Algorithm 2's grouped offloading; returns the number of groups.
+int offload_pass(Problem& p, Evaluator& ev, double& f, int rounds, bool all_splits) {
+  const int n = p.tensors();
   std::map<std::pair<uint64_t, int>, std::vector<int>> groups;
   for (int i = 0; i < n; ++i) {
     const Option& o = p.options()[ev.base()[i]];
@@ -298,17 +282,14 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
                                                                            groups.end());
   std::stable_sort(glist.begin(), glist.end(),
                    [](const auto& a, const auto& b) { return a.first.first > b.first.first; });
-  st.offload_groups = static_cast<int>(glist.size());
-  for (int round = 0; round < 1; ++round) {
+  std::vector<std::pair<Device, Device>> splits = {{Device::kCpu, Device::kCpu},
+                                                   {Device::kGpu, Device::kCpu}};
+  if (all_splits) splits.push_back({Device::kCpu, Device::kGpu});
+  for (int round = 0; round < rounds; ++round) {
     bool changed = false;
     for (const auto& [key, members] : glist) {
-      // Candidate offloaded variants: CPU for compression, decompression, or both.
       std::vector<int> variants;
-      // Both on the CPU, or only the decompression (on the GPU it costs a
-      // piece per sender); compressing on the CPU while decompressing on the
-      // GPU is left to the refinement.
-      for (auto [cd, dd] : {std::pair{Device::kCpu, Device::kCpu},
-                            std::pair{Device::kGpu, Device::kCpu}}) {
+      for (auto [cd, dd] : splits) {
         Option v = p.options()[key.second];
         v.comp_device = cd;
         v.decomp_device = dd;
@@ -338,6 +319,72 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
     }
     if (!changed) break;
   }
+  return static_cast<int>(glist.size());
+}
+
+}  // namespace
+
+Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
+  const auto t0 = Clock::now();
+  const double c0 = thread_cpu_ms();
+  PlanStats st;
+  const int n = p.tensors();
+  Assignment start = baseline(p, Baseline::kFp32);
+  Candidates cand = candidates(p, start.empty() ? -1 : start[0], opts.max_gpu_candidates);
+  Evaluator ev(p);
+  if (start.empty()) {
+    // FP32's option is not allowed: start from each tensor's lowest-latency
+    // candidate.
+    start.resize(n);
+    all_candidates(p, cand);
+    for (int i = 0; i < n; ++i) start[i] = cand.all[i].front();
+  }
+  ev.set_base(start);
+  double f = ev.base_value();
+  // Algorithm 1 stops when no bubble is left: F equals the backward pass
+  // plus the shortest tail the options it considers allow for the last
+  // tensor (FP32 or a GPU candidate). The refinement, which may use any
+  // option, stops at the same point.
+  double tail = std::numeric_limits<double>::infinity();
+  {
+    const int last = n - 1;
+    std::vector<int> tail_opts = cand.gpu[last];
+    tail_opts.push_back(start[last]);
+    for (int o : tail_opts) tail = std::min(tail, summarize(p, last, o).latency);
+  }
+  const double lb = p.forward_us() + p.profile().backward_us() + tail + kEps;
+  const std::vector<int> order = size_order(p);
+
+  // Algorithm 1: GPU compression with bubble elimination.
+  for (int i : order) {
+    if (f <= lb) break;  // no bubble left: nothing can be gained
+    if (cand.gpu[i].empty()) continue;
+    ++st.tensors_examined;
+    double best = f;
+    int best_opt = -1;
+    for (int o : cand.gpu[i]) {
+      if (o == ev.base()[i]) continue;
+      const double v = ev.try_option(i, o, best - kEps);
+      if (v < best - kEps) {
+        best = v;
+        best_opt = o;
+      }
+    }
+    if (best_opt >= 0) {
+      ev.commit(i, best_opt);
+      f = best;
+    }
+  }
+  st.algorithm1_ms = ms_since(t0);
+
+  // Algorithm 2: offload GPU compression to the CPU pool. Tensors of equal
+  // size and option are interchangeable up to position, so per group the
+  // choice is how many to offload (those closest to the output first, whose
+  // CPU work overlaps most of the remaining backward pass). Here: both
+  // operations or only the decompression (on the GPU it costs a piece per
+  // sender), one round; the refinement repeats it with every device split.
+  const auto t1 = Clock::now();
+  st.offload_groups = offload_pass(p, ev, f, 1, false);
   st.algorithm2_ms = ms_since(t1);
   st.decision_ms = ms_since(t0);
   st.decision_cpu_ms = thread_cpu_ms() - c0;
@@ -348,8 +395,12 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   // tensors, then whole size groups at once (a group often only pays off
   // when all its members move, e.g. to the CPU pool).
   for (int r = 0; r < opts.refine_rounds; ++r) {
-    bool improved = sweep(ev, order, cand.all, f, lb);
+    const double before = f;
+    offload_pass(p, ev, f, 2, true);
+    bool improved = f < before - kEps;
+    improved |= sweep(ev, order, cand.all, f, lb);
     improved |= group_sweep(p, ev, cand.all, f, lb);
+    improved |= swap_sweep(p, ev, order, f, lb);
     if (!improved) break;
   }
 
@@ -364,6 +415,7 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
       for (int r = 0; r < opts.refine_rounds; ++r) {
         bool improved = sweep(ev, order, cand.all, fb, lb);
         improved |= group_sweep(p, ev, cand.all, fb, lb);
+        improved |= swap_sweep(p, ev, order, fb, lb);
         if (!improved) break;
       }
       if (fb < f - kEps) {
@@ -544,9 +596,11 @@ Problem random_small_problem(std::mt19937& rng, const CostTable& costs, int tens
 
 Strategy to_strategy(const Problem& p, const Assignment& a) {
   Strategy s;
+  // The default (tensors not in the plan) is uncompressed in the form every
+  // runtime executes, the CPU daemon included (intra reduce, PS).
   Option raw;
   raw.compressor = "none";
-  raw.intra = Collective::kReduceScatterAllgather;
+  raw.intra = Collective::kReduceBroadcast;
   s.set_default(raw);
   for (int i = 0; i < p.tensors(); ++i)
     s.add_entry({p.profile().tensors[i].name, p.options()[a[i]]});

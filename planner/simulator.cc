@@ -116,6 +116,17 @@ const std::vector<Op>& Problem::chain(uint64_t elements, int opt) {
 
 std::vector<Op> Problem::build_chain(uint64_t elements, const Option& o) const {
   std::vector<Op> ops;
+  ops.reserve(12);
+  build_chain_into(elements, o, ops);
+  return ops;
+}
+
+void Problem::chain_into(uint64_t elements, int opt, std::vector<Op>& out) const {
+  out.clear();
+  build_chain_into(elements, options_[opt], out);
+}
+
+void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
   const double n = static_cast<double>(elements);
   const double S = 4.0 * n;
   const int k = cluster_.gpus_per_machine, M = cluster_.machines;
@@ -159,7 +170,7 @@ std::vector<Op> Problem::build_chain(uint64_t elements, const Option& o) const {
         comp(n, 1);
         decomp(n, 1, 1);
       }
-      return ops;
+      return;
     }
     const double c = wire(n);
     const double bytes = cc ? c : S;
@@ -179,7 +190,7 @@ std::vector<Op> Problem::build_chain(uint64_t elements, const Option& o) const {
       case Collective::kAllgather:
         add(Resource::kInter, steps(N) * ae + steps(N) * c / Be, "allgather");
         decomp(n, N, 1);
-        return ops;
+        return;
       case Collective::kAlltoallAllgather: {
         const double shard = n / N;
         add(Resource::kInter, steps(N) * ae + k * frac(M) * c / Be, "alltoall");
@@ -187,7 +198,7 @@ std::vector<Op> Problem::build_chain(uint64_t elements, const Option& o) const {
         comp(shard, 1);
         add(Resource::kInter, steps(N) * ae + steps(N) * wire(shard) / Be, "allgather");
         decomp(shard, N, 1);
-        return ops;
+        return;
       }
       case Collective::kGatherBroadcast:
         add(Resource::kInter, steps(N) * ae + (N - k) * c / Be, "gather");
@@ -195,10 +206,10 @@ std::vector<Op> Problem::build_chain(uint64_t elements, const Option& o) const {
         comp(n, 1);
         add(Resource::kInter, steps(N) * ae + c / Be, "broadcast");
         decomp(n, 1, 1);
-        return ops;
+        return;
     }
     if (cc) decomp(n, 1, 1);
-    return ops;
+    return;
   }
 
   // Hierarchical: intra step 1, inter phase, intra step 2.
@@ -291,7 +302,7 @@ std::vector<Op> Problem::build_chain(uint64_t elements, const Option& o) const {
         scatter ? "intra_allgather" : "intra_broadcast");
   }
   if (s3) decomp(n / par, par, k);
-  return ops;
+  return;
 }
 
 // ---------------------------------------------------------------- evaluator
@@ -310,11 +321,14 @@ Evaluator::Evaluator(Problem& p) : p_(p) {
   base_inter_.assign(n, 0);
   base_info_from_ = 0;  // nothing known yet: boundaries >= 0 need a refresh
   for (auto& r : res_) r.gaps.reserve(4 * p_.chunks().size() + 16);
-  // Lower bound: backward without contention, then the cheapest chain of the
-  // last tensor with every resource free.
-  double bwd = p_.profile().backward_us();
+}
+
+double Evaluator::lower_bound() {
+  if (lower_bound_ >= 0) return lower_bound_;
+  // Backward without contention, then the cheapest chain of the last tensor
+  // with every resource free.
+  const int last = p_.tensors() - 1;
   double tail = std::numeric_limits<double>::infinity();
-  const int last = n - 1;
   for (size_t o = 0; o < p_.options().size(); ++o) {
     double t = 0;
     for (int c = p_.first_chunk(last); c < p_.first_chunk(last + 1); ++c) {
@@ -325,7 +339,8 @@ Evaluator::Evaluator(Problem& p) : p_(p) {
     }
     tail = std::min(tail, t);
   }
-  lower_bound_ = p_.forward_us() + bwd + tail;
+  lower_bound_ = p_.forward_us() + p_.profile().backward_us() + tail;
+  return lower_bound_;
 }
 
 void Evaluator::rollback(int tensor) {

@@ -73,6 +73,8 @@ class Problem {
     if (v.empty()) v = chain(chunks_[c].elements, opt);
     return v;
   }
+  // Builds the chain into `out` without caching it (cheap summaries).
+  void chain_into(uint64_t elements, int opt, std::vector<Op>& out) const;
   // Option index of an option equal to `o`, or -1.
   int find_option(const Option& o) const;
   // A copy where compression costs nothing and causes no contention (the
@@ -82,6 +84,7 @@ class Problem {
 
  private:
   std::vector<Op> build_chain(uint64_t elements, const Option& o) const;
+  void build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const;
   Profile profile_;
   Cluster cluster_;
   CostTable costs_;
@@ -140,7 +143,9 @@ class Evaluator {
   void commit(int i, int opt);
   // Lower bound of F for any assignment: forward + backward without
   // contention + the fastest possible tail of the last tensor.
-  double lower_bound() const { return lower_bound_; }
+  // (Computed on first use: it builds every option's chain of the last
+  // tensor.)
+  double lower_bound();
   uint64_t simulations() const { return simulations_; }
 
   // Low-level stepping for depth-first searches (the exact solver): the
@@ -211,7 +216,7 @@ class Evaluator {
   std::vector<double> prefix_done_;   // max done of tensors < i (size n+1)
   int prefix_ = 0;                    // state holds tensors [0, prefix_)
   double base_value_ = -1;
-  double lower_bound_ = 0;
+  double lower_bound_ = -1;
   uint64_t simulations_ = 0;
 };
 

@@ -362,7 +362,8 @@ class ClientImpl final : public PsClient {
     Response r = core_->tp->call(server, std::move(m), timeout);
     Status st = to_status(r);
     if (!st.ok()) throw Error(st.code(), "stats of server " + std::to_string(server) + ": " + st.message());
-    proto::Reader rd(proto::joined(r.response), "stats");
+    const std::string bytes = proto::joined(r.response);
+    proto::Reader rd(bytes, "stats");
     ServerStats s;
     s.jobs = rd.u32("jobs");
     s.job_bytes = rd.u64("job_bytes");

@@ -522,7 +522,8 @@ void Coordinator::on_hello(Incoming in) {
 void Coordinator::on_register(Incoming in) {
   JobSpec spec;
   try {
-    proto::Reader r(proto::joined(in.message), "register");
+    const std::string bytes = proto::joined(in.message);
+    proto::Reader r(bytes, "register");
     spec = proto::read_spec(r);
     r.end();
   } catch (const Error& e) {
@@ -1130,12 +1131,13 @@ Status ParameterServer::Impl::setup_job(const proto::Admission& a) {
     ps->pushed.assign(n, 0);
     job->parts.emplace(p.key, std::move(ps));
   }
+  const uint64_t reserved = job->reserved;
   {
     std::unique_lock lk(jobs_mu);
     jobs[a.uid] = job;
   }
   BC_LOG(LogServer(), kInfo) << "job '" << a.name << "' (uid " << a.uid << ") set up: "
-                             << job->parts.size() << " partitions here, " << job->reserved
+                             << job->parts.size() << " partitions here, " << reserved
                              << " bytes reserved";
   return Status::Ok();
 }
@@ -1200,11 +1202,22 @@ Status ParameterServer::Impl::prepare_strategy(uint32_t uid, uint64_t iteration,
   uint64_t need = 0;
   for (auto& [key, ps] : job->parts)
     need += reservation(plans[ps->part.tensor], ps->part.count, job->nodes.size(), job->deterministic);
-  if (need > job->reserved)
-    return Status(ErrorCode::kResourceExhausted,
-                  "server " + std::to_string(cfg.node_id) + ": the new strategy needs " +
-                      std::to_string(need) + " bytes, the job reserved " +
-                      std::to_string(job->reserved));
+  {
+    // The reservation only grows (the old plan's rounds may still run).
+    std::unique_lock lk(jobs_mu);
+    if (need > job->reserved) {
+      uint64_t more = need - job->reserved;
+      if (need > cfg.max_job_bytes || reserved_total + more > cfg.max_total_bytes)
+        return Status(ErrorCode::kResourceExhausted,
+                      "server " + std::to_string(cfg.node_id) + ": the new strategy needs " +
+                          std::to_string(need) + " bytes for the job (max_job_bytes " +
+                          std::to_string(cfg.max_job_bytes) + ", " +
+                          std::to_string(cfg.max_total_bytes - reserved_total) +
+                          " left of max_total_bytes)");
+      reserved_total += more;
+      job->reserved = need;
+    }
+  }
   std::lock_guard lk(job->mu);
   for (auto& [key, ps] : job->parts) {
     int64_t f = ps->frozen.load();
@@ -1446,9 +1459,15 @@ void ParameterServer::Impl::complete_round(ServerJob& job, PartState& ps) {
     } else {
       switch (ps.plan.pull) {
         case PullFormat::kFp32: {
-          float* raw = ps.sum.release();
+          // The block's owner rides in the release function's capture, so
+          // it returns to the pool when the last copy of that function goes
+          // (however many copies Buffer::wrap makes of it).
           std::shared_ptr<BlockPool> pool = ps.pool;
-          result = Buffer::wrap(raw, n * 4, [pool, raw] { pool->put(std::unique_ptr<float[]>(raw)); });
+          std::shared_ptr<float[]> block(ps.sum.release(), [pool](float* p) {
+            pool->put(std::unique_ptr<float[]>(p));
+          });
+          const float* raw = block.get();
+          result = Buffer::wrap(raw, n * 4, [block] {});
           ps.sum = ps.pool->get();
           break;
         }

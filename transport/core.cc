@@ -352,7 +352,7 @@ void TransportBase::send_error_reply(const Incoming& request, ErrorCode code,
   enqueue(std::move(out));
 }
 
-void TransportBase::finish_request(uint64_t id, Response response) {
+void TransportBase::finish_request(uint64_t id, Response response, Assembler assemble) {
   ResponseCallback done;
   bool run_inline = false;
   {
@@ -364,12 +364,22 @@ void TransportBase::finish_request(uint64_t id, Response response) {
     deadlines_.erase(it->second.deadline);
     pending_.erase(it);
   }
-  if (done && run_inline)
+  deliver_response(std::move(done), run_inline, std::move(response), std::move(assemble));
+}
+
+void TransportBase::deliver_response(ResponseCallback done, bool run_inline, Response response,
+                                     Assembler assemble) {
+  if (done && run_inline) {
+    // call()'s waiter: cheap, except for a multi-frame reply's copy.
+    if (assemble) assemble(response.response.payloads);
     done(std::move(response));
-  else if (done)
-    completions_.post([done = std::move(done), r = std::move(response)]() mutable {
+  } else if (done) {
+    completions_.post([done = std::move(done), r = std::move(response),
+                       assemble = std::move(assemble)]() mutable {
+      if (assemble) assemble(r.response.payloads);
       done(std::move(r));
     });
+  }
 }
 
 void TransportBase::fail_requests_to(NodeId peer, const Status& status) {
@@ -402,7 +412,8 @@ bool TransportBase::receive_paused() const {
   return receive_queued_.load(std::memory_order_relaxed) >= config_.receive_queue_messages;
 }
 
-void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payloads) {
+void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payloads,
+                                Assembler assemble) {
   note_alive(h.src);
   switch (h.kind) {
     case wire::Kind::kHeartbeat:
@@ -436,7 +447,8 @@ void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payl
         r.response.header = h.user;
         r.response.payloads = std::move(payloads);
       }
-      finish_request(h.correlation, std::move(r));
+      finish_request(h.correlation, std::move(r),
+                     h.kind == wire::Kind::kResponse ? std::move(assemble) : nullptr);
       return;
     }
     case wire::Kind::kData:
@@ -447,16 +459,17 @@ void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payl
       in.message.payloads = std::move(payloads);
       in.expects_reply = h.kind == wire::Kind::kRequest;
       in.request_id = h.correlation;
-      dispatch(std::move(in));
+      dispatch(std::move(in), std::move(assemble));
       return;
     }
   }
 }
 
-void TransportBase::dispatch(Incoming in) {
+void TransportBase::dispatch(Incoming in, Assembler assemble) {
   Dispatcher& d = *handler_threads_[in.from % handler_threads_.size()];
   receive_queued_.fetch_add(1, std::memory_order_relaxed);
-  d.post([this, in = std::move(in)]() mutable {
+  d.post([this, in = std::move(in), assemble = std::move(assemble)]() mutable {
+    if (assemble) assemble(in.message.payloads);
     Handler h;
     {
       std::lock_guard lock(mu_);
@@ -486,16 +499,26 @@ void TransportBase::dispatch(Incoming in) {
 }
 
 Clock::time_point TransportBase::tick(Clock::time_point now, std::vector<NodeId>& heartbeat_to) {
-  std::vector<uint64_t> expired;
+  struct Expired {
+    uint64_t id;
+    Pending pending;
+  };
+  std::vector<Expired> expired;
   std::vector<NodeId> lost;
   PeerFailureCallback on_fail;
   bool paused = receive_paused();
   Clock::time_point next = now + config_.heartbeat_interval;
   {
     std::lock_guard lock(mu_);
+    // Taken out of the table here, under the same lock, so no other
+    // thread can finish them meanwhile.
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-      expired.push_back(deadlines_.begin()->second);
+      uint64_t id = deadlines_.begin()->second;
       deadlines_.erase(deadlines_.begin());
+      auto it = pending_.find(id);
+      if (it == pending_.end()) continue;
+      expired.push_back({id, std::move(it->second)});
+      pending_.erase(it);
     }
     if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
     for (auto& [id, p] : peers_) {
@@ -517,21 +540,13 @@ Clock::time_point TransportBase::tick(Clock::time_point now, std::vector<NodeId>
     }
     on_fail = peer_failure_;
   }
-  for (uint64_t id : expired) {
+  for (Expired& e : expired) {
     Response r;
-    {
-      std::lock_guard lock(mu_);
-      auto it = pending_.find(id);
-      if (it == pending_.end()) continue;
-      r.from = it->second.peer;
-      // finish_request() erases the deadline entry; this one is gone
-      // already, so point it at a harmless fresh one.
-      it->second.deadline = deadlines_.emplace(now, id);
-    }
+    r.from = e.pending.peer;
     r.status = Status(ErrorCode::kTimeout, "no reply from node " + std::to_string(r.from) +
-                                               " to request " + std::to_string(id) +
+                                               " to request " + std::to_string(e.id) +
                                                " within its deadline");
-    finish_request(id, std::move(r));
+    deliver_response(std::move(e.pending.done), e.pending.run_inline, std::move(r), nullptr);
   }
   for (NodeId id : lost) {
     Status s(ErrorCode::kPeerLost, "node " + std::to_string(id) + " sent nothing for " +

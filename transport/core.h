@@ -110,8 +110,14 @@ class TransportBase : public Transport {
   // --- services for the backend's I/O loop ---
   bool pop_outgoing(Outgoing& out);
   void complete_send(Outgoing& out, Status status);
+  // Completes payloads that were left for later (e.g. a payload that came
+  // in several frames, reassembled by copying). Runs on the handler or
+  // completion thread, so big copies do not stall the I/O loop (and with it
+  // heartbeats).
+  using Assembler = std::function<void(std::vector<Buffer>&)>;
   // A validated message from `from`; payload buffers own their bytes.
-  void on_received(wire::WireHeader&& header, std::vector<Buffer>&& payloads);
+  void on_received(wire::WireHeader&& header, std::vector<Buffer>&& payloads,
+                   Assembler assemble = nullptr);
   // Any traffic from a peer proves it alive.
   void note_alive(NodeId id);
   // Whether handlers lag so far behind that reading should pause (the
@@ -144,9 +150,11 @@ class TransportBase : public Transport {
 
   void enqueue(Outgoing out);
   void start_request(NodeId to, Message message, Millis timeout, ResponseCallback done, bool run_inline);
-  void finish_request(uint64_t id, Response response);
+  void finish_request(uint64_t id, Response response, Assembler assemble = nullptr);
+  void deliver_response(ResponseCallback done, bool run_inline, Response response,
+                        Assembler assemble);
   void fail_requests_to(NodeId peer, const Status& status);
-  void dispatch(Incoming incoming);
+  void dispatch(Incoming incoming, Assembler assemble);
   void send_error_reply(const Incoming& request, ErrorCode code, const std::string& message);
   Status validate_message(const Message& message) const;
 

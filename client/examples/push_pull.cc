@@ -7,7 +7,9 @@
 //   bytecomp-example --socket /run/bytecomp/bytecompd.sock --ranks 2 --iterations 100
 //
 // --ranks N forks N local ranks of one job (a real framework would start one
-// process per GPU, each with its own --rank).
+// process per GPU, each with its own --rank). --node R/N makes this node R of
+// N: run it once per node, each against that node's daemon (the daemons are
+// configured with the parameter servers, see README.md).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,27 +28,32 @@ struct Args {
   std::string job = "example";
   uint32_t ranks = 2;
   uint64_t iterations = 100;
+  uint32_t node = 0;
+  uint32_t nodes = 1;
 };
 
 int run_rank(const Args& a, uint32_t rank) {
   try {
     bytecomp::Client client({.job_id = a.job, .local_rank = rank, .local_size = a.ranks,
-                             .socket_path = a.socket});
+                             .node_rank = a.node, .num_nodes = a.nodes, .socket_path = a.socket,
+                             .connect_timeout_ms = 30000});
     // A toy model: declared in forward order (first layer first).
     const std::vector<std::pair<std::string, uint64_t>> layers = {
         {"conv1.weight", 9408}, {"conv1.bias", 64}, {"fc.weight", 2048 * 1000}, {"fc.bias", 1000}};
     std::vector<uint32_t> ids;
     for (const auto& [name, n] : layers) ids.push_back(client.declare(name, n, BYTECOMP_FLOAT32));
-    client.start();
+    client.start(60000);
     const auto t0 = std::chrono::steady_clock::now();
     for (uint64_t it = 0; it < a.iterations; ++it) {
       std::vector<bytecomp::Operation> ops(ids.size());
       for (size_t k = ids.size(); k-- > 0;) {  // backward: last layer first
         std::span<float> g = client.buffer<float>(ids[k]);
-        for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>((rank + 1) * ((i + it) % 100));
+        const uint32_t global = a.node * a.ranks + rank;
+        for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>((global + 1) * ((i + it) % 100));
         ops[k] = client.push_pull(ids[k], it);
       }
-      const float ranks_sum = static_cast<float>(a.ranks * (a.ranks + 1) / 2);
+      const uint32_t all = a.ranks * a.nodes;
+      const float ranks_sum = static_cast<float>(all * (all + 1) / 2);
       for (size_t k = 0; k < ids.size(); ++k) {
         ops[k].wait(30000);
         std::span<float> g = client.buffer<float>(ids[k]);
@@ -61,8 +68,9 @@ int run_rank(const Args& a, uint32_t rank) {
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
-      std::printf("%llu iterations of %zu tensors over %u ranks: %.2f ms/iteration, sums exact\n",
-                  static_cast<unsigned long long>(a.iterations), ids.size(), a.ranks,
+      std::printf("node %u: %llu iterations of %zu tensors over %u ranks on %u node(s): "
+                  "%.2f ms/iteration, sums exact\n",
+                  a.node, static_cast<unsigned long long>(a.iterations), ids.size(), a.ranks, a.nodes,
                   1000.0 * s / static_cast<double>(a.iterations));
     }
     client.close();
@@ -83,9 +91,10 @@ int main(int argc, char** argv) {
     else if (k == "--job") a.job = argv[i + 1];
     else if (k == "--ranks") a.ranks = static_cast<uint32_t>(std::atoi(argv[i + 1]));
     else if (k == "--iterations") a.iterations = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (k == "--node") std::sscanf(argv[i + 1], "%u/%u", &a.node, &a.nodes);
     else {
       std::fprintf(stderr, "usage: bytecomp-example [--socket PATH] [--job ID] [--ranks N] "
-                           "[--iterations K]\n");
+                           "[--iterations K] [--node R/N]\n");
       return 2;
     }
   }

@@ -610,6 +610,7 @@ bytecomp_status bytecomp_wait(bytecomp_client* c, bytecomp_handle h, uint32_t ti
     const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     std::unique_lock lock(c->mu);
     require_started(c, "bytecomp_wait");
+    bool reaped_once = false;
     for (;;) {
       auto it = c->ops.find(h);
       if (it == c->ops.end()) {
@@ -625,6 +626,12 @@ bytecomp_status bytecomp_wait(bytecomp_client* c, bytecomp_handle h, uint32_t ti
         return;
       }
       const auto now = Clock::now();
+      if (now >= deadline && !reaped_once && !c->reaper_active) {
+        // Even a zero timeout looks at the completions once.
+        reaped_once = true;
+        c->reap(lock, std::chrono::microseconds(0));
+        continue;
+      }
       if (now >= deadline) {
         fail(BYTECOMP_ERR_TIMEOUT,
              "push_pull of tensor '" + c->tensors[it->second.tensor].name + "' (iteration " +
@@ -633,6 +640,7 @@ bytecomp_status bytecomp_wait(bytecomp_client* c, bytecomp_handle h, uint32_t ti
       }
       const auto slice = std::min<Clock::duration>(deadline - now, kSlice);
       if (!c->reaper_active) {
+        reaped_once = true;
         c->reap(lock, std::chrono::duration_cast<std::chrono::microseconds>(slice));
       } else {
         c->cv.wait_for(lock, slice);

@@ -4,6 +4,9 @@
 //   big:   one 64 MiB float32 tensor; prints the median push_pull round trip
 //          and, measured in the same process, the median of one 64 MiB memcpy.
 //   small: one 4-byte tensor; prints the median round trip in microseconds.
+//   model: 64 tensors of 4 MiB (a 256 MiB model), all pushed, then all
+//          waited; prints the median iteration time and the goodput (model
+//          bytes per second). Optional last argument NODE/NODES.
 #include <bytecomp/bytecomp.hpp>
 
 #include <algorithm>
@@ -26,9 +29,49 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::fprintf(stderr, "usage: bc_bench SOCKET JOB RANK SIZE big|small ITERATIONS\n");
+  if (argc != 7 && argc != 8) {
+    std::fprintf(stderr, "usage: bc_bench SOCKET JOB RANK SIZE big|small|model ITERATIONS [R/N]\n");
     return 2;
+  }
+  uint32_t node_rank = 0, num_nodes = 1;
+  if (argc == 8) std::sscanf(argv[7], "%u/%u", &node_rank, &num_nodes);
+  if (std::string(argv[5]) == "model") {
+    try {
+      bytecomp::Client c({.job_id = argv[2], .local_rank = static_cast<uint32_t>(std::atoi(argv[3])),
+                          .local_size = static_cast<uint32_t>(std::atoi(argv[4])),
+                          .node_rank = node_rank, .num_nodes = num_nodes,
+                          .socket_path = argv[1], .connect_timeout_ms = 30000});
+      constexpr int kTensors = 64;
+      constexpr uint64_t kCount = (4ull << 20) / 4;
+      std::vector<uint32_t> ids;
+      for (int t = 0; t < kTensors; ++t) {
+        ids.push_back(c.declare("layer" + std::to_string(t), kCount, BYTECOMP_FLOAT32));
+      }
+      c.start(60000);
+      for (uint32_t id : ids) {
+        std::span<float> g = c.buffer<float>(id);
+        std::fill(g.begin(), g.end(), 0.0f);
+      }
+      const int iters = std::atoi(argv[6]);
+      std::vector<double> secs;
+      for (int it = 0; it < iters + 1; ++it) {
+        const auto t0 = Clock::now();
+        std::vector<bytecomp::Operation> ops;
+        for (size_t k = ids.size(); k-- > 0;) ops.push_back(c.push_pull(ids[k], static_cast<uint64_t>(it)));
+        for (auto& op : ops) op.wait(120000);
+        if (it > 0) secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      const double m = median(secs);
+      if (std::atoi(argv[3]) == 0 && node_rank == 0) {
+        std::printf("model_iteration_ms %.2f goodput_bytes_per_s %.4g\n", 1e3 * m,
+                    static_cast<double>(kTensors * kCount * 4) / m);
+      }
+      c.close();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 1;
+    }
+    return 0;
   }
   const uint32_t rank = static_cast<uint32_t>(std::atoi(argv[3]));
   const uint32_t size = static_cast<uint32_t>(std::atoi(argv[4]));

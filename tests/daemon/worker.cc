@@ -6,6 +6,7 @@
 //   SPEC: comma-separated dtype:count, e.g. f32:1,f64:3,i32:1000,f32:16777216
 //   --threads  one thread per tensor (exercises client thread-safety)
 //   --stall    start, then never push (the other ranks wait on it)
+//   --node R/N this is node R of N (values and sums over all N * SIZE ranks)
 //
 // Prints "running" after the first verified iteration, and on failure the
 // status name and message. Exit: 0 ok, 1 usage, 2 wrong result, 10+status
@@ -92,10 +93,17 @@ int main(int argc, char** argv) {
   const uint64_t iters = std::strtoull(argv[5], nullptr, 10);
   bool threads = false;
   bool stall = false;
+  uint32_t node_rank = 0, num_nodes = 1;
   for (int i = 7; i < argc; ++i) {
     threads |= std::strcmp(argv[i], "--threads") == 0;
     stall |= std::strcmp(argv[i], "--stall") == 0;
+    if (std::strcmp(argv[i], "--node") == 0 && i + 1 < argc) {
+      std::sscanf(argv[++i], "%u/%u", &node_rank, &num_nodes);
+    }
   }
+  // Values and expected sums over every rank of every node.
+  const uint32_t grank = node_rank * size + rank;
+  const uint32_t gsize = num_nodes * size;
   std::vector<T> ts;
   std::string spec = argv[6];
   size_t at = 0;
@@ -119,6 +127,9 @@ int main(int argc, char** argv) {
   o.job_id = job;
   o.local_rank = rank;
   o.local_size = size;
+  o.node_rank = node_rank;
+  o.num_nodes = num_nodes;
+  o.connect_timeout_ms = 20000;
   bytecomp_client* c = nullptr;
   bytecomp_status s = bytecomp_connect(&o, &c);
   if (s != BYTECOMP_OK) die(s, "connect");
@@ -128,7 +139,7 @@ int main(int argc, char** argv) {
                                 &ts[k].id);
     if (s != BYTECOMP_OK) die(s, "declare");
   }
-  if ((s = bytecomp_start(c, 20000)) != BYTECOMP_OK) die(s, "start");
+  if ((s = bytecomp_start(c, 30000)) != BYTECOMP_OK) die(s, "start");
   for (auto& t : ts) {
     uint64_t bytes = 0;
     if ((s = bytecomp_tensor_buffer(c, t.id, &t.buf, &bytes)) != BYTECOMP_OK) die(s, "buffer");
@@ -144,13 +155,13 @@ int main(int argc, char** argv) {
   }
 
   auto one_tensor = [&](const T& t, uint64_t it) -> int {
-    do_fill(t, rank, it);
+    do_fill(t, grank, it);
     bytecomp_handle h = 0;
     bytecomp_status st = bytecomp_push_pull(c, t.id, it, &h);
     if (st != BYTECOMP_OK) die(st, "push_pull");
     if ((st = bytecomp_wait(c, h, 20000)) != BYTECOMP_OK) die(st, "wait");
     uint64_t bad = 0;
-    if (!do_verify(t, size, it, &bad)) {
+    if (!do_verify(t, gsize, it, &bad)) {
       std::printf("wrong result: tensor %u iteration %llu element %llu\n", t.id,
                   static_cast<unsigned long long>(it), static_cast<unsigned long long>(bad));
       std::fflush(stdout);
@@ -169,13 +180,13 @@ int main(int argc, char** argv) {
       // first), then waited: what a framework's backward pass does.
       std::vector<bytecomp_handle> hs(ts.size());
       for (size_t k = ts.size(); k-- > 0;) {
-        do_fill(ts[k], rank, it);
+        do_fill(ts[k], grank, it);
         if ((s = bytecomp_push_pull(c, ts[k].id, it, &hs[k])) != BYTECOMP_OK) die(s, "push_pull");
       }
       for (size_t k = 0; k < ts.size(); ++k) {
         if ((s = bytecomp_wait(c, hs[k], 20000)) != BYTECOMP_OK) die(s, "wait");
         uint64_t bad = 0;
-        if (!do_verify(ts[k], size, it, &bad)) {
+        if (!do_verify(ts[k], gsize, it, &bad)) {
           std::printf("wrong result: tensor %zu iteration %llu element %llu\n", k,
                       static_cast<unsigned long long>(it), static_cast<unsigned long long>(bad));
           return 2;

@@ -455,3 +455,45 @@ TEST(Cli, ErrorsNameWhatIsWrong) {
   EXPECT_EQ(run_cli({"count", "--compressor", "dgc:0.01", "--no-fp16", "--json"}, out, err), 0);
   EXPECT_EQ(YAML::Load(out.str())["pruned"].as<int>(), 117);
 }
+
+TEST(Cli, PaperAndConverter) {
+  std::ostringstream out, err;
+  ASSERT_EQ(run_cli({"paper", "--json"}, out, err), 0) << err.str();
+  YAML::Node j = YAML::Load(out.str());
+  ASSERT_EQ(j["workloads"].size(), 6u);
+  for (const auto& w : j["workloads"]) {
+    const double ours = w["predicted"]["espresso"].as<double>();
+    EXPECT_GT(w["published"]["espresso"].as<double>(), 1.0);
+    for (const char* b : {"byteps_compress", "hitopkcomm", "hipress"})
+      EXPECT_GE(ours + 1e-9, w["predicted"][b].as<double>()) << w["workload"].as<std::string>();
+    EXPECT_LE(ours, w["predicted"]["upper_bound"].as<double>() + 1e-9);
+  }
+  const std::string dir = std::filesystem::temp_directory_path() /
+                          ("bc_conv_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream f(dir + "/b.json");
+    f << R"({"benchmarks":[
+      {"name":"BM_Compress/qsgd/1048576","real_time":2000,"time_unit":"us"},
+      {"name":"BM_Compress/qsgd/25000000","real_time":47684,"time_unit":"us"},
+      {"name":"BM_Decompress/qsgd/1048576","real_time":1000,"time_unit":"us"},
+      {"name":"BM_Decompress/qsgd/25000000","real_time":23842,"time_unit":"us"}]})";
+  }
+  std::ostringstream o2, e2;
+  ASSERT_EQ(run_cli({"convert-bench", dir + "/b.json", "--out", dir + "/c.yaml"}, o2, e2), 0)
+      << e2.str();
+  const CostTable t = CostTable::load_file(dir + "/c.yaml");
+  ASSERT_NE(t.find("qsgd"), nullptr);
+  EXPECT_NEAR(t.find("qsgd")->cpu->compress.at(25000000), 47684, 1.0);
+  // s=16: 33 signed levels need 6 bits per element.
+  EXPECT_NEAR(t.find("qsgd")->bytes_per_element, 6.0 / 8.0, 1e-12);
+  // The converted table plans (CPU only).
+  std::ostringstream o3, e3;
+  EXPECT_EQ(run_cli({"--profile", data("profiles/lstm.yaml"), "--cluster", data("clusters/pcie.yaml"),
+                     "--compressor", "qsgd:16", "--costs", dir + "/c.yaml", "--json"},
+                    o3, e3),
+            0)
+      << e3.str();
+  EXPECT_GT(YAML::Load(o3.str())["speedup_over_fp32"]["ours"].as<double>(), 0.0);
+  std::filesystem::remove_all(dir);
+}

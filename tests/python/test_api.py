@@ -155,6 +155,32 @@ class Api(unittest.TestCase):
                         m(torch.randn(3, 4)).sum().backward)
         self.assertIn("backward_passes_per_step=1", str(e))
 
+    def test_synchronize_then_step_sums_once(self):
+        bc.init()
+        m = model()
+        opt = bc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                      named_parameters=m.named_parameters())
+        for step in range(1, 3):
+            opt.zero_grad()
+            m(torch.randn(3, 4)).sum().backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.synchronize()   # a second call before step() sums nothing again
+            opt.step()
+            self.assertEqual(opt._bc_iteration, step)
+        opt.step()   # every step() without synchronize() sums (all ranks stay in step)
+        self.assertEqual(opt._bc_iteration, 3)
+
+    def test_optimizer_built_under_no_grad(self):
+        bc.init()
+        m = model()
+        with torch.no_grad():
+            opt = bc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1),
+                                          named_parameters=m.named_parameters())
+        m(torch.randn(3, 4)).sum().backward()
+        self.assertTrue(all(s.handle is not None for s in opt._bc_slots))
+        opt.step()
+
     def test_backward_passes_per_step(self):
         bc.init()
         m = model()

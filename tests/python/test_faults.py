@@ -123,6 +123,28 @@ class Faults(unittest.TestCase):
         self.assertIn("SIGINT: cluster stopped", out)
         self.assertNothingLeft(run_id, p.pid, out)
 
+    def test_killed_launcher_takes_its_cluster_along(self):
+        run_id = "fl" + uuid.uuid4().hex[:8]
+        p = self.launch_async(run_id, ["--steps", "100000", "--sleep", "0.01"], nproc=2)
+        try:
+            seen = 0
+            while seen < 5:
+                ln = p.stdout.readline()
+                self.assertTrue(ln)
+                seen += b"STEP" in ln
+            p.kill()   # SIGKILL: no cleanup code runs in the launcher
+            p.wait(10)
+            self.assertTrue(helpers.wait_until(
+                lambda: helpers.run_leftovers(run_id, p.pid) == ([], []), 15),
+                "left behind: %s" % (helpers.run_leftovers(run_id, p.pid),))
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+            for q in helpers.processes_with_env("BYTECOMP_RUN_ID", run_id):
+                os.kill(q, signal.SIGKILL)
+
 
 if __name__ == "__main__":
     unittest.main()

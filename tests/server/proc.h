@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+extern char** environ;
+
 namespace bytecomp::server::testing {
 
 inline std::string self_dir() {
@@ -36,11 +38,26 @@ inline std::string read_file(const std::string& path) {
 
 class Process {
  public:
-  Process(std::vector<std::string> args, const std::string& out_path, const std::string& err_path)
+  // `env` entries ("NAME=value") are added to (or replace in) the child's
+  // environment.
+  Process(std::vector<std::string> args, const std::string& out_path, const std::string& err_path,
+          std::vector<std::string> env = {})
       : out_path_(out_path), err_path_(err_path) {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    std::vector<std::string> envs;
+    for (char** e = environ; *e; ++e) {
+      std::string v(*e);
+      bool replaced = false;
+      for (const std::string& x : env)
+        replaced |= v.substr(0, v.find('=') + 1) == x.substr(0, x.find('=') + 1);
+      if (!replaced) envs.push_back(v);
+    }
+    for (const std::string& x : env) envs.push_back(x);
+    std::vector<char*> envp;
+    for (auto& e : envs) envp.push_back(e.data());
+    envp.push_back(nullptr);
     int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (out < 0 || err < 0) throw std::runtime_error("cannot open " + out_path);
@@ -49,7 +66,7 @@ class Process {
     if (pid_ == 0) {
       dup2(out, 1);
       dup2(err, 2);
-      execv(argv[0], argv.data());
+      execve(argv[0], argv.data(), envp.data());
       _exit(127);
     }
     close(out);

@@ -98,7 +98,8 @@ class ServerTest : public ::testing::Test {
     server_ = std::make_unique<testing_proc>(
         std::vector<std::string>{td::self_dir() + "/../../server/bytecomp-server", "--config",
                                  dir_ + "/server.yaml", "--ready-file", ready},
-        dir_ + "/server.out", dir_ + "/server.err");
+        dir_ + "/server.out", dir_ + "/server.err",
+        std::vector<std::string>{"BYTECOMP_LOG=warn,server=info,coordinator=info"});
     auto until = std::chrono::steady_clock::now() + 15s;
     while (!std::filesystem::exists(ready)) {
       ASSERT_TRUE(server_->running()) << server_->err();
@@ -484,10 +485,10 @@ TEST_F(ServerTest, GarbageFramesAndUnknownJobsAreRefusedAndTheServerSurvives) {
       EXPECT_TRUE(r.status.ok()) << r.status.to_string();
       return proto::reply_status(r.response);
     };
-    Status s = call(proto::kRegister, 0, "\x01\x00garbage");
+    Status s = call(proto::kRegister, 0, std::string("\x01\x00garbage", 9));
     EXPECT_EQ(s.code(), ErrorCode::kMalformed) << s.to_string();
     EXPECT_NE(s.message().find("register"), std::string::npos) << s.to_string();
-    s = call(proto::kRegister, 0, "\x09\x00");
+    s = call(proto::kRegister, 0, std::string("\x09\x00", 2));
     EXPECT_NE(s.message().find("protocol version 9"), std::string::npos) << s.to_string();
     s = call(0x1234, 0, "");
     EXPECT_NE(s.message().find("unknown message type 0x1234"), std::string::npos) << s.to_string();
@@ -699,7 +700,7 @@ TEST_F(ServerTest, ServerKilledWorkersGetAnErrorNotAHang) {
   server_killed_ = true;
   ASSERT_TRUE(workers_[0]->wait(10s)) << "worker hangs after the server died";
   EXPECT_EQ(workers_[0]->exit_code(), 3) << workers_[0]->out();
-  EXPECT_NE(workers_[0]->out().find("ERROR peer_lost"), std::string::npos) << workers_[0]->out();
+  EXPECT_NE(workers_[0]->out().find("ERROR peer lost"), std::string::npos) << workers_[0]->out();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
 }
 

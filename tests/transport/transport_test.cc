@@ -158,7 +158,7 @@ class TransportTest : public ::testing::TestWithParam<Param> {
       << "  backend: " << GetParam().backend << "\n"
       << "  listen: [\"" << listen_endpoint(name) << "\"]\n"
       << "  heartbeat_interval_ms: " << kHeartbeat.count() << "\n"
-      << "  peer_timeout_ms: " << kPeerTimeout.count() << "\n"
+      << "  peer_timeout_ms: " << peer_timeout_.count() << "\n"
       << extra;
     return y.str();
   }
@@ -209,6 +209,7 @@ class TransportTest : public ::testing::TestWithParam<Param> {
   }
 
   std::string dir_;
+  Millis peer_timeout_ = kPeerTimeout;
   std::unique_ptr<Transport> parent_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -240,7 +241,9 @@ TEST_P(TransportTest, RequestReplyKeepsHeaderAndPayloadShapes) {
     ASSERT_EQ(r.response.payloads.size(), shape.size());
     for (size_t i = 0; i < shape.size(); ++i) {
       ASSERT_EQ(r.response.payloads[i].size(), shape[i]);
-      EXPECT_EQ(0, std::memcmp(r.response.payloads[i].data(), sent[i].data(), shape[i]));
+      if (shape[i] > 0) {  // empty buffers may have null data
+        EXPECT_EQ(0, std::memcmp(r.response.payloads[i].data(), sent[i].data(), shape[i]));
+      }
     }
   }
   // A request nobody handles is answered with an error, not silence.
@@ -294,6 +297,10 @@ TEST_P(TransportTest, OneWayMessagesArriveInOrder) {
 }
 
 TEST_P(TransportTest, PayloadsFromZeroTo256MiB) {
+  // A message travels as one ZeroMQ multipart message, so heartbeats queue
+  // behind it: peer_timeout must cover the biggest transfer, which on this
+  // shared 2-core machine under load can take over a second for 256 MiB.
+  peer_timeout_ = Millis{10000};
   Transport& t = parent();
   auto peer = spawn(1);
   t.add_peer(1, peer->address());

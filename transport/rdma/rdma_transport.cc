@@ -269,7 +269,7 @@ class RdmaTransport final : public TransportBase {
   void backend_stop() override;
 
  private:
-  enum class ConnState { kResolving, kConnecting, kReady };
+  enum class ConnState { kWaiting, kResolving, kConnecting, kReady };
   struct SendingRdv {
     Outgoing out;
     std::vector<ibv_mr*> mrs;
@@ -293,6 +293,9 @@ class RdmaTransport final : public TransportBase {
     std::map<uint64_t, SendingRdv> sending;
     std::map<uint32_t, ReceivingRdv> receiving;
     uint32_t next_slot = 1;
+    // kWaiting outbound connections retry at reconnect_at, backing off.
+    Clock::time_point reconnect_at{};
+    int attempts = 0;
   };
 
   void loop();
@@ -494,11 +497,17 @@ void RdmaTransport::connect_out(Conn& c) {
     freeaddrinfo(ai);
   }
   c.state = ConnState::kResolving;
-  // A failure here is reported like any unreachable peer: by the heartbeat
-  // bound (the core saw add_peer()).
-  if (!error.empty())
+  if (!error.empty()) {
+    // Reported like any unreachable peer, by the heartbeat bound (the core
+    // saw add_peer()); retried with back-off.
     BC_LOG(LogRdma(), kWarn) << "node " << self() << ": connecting to node " << c.node << " at "
                              << c.address << ": " << error;
+    if (c.id) doomed_.push_back(c.id);
+    c.id = nullptr;
+    c.state = ConnState::kWaiting;
+    c.attempts++;
+    c.reconnect_at = Clock::now() + Millis{100} * (1 << std::min(c.attempts, 4));
+  }
 }
 
 bool RdmaTransport::setup_qp(Conn& c, std::string& error) {
@@ -706,18 +715,22 @@ void RdmaTransport::handle_cm_event(rdma_cm_event* ev) {
       Status s(ErrorCode::kPeerLost, std::string("connection ") + rdma_event_str(ev->event));
       NodeId node = c->node;
       bool outbound = c->outbound;
+      int attempts = c->state == ConnState::kReady ? 0 : c->attempts;
       std::deque<Outgoing> keep = std::move(c->fifo);
       close_conn(serial, s);
       if (outbound && outbound_.count(node)) {
+        // Retry later, not at once: an unreachable peer must not turn into
+        // a connect loop. The heartbeat bound reports it meanwhile.
         auto fresh = new_conn();
         fresh->node = node;
         fresh->outbound = true;
         fresh->address = outbound_[node];
         fresh->fifo = std::move(keep);
-        Conn& ref = *fresh;
+        fresh->attempts = attempts + 1;
+        fresh->state = ConnState::kWaiting;
+        fresh->reconnect_at = Clock::now() + Millis{100} * (1 << std::min(fresh->attempts, 4));
         by_node_[node] = fresh->serial;
         conns_[fresh->serial] = std::move(fresh);
-        connect_out(ref);
       } else {
         for (Outgoing& o : keep) complete_send(o, s);
       }
@@ -1161,8 +1174,14 @@ void RdmaTransport::loop() {
       for (auto& [serial, c] : conns_) return_credits(*c, true);
       continue;
     }
+    Clock::time_point wake_at = next_tick;
+    for (auto& [serial, c] : conns_) {
+      if (c->state != ConnState::kWaiting) continue;
+      if (c->reconnect_at <= now) connect_out(*c);
+      else wake_at = std::min(wake_at, c->reconnect_at);
+    }
     pollfd fds[3] = {{wake_fd_, POLLIN, 0}, {cm_channel_->fd, POLLIN, 0}, {comp_channel_->fd, POLLIN, 0}};
-    auto wait = std::chrono::duration_cast<Millis>(next_tick - now) + Millis{1};
+    auto wait = std::chrono::duration_cast<Millis>(wake_at - now) + Millis{1};
     int rc = poll(fds, 3, static_cast<int>(wait.count()));
     if (rc < 0) {
       if (errno != EINTR) BC_LOG(LogRdma(), kError) << "node " << self() << ": " << errno_text("poll");

@@ -476,6 +476,12 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer)
     // within what its payload still lacks.
     std::vector<Buffer> payloads;
     payloads.reserve(h.payload_sizes.size());
+    struct Pieces {
+      size_t index;
+      uint64_t size;
+      std::vector<std::shared_ptr<ZmqMsg>> frames;
+    };
+    std::vector<Pieces> pieces;
     bool ok = true;
     for (size_t p = 0; p < h.payload_sizes.size() && ok; ++p) {
       uint64_t want = h.payload_sizes[p];
@@ -509,15 +515,11 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer)
         payloads.push_back(Buffer::wrap(zmq_msg_data(&holder->m), zmq_msg_size(&holder->m),
                                         [holder] {}));
       } else {
-        Buffer b = Buffer::allocate(want);
-        std::byte* dst = b.mutable_data();
-        for (size_t f = first; f < idx; ++f) {
-          size_t sz = zmq_msg_size(&parts[f]->m);
-          std::memcpy(dst, zmq_msg_data(&parts[f]->m), sz);
-          dst += sz;
-          parts[f].reset();  // free each frame as soon as it is copied
-        }
-        payloads.push_back(std::move(b));
+        // Several frames: copied into one buffer later, off this thread.
+        std::vector<std::shared_ptr<ZmqMsg>> frames;
+        for (size_t f = first; f < idx; ++f) frames.emplace_back(std::move(parts[f]));
+        pieces.push_back({payloads.size(), want, std::move(frames)});
+        payloads.emplace_back();
       }
     }
     if (ok && idx != parts.size()) {
@@ -532,7 +534,25 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer)
       Route& r = inbound_[conn_node];
       r.socket = router_;
     }
-    on_received(std::move(h), std::move(payloads));
+    Assembler assemble;
+    if (!pieces.empty())
+      assemble = [pieces = std::move(pieces)](std::vector<Buffer>& out) mutable {
+        for (Pieces& p : pieces) {
+          // Uninitialised storage: every byte is written below.
+          std::shared_ptr<std::byte[]> mem(new std::byte[p.size]);
+          std::byte* dst = mem.get();
+          for (auto& f : p.frames) {
+            size_t sz = zmq_msg_size(&f->m);
+            std::memcpy(dst, zmq_msg_data(&f->m), sz);
+            dst += sz;
+            f.reset();  // free each frame as soon as it is copied
+          }
+          std::byte* data = mem.get();
+          out[p.index] = Buffer::wrap(data, p.size, [mem] {});
+        }
+        pieces.clear();
+      };
+    on_received(std::move(h), std::move(payloads), std::move(assemble));
   }
 }
 

@@ -148,7 +148,10 @@ BYTECOMP_API bytecomp_status bytecomp_declare_tensor(bytecomp_client* client,
 
 /* Ends declarations: sends them to the daemon and waits (at most timeout_ms)
  * until every local rank of the job has started with identical declarations
- * and the job's shared memory is mapped. */
+ * and the job's shared memory is mapped. After a failure the client can only
+ * be closed. A job with num_nodes > 1 may return before every node joined:
+ * its first push_pulls then wait for the other nodes (bounded by the
+ * cluster's admission timeout; a refused admission aborts the job). */
 BYTECOMP_API bytecomp_status bytecomp_start(bytecomp_client* client, uint32_t timeout_ms);
 
 /* The id of a declared tensor by name. */
@@ -169,7 +172,7 @@ BYTECOMP_API bytecomp_status bytecomp_push_pull(bytecomp_client* client, uint32_
                                                 uint64_t iteration,
                                                 bytecomp_handle* out_handle);
 
-/* Waits at most timeout_ms for the push_pull to finish. BYTECOMP_OK: the
+/* Waits at most timeout_ms (0: just look) for the push_pull to finish. BYTECOMP_OK: the
  * buffer holds the result and the handle is released. BYTECOMP_ERR_TIMEOUT:
  * not finished yet, the handle stays valid (wait again). Any other error: the
  * operation failed and the handle is released. */

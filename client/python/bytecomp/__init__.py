@@ -20,4 +20,9 @@ from bytecomp._lib import (  # noqa: F401
 )
 from bytecomp.env import EnvironmentConfigError  # noqa: F401
 
+__all__ = [
+    "BytecompError", "BytecompTimeout", "DaemonUnavailableError", "InvalidArgumentError",
+    "JobAbortedError", "StateError", "UnsupportedError", "VersionMismatchError",
+    "EnvironmentConfigError",
+]
 __version__ = "0.1.0"

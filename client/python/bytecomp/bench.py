@@ -6,8 +6,11 @@
 small: every run, all local processes do round trips of one 4-byte tensor
     through the Python binding (push_pull + wait) and with the C client
     (BC_BENCH, tests/daemon/bc_bench) on the same daemon, in 10 alternating
-    blocks of ITERS/10. Rank 0 prints 'small RUN py_us C_us overhead_us'
-    (medians over the blocks; overhead: median of paired differences).
+    blocks of ITERS/10; then DistributedOptimizer.synchronize() against the
+    bare binding on 62 one-element tensors. Rank 0 prints 'small RUN py_us
+    C_us binding_cpu_us optimizer_cpu_us': wall-clock round trips (medians)
+    and the CPU time per call/tensor the binding adds over C and the
+    optimizer adds over the binding (medians of paired block differences).
 resnet: the 62 gradient tensors of ResNet-18 (11.7M parameters) are averaged
     over every process, alternately through bytecomp.torch (a
     DistributedOptimizer's synchronize(): push all, wait all, divide) and
@@ -20,6 +23,7 @@ resnet: the 62 gradient tensors of ResNet-18 (11.7M parameters) are averaged
 
 import ctypes
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,10 +36,30 @@ import bytecomp.torch as bc
 from bytecomp import _lib
 
 
+def _child_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _bc_bench(bc_bench, s, job, iters):
+    """Runs the C client for `iters` round trips; (wall RTT median in us as
+    bc_bench prints it on rank 0 else None, CPU seconds the child used)."""
+    c0 = _child_cpu()
+    out = subprocess.run([bc_bench, s.socket_path, job, str(s.local_rank), str(s.local_size),
+                          "small", str(iters)], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit("bc_bench failed: " + out.stderr)
+    wall = float(out.stdout.split()[1]) if s.rank == 0 else None
+    return wall, _child_cpu() - c0
+
+
 def _small(runs, iters, bc_bench, blocks=10):
-    """Per run: `blocks` pairs of (Python block, C block) of iters/blocks round
-    trips each, alternating, so both sides see the same machine load; the
-    run's overhead is the median of the pairs' differences of medians."""
+    """Per run, `blocks` alternating blocks of round trips of a 4-byte tensor
+    through the Python binding and through the C client. Overhead is
+    measured in CPU time (time.process_time; the C client's from rusage of
+    two bc_bench runs of N and 2N round trips, whose difference cancels its
+    start-up), which a loaded machine disturbs far less than wall time;
+    wall-clock round trips are printed alongside."""
     bc.init()
     s = bc._ctx.settings
     per = max(50, iters // blocks)
@@ -47,31 +71,70 @@ def _small(runs, iters, bc_bench, blocks=10):
         addr, n = c.buffer(t)
         ctypes.memset(addr, 0, n)  # zeros stay zeros however often summed
         it = 0
-        pairs = []
+        walls, cpu_diffs = [], []
         for b in range(blocks):
             rtt = []
-            for k in range(per + 3):
+            cpu0 = time.process_time()
+            for k in range(per):
                 t0 = time.perf_counter()
                 h = c.push_pull(t, it)
                 while not c.wait_once(h, 60000):
                     pass
                 it += 1
-                if k >= 3:
-                    rtt.append(time.perf_counter() - t0)
-            out = subprocess.run([bc_bench, s.socket_path, "%s.c%d.%d" % (s.job_id, run, b),
-                                  str(s.local_rank), str(s.local_size), "small", str(per)],
-                                 capture_output=True, text=True, timeout=120)
-            if out.returncode != 0:
-                raise SystemExit("bc_bench failed: " + out.stderr)
+                rtt.append(time.perf_counter() - t0)
+            py_cpu = (time.process_time() - cpu0) / per
+            c_wall, c1 = _bc_bench(bc_bench, s, "%s.c%d.%da" % (s.job_id, run, b), per)
+            _, c2 = _bc_bench(bc_bench, s, "%s.c%d.%db" % (s.job_id, run, b), 2 * per)
+            c_cpu = (c2 - c1) / per
+            cpu_diffs.append(1e6 * (py_cpu - c_cpu))
             if s.rank == 0:
-                pairs.append((1e6 * statistics.median(rtt), float(out.stdout.split()[1])))
+                walls.append((1e6 * statistics.median(rtt), c_wall))
         c.close()
+        extra = _optimizer_extra(s, run, per)
         bc.barrier()
         if s.rank == 0:
-            py_us = statistics.median(p for p, _ in pairs)
-            c_us = statistics.median(q for _, q in pairs)
-            diff = statistics.median(p - q for p, q in pairs)
-            print("small %d %.2f %.2f %.2f" % (run, py_us, c_us, diff), flush=True)
+            print("small %d %.2f %.2f %.2f %.2f" % (
+                run, statistics.median(p for p, _ in walls),
+                statistics.median(q for _, q in walls), statistics.median(cpu_diffs), extra),
+                flush=True)
+
+
+def _optimizer_extra(s, run, iters, n=62, blocks=5):
+    """CPU time DistributedOptimizer adds per tensor over the bare binding:
+    62 one-element tensors, one step = push all, wait all (bare) vs
+    synchronize() (push all, wait all, average), alternating blocks; median
+    of the blocks' per-tensor differences, in microseconds."""
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(n)]
+    opt = bc.DistributedOptimizer(torch.optim.SGD(params, lr=0.0),
+                                  named_parameters=[("t%02d" % i, p) for i, p in
+                                                    enumerate(params)])
+    c = _lib.Client("%s.bare%d" % (s.job_id, run), s.local_rank, s.local_size,
+                    socket_path=s.socket_path)
+    ids = [c.declare("t%02d" % i, 1, _lib.FLOAT32) for i in range(n)]
+    c.start(30000)
+    for t in ids:
+        addr, nb = c.buffer(t)
+        ctypes.memset(addr, 0, nb)
+    it = 0
+    per = max(20, iters // 10)
+    diffs = []
+    for _ in range(blocks):
+        t0 = time.process_time()
+        for _ in range(per):
+            hs = [c.push_pull(t, it) for t in ids]
+            for h in hs:
+                while not c.wait_once(h, 60000):
+                    pass
+            it += 1
+        bare = time.process_time() - t0
+        t0 = time.process_time()
+        for _ in range(per):
+            opt.synchronize()
+        full = time.process_time() - t0
+        diffs.append(1e6 * (full - bare) / per / n)
+    c.close()
+    opt._bytecomp_detach()
+    return statistics.median(diffs)
 
 
 def resnet18_shapes():

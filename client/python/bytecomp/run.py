@@ -80,6 +80,9 @@ def find_program(name, build_root, subdir):
     return shutil.which(name)
 
 
+_SETPRIV = shutil.which("setpriv")  # util-linux, essential on Debian
+
+
 class _Output:
     """Forwards child output line by line with a prefix. One thread per
     stream; writes are serialised by a lock so lines never interleave."""
@@ -127,6 +130,11 @@ class _Child:
 
     def __init__(self, label, argv, env, cwd, output, events, prefix):
         self.label = label
+        if _SETPRIV:
+            # If the launcher itself is SIGKILLed (no cleanup runs), the
+            # kernel sends its children SIGTERM: daemons still remove their
+            # segments and workers end. (preexec_fn is unsafe with threads.)
+            argv = [_SETPRIV, "--pdeathsig", "TERM", "--"] + list(argv)
         self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -240,6 +248,8 @@ class Cluster:
         if not bytecompd:
             raise LaunchError("bytecompd not found: build the project (meson compile -C build), "
                               "set BYTECOMP_BUILD_ROOT, or pass --bytecompd PATH")
+        if not os.access(bytecompd, os.X_OK):
+            raise LaunchError("cannot start bytecompd %s: no such executable file" % bytecompd)
         why = _cluster_supported(self.args.nodes, self.build_root)
         if why:
             raise LaunchError(why)
@@ -260,8 +270,12 @@ class Cluster:
                            self.args.daemon_threads,
                            os.path.abspath(self.args.strategy) if self.args.strategy else ""))
             self.instances.append(instance)
-            child = _Child("daemon %d" % n, [bytecompd, "--config", cfg], self._daemon_env(),
-                           None, self.output, self.events, "[daemon %d] " % n)
+            try:
+                child = _Child("daemon %d" % n, [bytecompd, "--config", cfg],
+                               self._daemon_env(), None, self.output, self.events,
+                               "[daemon %d] " % n)
+            except OSError as e:
+                raise LaunchError("cannot start bytecompd %s: %s" % (bytecompd, e.strerror))
             child.socket = sock
             self.daemons.append(child)
         deadline = time.monotonic() + self.args.daemon_timeout
@@ -302,6 +316,10 @@ class Cluster:
         if "OMP_NUM_THREADS" not in base:
             base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, per)))
         argv = self._worker_argv()
+        exe = argv[0] if os.sep in argv[0] else shutil.which(argv[0])
+        if not exe or not os.access(exe, os.X_OK):
+            raise LaunchError("cannot start the training command: %r is not an executable "
+                              "file or a program on PATH" % argv[0])
         for n in range(nodes):
             for lr in range(per):
                 r = n * per + lr
@@ -326,7 +344,8 @@ class Cluster:
         deadline = (time.monotonic() + self.args.time_limit) if self.args.time_limit else None
         first = None
         grace_deadline = None
-        while any(w.returncode is None for w in self.workers):
+        finished = set()  # workers whose exit event was handled (one event each)
+        while len(finished) < len(self.workers):
             now = time.monotonic()
             limits = [x for x in (deadline, grace_deadline) if x is not None]
             timeout = max(0.0, min(limits) - now) if limits else 1.0
@@ -345,6 +364,7 @@ class Cluster:
                     return first[1]
                 continue
             if child in self.workers:
+                finished.add(child)
                 if code != 0 and first is None:
                     first = (child.label, exit_code_of(code))
                     self.log("%s failed first (%s)" % (child.label, describe_status(code)))

@@ -82,23 +82,25 @@ def _shm_tensor(addr, nbytes, dtype, shape=None):
     return t.view(shape) if shape is not None else t
 
 
-def _wait(client, handle, timeout_ms, what):
+def _wait(client, handle, timeout_ms, what, *what_args):
     """Waits for one push_pull within timeout_ms, in slices so that signals
-    (Ctrl-C) are handled; raises BytecompTimeout naming `what`."""
+    (Ctrl-C) are handled; raises BytecompTimeout naming `what % what_args`
+    (formatted only then: this is the per-tensor hot path)."""
     left = timeout_ms
     while left > 0:
-        step = min(left, _WAIT_SLICE_MS)
+        step = left if left < _WAIT_SLICE_MS else _WAIT_SLICE_MS
         if client.wait_once(handle, step):
             return
         left -= step
     raise _lib.BytecompTimeout(
         "BYTECOMP_ERR_TIMEOUT",
         "%s did not finish within BYTECOMP_TIMEOUT_MS=%d ms: another process of the job is "
-        "stuck or far behind (every process must run the same steps)" % (what, timeout_ms))
+        "stuck or far behind (every process must run the same steps)" %
+        (what % what_args, timeout_ms))
 
 
 class _Context:
-    """Process-wide state between init() and shutdown(). Guarded by _lock for
+    """Process-wide state between init() and shutdown(). Guarded by _ctx_lock for
     creation/teardown; the operations themselves run on the caller's thread."""
 
     def __init__(self, settings):
@@ -116,6 +118,15 @@ class _Context:
             tid = ctl.declare("bytecomp.control", _SCRATCH_ELEMENTS, _lib.FLOAT64)
             ctl.start(settings.start_timeout_ms)
             addr, nbytes = ctl.buffer(tid)
+        except _lib.InvalidArgumentError as e:
+            ctl.close()
+            if "bytecomp.control" not in e.message:
+                raise
+            raise _lib.InvalidArgumentError(
+                e.status, e.message + "; bytecomp.torch's control tensor 'bytecomp.control' "
+                "must stay uncompressed: give the daemons' strategy a first rule "
+                "'- match: \"bytecomp.*\"' with 'option: {compressor: none}' (docs/torch.md)"
+            ) from None
         except BaseException:
             ctl.close()
             raise
@@ -136,8 +147,12 @@ class _Context:
             else:
                 chunk.zero_()
             self.ctl_iteration += 1
-            h = self.ctl.push_pull(self.ctl_tensor, self.ctl_iteration)
-            _wait(self.ctl, h, self.settings.timeout_ms, what)
+            try:
+                h = self.ctl.push_pull(self.ctl_tensor, self.ctl_iteration)
+                _wait(self.ctl, h, self.settings.timeout_ms, "%s", what)
+            except BytecompError:
+                self.failed = True  # no exit barrier: the job is broken
+                raise
             flat[off:off + k].copy_(chunk)
             off += k
 
@@ -161,6 +176,7 @@ class _Context:
 _ctx = None
 _ctx_lock = threading.Lock()
 _exit_failed = False
+_hooks_installed = []
 
 
 def _ctx_or_raise(call):
@@ -189,8 +205,10 @@ def init():
             return
         settings = Settings.from_environ()
         _ctx = _Context(settings)
-        sys.excepthook = _record_failure_excepthook(sys.excepthook)
-        atexit.register(_atexit)
+        if not _hooks_installed:
+            _hooks_installed.append(True)
+            sys.excepthook = _record_failure_excepthook(sys.excepthook)
+            atexit.register(_atexit)
 
 
 def is_initialized():
@@ -466,6 +484,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_strategy = _strategy.load(strategy)
         self._bc_client = None
         self._bc_iteration = 0
+        self._bc_synced = False  # synchronize() done, step() not yet
         self._bc_failed = None
         index = c.next_optimizer
         c.next_optimizer += 1
@@ -565,7 +584,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for slot in self._bc_slots:
             # The gradient accumulator of a leaf runs after autograd has added
             # this backward's gradient into p.grad: the moment it is ready.
-            acc = slot.param.expand_as(slot.param).grad_fn.next_functions[0][0]
+            with torch.enable_grad():  # the optimizer may be built under no_grad()
+                acc = slot.param.expand_as(slot.param).grad_fn.next_functions[0][0]
             acc.register_hook(self._bytecomp_hook(slot))
             self._bc_hooks.append(acc)  # keep the accumulator alive
 
@@ -600,16 +620,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration + 1)
         except BytecompError as e:
             self._bc_failed = e
+            self._bc_ctx.failed = True
             raise
 
     # -- public ------------------------------------------------------------
     def synchronize(self):
         """Pushes the gradients backward did not produce, waits for all of
-        them (bounded by BYTECOMP_TIMEOUT_MS) and averages (op=Average)."""
+        them (bounded by BYTECOMP_TIMEOUT_MS) and averages (op=Average).
+        Call it before working on the averaged gradients (e.g. clipping):
+        the next step() then does not sum them again (nor does a second
+        synchronize() before that step)."""
         if self._bc_client is None:
             raise NotInitializedError("DistributedOptimizer used after bytecomp.torch.shutdown()")
         if self._bc_failed is not None:
             raise self._bc_failed
+        if self._bc_synced:
+            return
         try:
             for slot in self._bc_slots:
                 if slot.handle is None:
@@ -617,13 +643,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for slot in self._bc_slots:
                 h, slot.handle = slot.handle, None
                 _wait(self._bc_client, h, self._bc_timeout_ms,
-                      "push_pull of gradient %r (step %d)" % (slot.name, self._bc_iteration + 1))
+                      "push_pull of gradient %r (step %d)", slot.name, self._bc_iteration + 1)
         except BytecompError as e:
             self._bc_failed = e
+            self._bc_ctx.failed = True  # no exit barrier: the job is broken
             raise
         for slot in self._bc_slots:
             slot.passes = 0
         self._bc_iteration += 1
+        self._bc_synced = True
         if self._bc_op == Average and self._bc_ctx.settings.size > 1:
             bufs = [s.buf for s in self._bc_slots]
             with torch.no_grad():
@@ -636,6 +664,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.synchronize()
         super(self.__class__, self).step()
+        self._bc_synced = False  # the next step() sums the next gradients
         return loss
 
     def zero_grad(self, set_to_none=False):

@@ -1,0 +1,408 @@
+// Two emulated nodes: two bytecompd (own sockets, own shm instances) and a
+// real bytecomp-server on loopback, two client processes per node. Results
+// must equal the exact sum over all four clients.
+#include <gtest/gtest.h>
+
+#include "tests/daemon/harness.h"
+
+using namespace bctest;
+
+namespace {
+
+class TwoNodes : public ::testing::Test {
+ protected:
+  void start(int servers, const std::string& strategy_yaml = "") {
+    dir_ = fs::temp_directory_path() / ("bcd-2n-" + std::to_string(::getpid()) + "-" +
+                                        std::to_string(counter_++));
+    fs::create_directories(dir_);
+    // Servers on ephemeral ports; server 0 coordinates and reports its address.
+    std::string addrs;
+    for (int s = 0; s < servers; ++s) {
+      write("server-cluster.yaml", cluster("tcp://127.0.0.1:0", servers, {}));
+      const std::string ready = (dir_ / ("ready" + std::to_string(s))).string();
+      if (s > 0) write("server-cluster.yaml", cluster(coordinator_, servers, {}));
+      write("server" + std::to_string(s) + ".yaml",
+            "version: 1\nserver: {node_id: " + std::to_string(s) +
+                ", cluster_file: server-cluster.yaml, engine_threads: 1}\n"
+                "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n");
+      servers_.push_back(std::make_unique<Process>(
+          std::vector<std::string>{build_root() + "/server/bytecomp-server", "--config",
+                                   (dir_ / ("server" + std::to_string(s) + ".yaml")).string(),
+                                   "--ready-file", ready},
+          dir_ / ("server" + std::to_string(s) + ".log")));
+      const auto deadline = std::chrono::steady_clock::now() + 15s;
+      while (!fs::exists(ready) || read_file(ready).find('\n') == std::string::npos) {
+        ASSERT_LT(std::chrono::steady_clock::now(), deadline) << servers_.back()->output();
+        ASSERT_FALSE(servers_.back()->wait(0ms).has_value()) << servers_.back()->output();
+        std::this_thread::sleep_for(10ms);
+      }
+      std::string a = read_file(ready);
+      a.erase(a.find_last_not_of('\n') + 1);
+      if (s == 0) coordinator_ = a;
+    }
+    write("cluster.yaml", cluster(coordinator_, servers, {}));
+    std::string strategy;
+    if (!strategy_yaml.empty()) {
+      write("strategy.yaml", strategy_yaml);
+      strategy = "strategy:\n  file: " + (dir_ / "strategy.yaml").string() + "\n";
+    }
+    for (int n = 0; n < 2; ++n) {
+      nodes_[n] = std::make_unique<DaemonEnv>("node" + std::to_string(n));
+      nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
+                              "\n  node_id: " + std::to_string(100 + n) +
+                              "\n  nodes: [100, 101]\n" + strategy);
+      nodes_[n]->start();
+    }
+  }
+  void TearDown() override {
+    for (auto& n : nodes_) n.reset();
+    for (auto& s : servers_) {
+      s->signal(SIGTERM);
+      (void)s->wait(10s);
+    }
+    servers_.clear();
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
+  std::string cluster(const std::string& coordinator, int servers, const std::string&) {
+    std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n";
+    for (int i = 0; i < servers; ++i) {
+      s += "    - {id: " + std::to_string(i) + ", address: \"" +
+           (i == 0 ? coordinator : std::string("tcp://127.0.0.1:0")) + "\"}\n";
+    }
+    s += "  daemons:\n    - {id: 100}\n    - {id: 101}\n"
+         "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n"
+         "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n";
+    return s;
+  }
+  // Runs 2 x 2 workers; returns them after they were started.
+  std::vector<std::unique_ptr<Process>> workers(const std::string& job, int iters,
+                                                const std::string& spec) {
+    std::vector<std::unique_ptr<Process>> w;
+    for (int n = 0; n < 2; ++n) {
+      for (int r = 0; r < 2; ++r) {
+        w.push_back(nodes_[n]->worker(job, r, 2, iters, spec, {"--node", std::to_string(n) + "/2"}));
+      }
+    }
+    return w;
+  }
+
+  static inline int counter_ = 0;
+  fs::path dir_;
+  std::string coordinator_;
+  std::vector<std::unique_ptr<Process>> servers_;
+  std::unique_ptr<DaemonEnv> nodes_[2];
+};
+
+void expect_ok(Process& p) {
+  auto st = p.wait(std::chrono::seconds(90));
+  ASSERT_TRUE(st.has_value()) << "still running: " << p.output();
+  EXPECT_EQ(*st, 0) << p.output();
+}
+
+}  // namespace
+
+TEST_F(TwoNodes, ShardedOverTwoServersExactSums) {
+  start(2);
+  // 1 element to 4 MiB (16 partitions of 256 KiB over both servers).
+  auto w = workers("ps2", 60, "f32:1,f32:1000,f32:65537,f32:1048576");
+  for (auto& p : w) expect_ok(*p);
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}
+
+TEST_F(TwoNodes, SingleServerPlacementExactSums) {
+  start(1, "version: 1\ndefault: {compressor: none, inter: reduce_broadcast}\n");
+  auto w = workers("ps1", 40, "f32:3,f32:300000");
+  for (auto& p : w) expect_ok(*p);
+}
+
+TEST_F(TwoNodes, KilledDaemonAbortsTheOtherNode) {
+  start(1);
+  auto w = workers("kd2", 1000000, "f32:1000");
+  for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
+  nodes_[1]->daemon().signal(SIGKILL);
+  for (int i = 0; i < 2; ++i) {  // node 0's clients
+    auto st = w[static_cast<size_t>(i)]->wait(10s);
+    ASSERT_TRUE(st.has_value()) << w[static_cast<size_t>(i)]->output();
+    EXPECT_EQ(*st, 16) << w[static_cast<size_t>(i)]->output();  // BYTECOMP_ERR_ABORTED
+  }
+  for (size_t i = 2; i < 4; ++i) {  // node 1's clients lost their daemon
+    auto st = w[i]->wait(10s);
+    ASSERT_TRUE(st.has_value()) << w[i]->output();
+    EXPECT_EQ(*st, 17) << w[i]->output();  // BYTECOMP_ERR_UNAVAILABLE
+  }
+  EXPECT_TRUE(no_shm_left(nodes_[0]->shm_prefix()));
+  EXPECT_TRUE(no_shm_left(nodes_[1]->shm_prefix()));  // removed by its clients
+  nodes_[1]->drop_daemon();
+}
+
+#include <bytecomp/bytecomp.h>
+
+#include <cmath>
+#include <future>
+
+#include "compress/reduce.h"
+
+namespace {
+
+float grad(uint32_t grank, uint64_t it, uint64_t i) {
+  return static_cast<float>(std::sin(0.11 * static_cast<double>(i) + 0.7 * static_cast<double>(it) +
+                                     1.9 * grank)) *
+         static_cast<float>(1 + i % 7);
+}
+
+float h(float v) {
+  return bytecomp::compress::fp16_to_fp32(bytecomp::compress::fp32_to_fp16(v));
+}
+
+}  // namespace
+
+// fp16 through the servers under both placements of the strategy format:
+// dense sum of decompressed pushes answered as fp16 (alltoall_allgather) and
+// a compressed-domain sum (allreduce). Reference: each node's exact local
+// sum, cast to fp16, summed in fp32, cast to fp16 again.
+TEST_F(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
+  start(1,
+        "version: 1\nrules:\n"
+        "  - match: dense\n    option: {compressor: fp16, inter: alltoall_allgather}\n"
+        "  - match: summed\n    option: {compressor: fp16, inter: allreduce}\n");
+  constexpr uint64_t kN = 70000;  // 280000 bytes: two 256 KiB partitions
+  constexpr int kIters = 8;
+  std::vector<std::vector<float>> got[2];
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = "fp16";
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    uint32_t ids[2];
+    ASSERT_EQ(bytecomp_declare_tensor(c, "dense", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0,
+                                      &ids[0]),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_declare_tensor(c, "summed", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0,
+                                      &ids[1]),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      bytecomp_handle hs[2];
+      float* p[2];
+      for (int k = 0; k < 2; ++k) {
+        uint64_t bytes = 0;
+        ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                  BYTECOMP_OK);
+        for (uint64_t i = 0; i < kN; ++i) p[k][i] = grad(grank, it, i);
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hs[k]), BYTECOMP_OK);
+      }
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK) << bytecomp_last_error();
+        if (grank == 0) got[k].emplace_back(p[k], p[k] + kN);
+      }
+    }
+    bytecomp_close(c);
+  };
+  std::vector<std::future<void>> others;
+  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
+  run(0, 0);
+  for (auto& f : others) f.get();
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_EQ(got[k].size(), static_cast<size_t>(kIters));
+    for (uint64_t it = 0; it < kIters; ++it) {
+      size_t mismatches = 0;
+      for (uint64_t i = 0; i < kN; ++i) {
+        const float s0 = grad(0, it, i) + grad(1, it, i);
+        const float s1 = grad(2, it, i) + grad(3, it, i);
+        const float expect = h(h(s0) + h(s1));
+        mismatches += got[k][it][i] != expect;
+      }
+      EXPECT_EQ(mismatches, 0u) << (k == 0 ? "dense" : "summed") << " iteration " << it;
+    }
+  }
+}
+
+#include <barrier>
+#include <regex>
+
+// SIGHUP on node 0 with a new strategy file: the coordinator switches every
+// node and server at one iteration; before it sums are exact, from it on
+// they are the fp16 reference.
+TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
+  start(1, "version: 1\ndefault: {compressor: none}\n");
+  constexpr uint64_t kN = 3000;
+  constexpr int kIters = 12;
+  std::vector<std::vector<float>> got;
+  std::barrier sync(4);
+  int64_t switch_at = -1;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = "switch";
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 5) {
+        sync.arrive_and_wait();  // every rank finished iteration 4
+        if (grank == 0) {
+          write("strategy.yaml", "version: 1\ndefault: {compressor: fp16, inter: allreduce}\n");
+          nodes_[0]->daemon().signal(SIGHUP);
+          const bool ok = nodes_[0]->daemon().wait_output("applies on every node from iteration",
+                                                          std::chrono::seconds(10));
+          EXPECT_TRUE(ok) << nodes_[0]->daemon().output();
+          std::smatch m;
+          const std::string log = nodes_[0]->daemon().output();
+          if (std::regex_search(log, m, std::regex("from iteration ([0-9]+)"))) {
+            switch_at = std::stoll(m[1]);
+          }
+        }
+        sync.arrive_and_wait();
+      }
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (grank == 0) got.emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  std::vector<std::future<void>> others;
+  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
+  run(0, 0);
+  for (auto& f : others) f.get();
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+  ASSERT_GE(switch_at, 5);
+  ASSERT_LT(switch_at, kIters);
+  for (uint64_t it = 0; it < kIters; ++it) {
+    size_t mismatches = 0;
+    for (uint64_t i = 0; i < kN; ++i) {
+      const float s0 = grad(0, it, i) + grad(1, it, i);
+      const float s1 = grad(2, it, i) + grad(3, it, i);
+      const float expect = static_cast<int64_t>(it) >= switch_at ? h(h(s0) + h(s1)) : s0 + s1;
+      mismatches += got[it][i] != expect;
+    }
+    EXPECT_EQ(mismatches, 0u) << "iteration " << it << " (switch at " << switch_at << ")";
+  }
+}
+
+TEST_F(TwoNodes, KilledServerIsReportedOnBothNodes) {
+  start(1);
+  auto w = workers("ks", 1000000, "f32:100000");
+  for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
+  const auto t0 = std::chrono::steady_clock::now();
+  servers_[0]->signal(SIGKILL);
+  for (auto& p : w) {
+    auto st = p->wait(15s);
+    ASSERT_TRUE(st.has_value()) << p->output();
+    EXPECT_EQ(*st, 16) << p->output();  // BYTECOMP_ERR_ABORTED, naming the cause
+  }
+  // peer_timeout is 1 s; the request deadline (10 s) is the outer bound.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 12s);
+  for (auto& n : nodes_) {
+    EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+    EXPECT_FALSE(n->daemon().wait(0ms).has_value()) << "the daemon keeps serving";
+  }
+}
+
+#include "compress/compressor.h"
+
+// topk with error feedback through the servers (alltoall_allgather: each
+// node compresses its sum with its own residual, the server decompresses,
+// sums and recompresses with its residual). Reference: the same steps with
+// compress/ in this process, per 256 KiB partition.
+TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
+  namespace cz = bytecomp::compress;
+  start(1,
+        "version: 1\ndefault: {compressor: topk, params: {ratio: '0.05'}, error_feedback: true, "
+        "inter: alltoall_allgather}\n");
+  constexpr uint64_t kN = 70000;  // partitions of 65536 and 4464 elements
+  constexpr int kIters = 6;
+  std::vector<std::vector<float>> got;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = "topk";
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (grank == 0) got.emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  std::vector<std::future<void>> others;
+  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
+  run(0, 0);
+  for (auto& f : others) f.get();
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+
+  auto topk = cz::make_compressor(cz::parse_compressor_spec("topk:0.05,ef=true"));
+  const uint64_t part = 65536;
+  std::vector<std::unique_ptr<cz::TensorState>> node_state[2], server_state;
+  for (uint64_t b = 0; b < kN; b += part) {
+    const size_t n = static_cast<size_t>(std::min(part, kN - b));
+    for (auto& s : node_state) s.push_back(topk->make_state(n));
+    server_state.push_back(topk->make_state(n));
+  }
+  for (uint64_t it = 0; it < kIters; ++it) {
+    std::vector<float> expect(kN);
+    for (size_t p = 0; p * part < kN; ++p) {
+      const size_t n = static_cast<size_t>(std::min(part, kN - p * part));
+      cz::CompressContext ctx;
+      ctx.iteration = it;
+      std::vector<float> sum(n, 0.0f);
+      for (uint32_t node = 0; node < 2; ++node) {
+        std::vector<float> local(n);
+        for (size_t i = 0; i < n; ++i) {
+          const uint64_t g = p * part + i;
+          local[i] = grad(node * 2, it, g) + grad(node * 2 + 1, it, g);
+        }
+        std::vector<std::byte> wire(topk->max_compressed_bytes(n));
+        const size_t len =
+            topk->compress(cz::ConstTensorView::cpu(local.data(), n), wire, *node_state[node][p], ctx);
+        topk->decompress({wire.data(), len}, cz::TensorView::cpu(sum.data(), n), node > 0, ctx);
+      }
+      std::vector<std::byte> wire(topk->max_compressed_bytes(n));
+      const size_t len =
+          topk->compress(cz::ConstTensorView::cpu(sum.data(), n), wire, *server_state[p], ctx);
+      topk->decompress({wire.data(), len}, cz::TensorView::cpu(expect.data() + p * part, n), false,
+                       ctx);
+    }
+    size_t mismatches = 0;
+    for (uint64_t i = 0; i < kN; ++i) mismatches += got[it][i] != expect[i];
+    EXPECT_EQ(mismatches, 0u) << "iteration " << it;
+  }
+}
