@@ -466,9 +466,32 @@ void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payl
 }
 
 void TransportBase::dispatch(Incoming in, Assembler assemble) {
+  // Inline only when nothing received earlier still waits for a handler
+  // thread (dispatch runs on the loop thread alone, so the count cannot
+  // grow meanwhile): per-sender order holds either way.
+  if (config_.inline_handlers && on_io_thread() &&
+      receive_queued_.load(std::memory_order_relaxed) == 0) {
+    bool started;
+    {
+      std::lock_guard lock(mu_);
+      started = started_;
+    }
+    if (started) {
+      run_handler(std::move(in), std::move(assemble));
+      return;
+    }
+  }
   Dispatcher& d = *handler_threads_[in.from % handler_threads_.size()];
   receive_queued_.fetch_add(1, std::memory_order_relaxed);
   d.post([this, in = std::move(in), assemble = std::move(assemble)]() mutable {
+    run_handler(std::move(in), std::move(assemble));
+    receive_queued_.fetch_sub(1, std::memory_order_relaxed);
+    backend_wakeup();  // reading may resume
+  });
+}
+
+void TransportBase::run_handler(Incoming in, Assembler assemble) {
+  {
     if (assemble) assemble(in.message.payloads);
     Handler h;
     {
@@ -493,9 +516,7 @@ void TransportBase::dispatch(Incoming in, Assembler assemble) {
                          "no handler for message type " +
                              std::to_string(in.message.header.type));
     }
-    receive_queued_.fetch_sub(1, std::memory_order_relaxed);
-    backend_wakeup();  // reading may resume
-  });
+  }
 }
 
 Clock::time_point TransportBase::tick(Clock::time_point now, std::vector<NodeId>& heartbeat_to) {

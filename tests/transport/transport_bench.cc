@@ -117,18 +117,24 @@ int main(int argc, char** argv) {
     std::ofstream(dir + "/peer.yaml") << "version: 1\ntransport:\n  backend: " << backend
                                       << "\n  listen: [\"" << listen("peer") << "\"]\n";
     testing::PeerProcess peer(dir + "/peer.yaml", 1);
+    // The same peer with inline_handlers (handlers on its I/O loop thread).
+    std::ofstream(dir + "/peer-inline.yaml") << "version: 1\ntransport:\n  backend: " << backend
+                                             << "\n  inline_handlers: true\n  listen: [\""
+                                             << listen("peer-inline") << "\"]\n";
+    testing::PeerProcess peer_inline(dir + "/peer-inline.yaml", 2);
     TransportConfig cfg;
     cfg.backend = backend;
     cfg.listen = {listen("bench")};
     cfg.node_id = 0;
     auto t = make_transport(cfg);
     t->add_peer(1, peer.address());
+    t->add_peer(2, peer_inline.address());
     t->start();
     Buffer payload = Buffer::allocate(size);
     tp::fill_pattern(payload.mutable_data(), size, 1);
     Buffer small = Buffer::allocate(64);
 
-    std::vector<double> goodput, rtt_median, rtt_p99, raw_rtt;
+    std::vector<double> goodput, rtt_median, rtt_p99, rtt_inline_median, rtt_inline_p99, raw_rtt;
     uint64_t seq = 0;
     for (int run = 0; run < runs; ++run) {
       // Goodput: stream, then one request that queues behind every message
@@ -146,24 +152,35 @@ int main(int argc, char** argv) {
         throw Error(ErrorCode::kInternal, "peer saw reordered messages: " + text);
       goodput.push_back(static_cast<double>(messages * size) / secs);
 
-      // Round trips of 64-byte requests, one at a time.
-      for (int w = 0; w < 200; ++w) t->call(1, Message{{tp::kEcho, 0, 0, 0, 0}, {small}});
-      std::vector<double> us;
+      // Round trips of 64-byte requests, one at a time, to the default peer
+      // (handler thread) and to the inline_handlers peer, interleaved in
+      // blocks so both see the same machine load.
+      std::vector<double> us, us_inline;
       us.reserve(rtt_iters);
+      us_inline.reserve(rtt_iters);
+      for (NodeId p : {1u, 2u})
+        for (int w = 0; w < 200; ++w) t->call(p, Message{{tp::kEcho, 0, 0, 0, 0}, {small}});
+      constexpr uint64_t kBlock = 250;
       for (uint64_t i = 0; i < rtt_iters; ++i) {
+        NodeId p = (i / kBlock) % 2 == 0 ? 1 : 2;
         auto s0 = std::chrono::steady_clock::now();
-        Response r = t->call(1, Message{{tp::kEcho, 0, 0, 0, i}, {small}}, Millis{10000});
-        us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count());
+        Response r = t->call(p, Message{{tp::kEcho, 0, 0, 0, i}, {small}}, Millis{10000});
+        double d = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
         r.status.throw_if_error();
+        (p == 1 ? us : us_inline).push_back(d);
       }
       std::sort(us.begin(), us.end());
+      std::sort(us_inline.begin(), us_inline.end());
       rtt_median.push_back(us[us.size() / 2]);
       rtt_p99.push_back(us[us.size() * 99 / 100]);
-      raw_rtt.push_back(raw_zmq_rtt_median_us(rtt_iters));
-      std::printf("run %d: goodput %.1f MB/s (%llu x %zu B in %.3f s), rtt median %.1f us p99 %.1f us"
-                  " (bare zmq rtt median %.1f us)\n",
+      rtt_inline_median.push_back(us_inline[us_inline.size() / 2]);
+      rtt_inline_p99.push_back(us_inline[us_inline.size() * 99 / 100]);
+      raw_rtt.push_back(raw_zmq_rtt_median_us(rtt_iters / 2));
+      std::printf("run %d: goodput %.1f MB/s (%llu x %zu B in %.3f s), rtt median %.1f us p99 %.1f us,"
+                  " inline_handlers rtt median %.1f us p99 %.1f us (bare zmq rtt median %.1f us)\n",
                   run, goodput.back() / 1e6, static_cast<unsigned long long>(messages), size, secs,
-                  rtt_median.back(), rtt_p99.back(), raw_rtt.back());
+                  rtt_median.back(), rtt_p99.back(), rtt_inline_median.back(), rtt_inline_p99.back(),
+                  raw_rtt.back());
       std::fflush(stdout);
     }
     auto list = [](const std::vector<double>& v) {
@@ -174,8 +191,10 @@ int main(int argc, char** argv) {
       return s.str();
     };
     std::printf("{\"goodput_bytes_per_s\": %s, \"rtt_us_median\": %s, \"rtt_us_p99\": %s, "
+                "\"rtt_inline_us_median\": %s, \"rtt_inline_us_p99\": %s, "
                 "\"bare_zmq_rtt_us_median\": %s}\n",
-                list(goodput).c_str(), list(rtt_median).c_str(), list(rtt_p99).c_str(), list(raw_rtt).c_str());
+                list(goodput).c_str(), list(rtt_median).c_str(), list(rtt_p99).c_str(),
+                list(rtt_inline_median).c_str(), list(rtt_inline_p99).c_str(), list(raw_rtt).c_str());
     t->shutdown();
   } catch (const std::exception& e) {
     std::cerr << "transport_bench: " << e.what() << "\n";
