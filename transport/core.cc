@@ -290,7 +290,8 @@ void TransportBase::start_request(NodeId to, Message message, Millis timeout,
     auto dl = deadlines_.emplace(Clock::now() + timeout, id);
     pending_.emplace(id, Pending{to, std::move(done), run_inline, dl});
   }
-  backend_wakeup();  // the loop's next deadline may have moved earlier
+  // The loop's next deadline may have moved earlier: enqueue() below (or
+  // complete_send(), which finishes the request at once) wakes it.
   Outgoing out;
   out.to = to;
   out.header.kind = wire::Kind::kRequest;
@@ -485,8 +486,10 @@ void TransportBase::dispatch(Incoming in, Assembler assemble) {
   receive_queued_.fetch_add(1, std::memory_order_relaxed);
   d.post([this, in = std::move(in), assemble = std::move(assemble)]() mutable {
     run_handler(std::move(in), std::move(assemble));
-    receive_queued_.fetch_sub(1, std::memory_order_relaxed);
-    backend_wakeup();  // reading may resume
+    // Reading resumes: wake the loop only if it had paused (a wake-up per
+    // message would cost the loop a spurious round on every request).
+    if (receive_queued_.fetch_sub(1, std::memory_order_relaxed) >= config_.receive_queue_messages)
+      backend_wakeup();
   });
 }
 

@@ -3,7 +3,7 @@
 // latency of small requests, against a transport_peer child process.
 //
 //   transport_bench [--backend zmq] [--endpoint tcp|ipc] [--size BYTES]
-//                   [--messages N] [--rtt-iters N] [--runs N]
+//                   [--messages N] [--rtt-iters N] [--runs N] [--io-threads N]
 // Prints one line per run and, last, one JSON line:
 //   {"goodput_bytes_per_s": [...], "rtt_us_median": [...], ...}
 #include <sys/wait.h>
@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
   size_t size = 4u << 20;
   uint64_t messages = 500, rtt_iters = 5000;
   int runs = 3;
+  int io_threads = 2;  // ZeroMQ I/O threads on both sides
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--backend") backend = v;
@@ -100,6 +101,7 @@ int main(int argc, char** argv) {
     else if (k == "--messages") messages = std::stoull(v);
     else if (k == "--rtt-iters") rtt_iters = std::stoull(v);
     else if (k == "--runs") runs = std::stoi(v);
+    else if (k == "--io-threads") io_threads = std::stoi(v);
     else {
       std::cerr << "transport_bench: unknown option " << k << "\n";
       return 2;
@@ -115,17 +117,20 @@ int main(int argc, char** argv) {
       return endpoint == "ipc" ? "ipc://" + dir + "/" + name + ".sock" : std::string("tcp://127.0.0.1:0");
     };
     std::ofstream(dir + "/peer.yaml") << "version: 1\ntransport:\n  backend: " << backend
+                                      << "\n  io_threads: " << io_threads
                                       << "\n  listen: [\"" << listen("peer") << "\"]\n";
     testing::PeerProcess peer(dir + "/peer.yaml", 1);
     // The same peer with inline_handlers (handlers on its I/O loop thread).
     std::ofstream(dir + "/peer-inline.yaml") << "version: 1\ntransport:\n  backend: " << backend
-                                             << "\n  inline_handlers: true\n  listen: [\""
+                                             << "\n  inline_handlers: true\n  io_threads: " << io_threads
+                                             << "\n  listen: [\""
                                              << listen("peer-inline") << "\"]\n";
     testing::PeerProcess peer_inline(dir + "/peer-inline.yaml", 2);
     TransportConfig cfg;
     cfg.backend = backend;
     cfg.listen = {listen("bench")};
     cfg.node_id = 0;
+    cfg.io_threads = io_threads;
     auto t = make_transport(cfg);
     t->add_peer(1, peer.address());
     t->add_peer(2, peer_inline.address());
