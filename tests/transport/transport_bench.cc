@@ -4,6 +4,7 @@
 //
 //   transport_bench [--backend zmq] [--endpoint tcp|ipc] [--size BYTES]
 //                   [--messages N] [--rtt-iters N] [--runs N] [--io-threads N]
+//                   [--rtt-peers default|inline|both]
 // Prints one line per run and, last, one JSON line:
 //   {"goodput_bytes_per_s": [...], "rtt_us_median": [...], ...}
 #include <sys/wait.h>
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
   uint64_t messages = 500, rtt_iters = 5000;
   int runs = 3;
   int io_threads = 2;  // ZeroMQ I/O threads on both sides
+  std::string rtt_peers = "both";  // default | inline | both
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--backend") backend = v;
@@ -102,6 +104,7 @@ int main(int argc, char** argv) {
     else if (k == "--rtt-iters") rtt_iters = std::stoull(v);
     else if (k == "--runs") runs = std::stoi(v);
     else if (k == "--io-threads") io_threads = std::stoi(v);
+    else if (k == "--rtt-peers") rtt_peers = v;
     else {
       std::cerr << "transport_bench: unknown option " << k << "\n";
       return 2;
@@ -167,13 +170,15 @@ int main(int argc, char** argv) {
         for (int w = 0; w < 200; ++w) t->call(p, Message{{tp::kEcho, 0, 0, 0, 0}, {small}});
       constexpr uint64_t kBlock = 250;
       for (uint64_t i = 0; i < rtt_iters; ++i) {
-        NodeId p = (i / kBlock) % 2 == 0 ? 1 : 2;
+        NodeId p = rtt_peers == "default" ? 1 : rtt_peers == "inline" ? 2 : (i / kBlock) % 2 == 0 ? 1 : 2;
         auto s0 = std::chrono::steady_clock::now();
         Response r = t->call(p, Message{{tp::kEcho, 0, 0, 0, i}, {small}}, Millis{10000});
         double d = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
         r.status.throw_if_error();
         (p == 1 ? us : us_inline).push_back(d);
       }
+      if (us.empty()) us.push_back(0);
+      if (us_inline.empty()) us_inline.push_back(0);
       std::sort(us.begin(), us.end());
       std::sort(us_inline.begin(), us_inline.end());
       rtt_median.push_back(us[us.size() / 2]);
