@@ -722,7 +722,18 @@ TEST_P(TransportTest, GarbageAtTheListeningPortIsDropped) {
   ASSERT_EQ(zmq_connect(stranger, addr.c_str()), 0);
   zmq_send(stranger, wire::encode(good).data(), wire::encode(good).size(), 0);
   ++malformed;
+  // A heartbeat connection (routing id 'H' + node) carrying anything but a
+  // heartbeat.
+  void* hb = zmq_socket(ctx, ZMQ_DEALER);
+  zmq_setsockopt(hb, ZMQ_LINGER, &zero, sizeof zero);
+  const char hb_rid[5] = {'H', 5, 0, 0, 0};
+  zmq_setsockopt(hb, ZMQ_ROUTING_ID, hb_rid, 5);
+  ASSERT_EQ(zmq_connect(hb, addr.c_str()), 0);
+  std::vector<std::byte> good_head = wire::encode(good);
+  zmq_send(hb, good_head.data(), good_head.size(), ZMQ_SNDMORE);
+  zmq_send(hb, ten.data(), ten.size(), 0);
   std::this_thread::sleep_for(Millis{300});
+  zmq_close(hb);
   zmq_close(stranger);
   zmq_ctx_term(ctx);
 
@@ -747,7 +758,7 @@ TEST_P(TransportTest, GarbageAtTheListeningPortIsDropped) {
   for (const char* what : {"bad magic", "wire version 9", "declares", "ends after", "does not fit",
                            "beyond the declared", "claims source node 6", "addressed to node 3",
                            "past the limit", "reserved range", "without a correlation id",
-                           "routing id"})
+                           "routing id", "(inbound heartbeats) dropped: heartbeat connection carried a request"})
     EXPECT_NE(log.find(what), std::string::npos) << "no log line for: " << what << "\n" << log;
 }
 
