@@ -97,6 +97,7 @@ TransportConfig read_transport_config(config::Reader& r) {
   }
   r.get("io_threads", c.io_threads, Range<int>{1, 64});
   r.get("handler_threads", c.handler_threads, Range<int>{1, 64});
+  r.get("inline_handlers", c.inline_handlers);
   c.heartbeat_interval = read_ms(r, "heartbeat_interval_ms", c.heartbeat_interval, 10, 600000);
   c.peer_timeout = read_ms(r, "peer_timeout_ms", c.peer_timeout, 20, 3600000);
   c.default_request_timeout =

@@ -290,7 +290,8 @@ void TransportBase::start_request(NodeId to, Message message, Millis timeout,
     auto dl = deadlines_.emplace(Clock::now() + timeout, id);
     pending_.emplace(id, Pending{to, std::move(done), run_inline, dl});
   }
-  backend_wakeup();  // the loop's next deadline may have moved earlier
+  // The loop's next deadline may have moved earlier: enqueue() below (or
+  // complete_send(), which finishes the request at once) wakes it.
   Outgoing out;
   out.to = to;
   out.header.kind = wire::Kind::kRequest;
@@ -466,9 +467,34 @@ void TransportBase::on_received(wire::WireHeader&& h, std::vector<Buffer>&& payl
 }
 
 void TransportBase::dispatch(Incoming in, Assembler assemble) {
+  // Inline only when nothing received earlier still waits for a handler
+  // thread (dispatch runs on the loop thread alone, so the count cannot
+  // grow meanwhile): per-sender order holds either way.
+  if (config_.inline_handlers && on_io_thread() &&
+      receive_queued_.load(std::memory_order_relaxed) == 0) {
+    bool started;
+    {
+      std::lock_guard lock(mu_);
+      started = started_;
+    }
+    if (started) {
+      run_handler(std::move(in), std::move(assemble));
+      return;
+    }
+  }
   Dispatcher& d = *handler_threads_[in.from % handler_threads_.size()];
   receive_queued_.fetch_add(1, std::memory_order_relaxed);
   d.post([this, in = std::move(in), assemble = std::move(assemble)]() mutable {
+    run_handler(std::move(in), std::move(assemble));
+    // Reading resumes: wake the loop only if it had paused (a wake-up per
+    // message would cost the loop a spurious round on every request).
+    if (receive_queued_.fetch_sub(1, std::memory_order_relaxed) >= config_.receive_queue_messages)
+      backend_wakeup();
+  });
+}
+
+void TransportBase::run_handler(Incoming in, Assembler assemble) {
+  {
     if (assemble) assemble(in.message.payloads);
     Handler h;
     {
@@ -493,9 +519,7 @@ void TransportBase::dispatch(Incoming in, Assembler assemble) {
                          "no handler for message type " +
                              std::to_string(in.message.header.type));
     }
-    receive_queued_.fetch_sub(1, std::memory_order_relaxed);
-    backend_wakeup();  // reading may resume
-  });
+  }
 }
 
 Clock::time_point TransportBase::tick(Clock::time_point now, std::vector<NodeId>& heartbeat_to) {

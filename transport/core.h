@@ -18,6 +18,7 @@
 // lock is held while user code or a backend hook runs.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -92,6 +93,12 @@ class TransportBase : public Transport {
  protected:
   TransportBase(const TransportConfig& config, std::string backend_name);
   Millis wait_bound() const override;
+  bool on_io_thread() const override {
+    return io_thread_.load(std::memory_order_relaxed) == std::this_thread::get_id();
+  }
+  // The backend's loop thread calls this first thing (inline handlers and
+  // the blocking wrappers' guard need to recognise it).
+  void set_io_thread() { io_thread_.store(std::this_thread::get_id()); }
   void request_for_call(NodeId to, Message message, Millis timeout, ResponseCallback done) override;
 
   // --- backend hooks (called without locks held) ---
@@ -155,6 +162,7 @@ class TransportBase : public Transport {
                         Assembler assemble);
   void fail_requests_to(NodeId peer, const Status& status);
   void dispatch(Incoming incoming, Assembler assemble);
+  void run_handler(Incoming incoming, Assembler assemble);
   void send_error_reply(const Incoming& request, ErrorCode code, const std::string& message);
   Status validate_message(const Message& message) const;
 
@@ -181,6 +189,7 @@ class TransportBase : public Transport {
   Dispatcher completions_{"bc-tp-complete"};
   std::vector<std::unique_ptr<Dispatcher>> handler_threads_;
   std::atomic<size_t> receive_queued_{0};
+  std::atomic<std::thread::id> io_thread_{};
   struct MalformedLog {
     Clock::time_point window_start{};
     int lines = 0;

@@ -41,6 +41,9 @@ bool backend_usable(std::string_view backend, std::string* reason) {
 }
 
 Status Transport::send_wait(NodeId to, Message message) {
+  if (on_io_thread())
+    return {ErrorCode::kInvalidArgument,
+            "send_wait() from an inline handler would wait for its own thread; use send()"};
   auto promise = std::make_shared<std::promise<Status>>();
   std::future<Status> result = promise->get_future();
   send(to, std::move(message), [promise](const Status& s) { promise->set_value(s); });
@@ -51,6 +54,10 @@ Status Transport::send_wait(NodeId to, Message message) {
 }
 
 Response Transport::call(NodeId to, Message message, Millis timeout) {
+  if (on_io_thread())
+    return {Status(ErrorCode::kInvalidArgument,
+                   "call() from an inline handler would wait for its own thread; use request()"),
+            to, {}};
   auto promise = std::make_shared<std::promise<Response>>();
   std::future<Response> result = promise->get_future();
   request_for_call(to, std::move(message), timeout,

@@ -220,6 +220,17 @@ struct TransportConfig {
   std::vector<std::string> listen = {"tcp://127.0.0.1:0"};
   int io_threads = 2;        // ZeroMQ I/O threads
   int handler_threads = 1;   // threads running message handlers
+  // Opt-in: run handlers on the backend's I/O loop thread instead of a
+  // handler thread, sparing two thread hand-offs per request (the reply is
+  // written by the same thread that read the request). Only for handlers
+  // that never block and finish in microseconds: while one runs, this node
+  // reads, writes and heartbeats nothing. An inline handler must not use
+  // call() or send_wait() (they fail at once with kInvalidArgument: the
+  // thread they would wait for is the one running the handler); send(),
+  // request() and reply() are fine. Messages that arrive before start(), or
+  // while earlier ones still wait in the receive queue, still go through
+  // the handler threads, so per-sender order holds.
+  bool inline_handlers = false;
 
   Millis heartbeat_interval{500};
   // A peer silent for this long is reported lost (the detection bound).
@@ -327,6 +338,9 @@ class Transport {
   // Upper bound the blocking wrappers wait for a completion that the
   // transport guarantees to deliver (a safety net, not a timeout policy).
   virtual Millis wait_bound() const { return Millis{600000}; }
+  // Whether the calling thread is the backend's I/O loop (an inline
+  // handler): the blocking wrappers refuse to wait there.
+  virtual bool on_io_thread() const { return false; }
   // request() for call(): `done` only fulfils a promise, so a backend may
   // run it on its I/O thread and spare the completion-thread hop.
   virtual void request_for_call(NodeId to, Message message, Millis timeout, ResponseCallback done) {

@@ -8,12 +8,14 @@
 #include <zmq.h>
 
 #include <atomic>
+#include <csignal>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -297,10 +299,10 @@ TEST_P(TransportTest, OneWayMessagesArriveInOrder) {
 }
 
 TEST_P(TransportTest, PayloadsFromZeroTo256MiB) {
-  // A message travels as one ZeroMQ multipart message, so heartbeats queue
-  // behind it: peer_timeout must cover the biggest transfer, which on this
-  // shared 2-core machine under load can take over a second for 256 MiB.
-  peer_timeout_ = Millis{10000};
+  // Heartbeats travel apart from the data, so a transfer longer than
+  // peer_timeout (256 MiB can take over a second on this loaded machine)
+  // must not make either side declare the other lost.
+  peer_timeout_ = Millis{2000};
   Transport& t = parent();
   auto peer = spawn(1);
   t.add_peer(1, peer->address());
@@ -323,6 +325,90 @@ TEST_P(TransportTest, PayloadsFromZeroTo256MiB) {
   ASSERT_EQ(r.response.payloads.size(), 1u);
   ASSERT_EQ(r.response.payloads[0].size(), big.size());
   EXPECT_EQ(0, std::memcmp(r.response.payloads[0].data(), big.data(), big.size()));
+  // Nobody was declared lost meanwhile, on either side.
+  EXPECT_FALSE(lost_at(1).has_value());
+  EXPECT_EQ(parse_stats(stats(1))["lost"], "");
+}
+
+TEST_P(TransportTest, PeerStoppedMidLargeTransferIsReportedWithinBound) {
+  // Liveness must not depend on message size in the other direction either:
+  // a sender frozen (SIGSTOP) in the middle of a large message is reported
+  // within the bound, not when the message would have ended.
+  Transport& t = parent();
+  std::atomic<int> received{0};
+  t.set_handler(tp::kSeq, [&](Incoming) { received++; });
+  auto victim = spawn(1);
+  t.add_peer(1, victim->address());
+  t.start();
+  ASSERT_TRUE(t.call(1, msg(tp::kEcho), Millis{5000}).status.ok());
+  // The victim streams 4 x 256 MiB to us (node 0), back to back.
+  constexpr int kCount = 4;
+  auto blast = std::make_shared<std::promise<Response>>();
+  Message m = msg(tp::kBlast, 0, kCount);
+  m.header.aux = 256u << 20;
+  t.request(1, std::move(m), Millis{60000}, [blast](Response r) { blast->set_value(std::move(r)); });
+  // Once the first message is in, the next one is on the wire.
+  ASSERT_TRUE(eventually([&] { return received.load() >= 1; }, Millis{20000}));
+  ASSERT_EQ(::kill(victim->pid(), SIGSTOP), 0);
+  auto stopped = steady_clock::now();
+  const int at_stop = received.load();
+  const Millis bound = kPeerTimeout + kDetectSlack;
+  EXPECT_TRUE(wait_lost(1, bound)) << "stopped peer not reported within " << bound.count() << " ms";
+  if (auto at = lost_at(1)) {
+    EXPECT_LE(*at - stopped, bound);
+  }
+  EXPECT_LT(at_stop, kCount) << "the stream had finished before the stop; nothing was tested";
+  auto f = blast->get_future();
+  ASSERT_EQ(f.wait_for(Millis{2000}), std::future_status::ready);
+  EXPECT_EQ(f.get().status.code(), ErrorCode::kPeerLost);
+  victim->kill9();  // a stopped process cannot exit on its own
+}
+
+TEST_P(TransportTest, InlineHandlersKeepOrderAndRefuseBlockingCalls) {
+  Transport& t = parent("  inline_handlers: true\n");
+  auto peer = spawn(1, "  inline_handlers: true\n");
+  t.add_peer(1, peer->address());
+  std::mutex mu;
+  std::vector<uint64_t> echoed;
+  std::optional<ErrorCode> call_code, wait_code;
+  t.set_handler(tp::kEcho, [&](Incoming in) {
+    if (in.message.header.arg == 0) {
+      // On the I/O thread: waiting would wait for ourselves.
+      ErrorCode c = t.call(1, msg(tp::kEcho), Millis{2000}).status.code();
+      ErrorCode w = t.send_wait(1, msg(tp::kSeq, 99, 0)).code();
+      std::lock_guard lock(mu);
+      call_code = c;
+      wait_code = w;
+    }
+    std::lock_guard lock(mu);
+    echoed.push_back(in.message.header.arg);
+  });
+  t.start();
+  // Request/reply through the peer's inline handler, payload shapes intact.
+  for (size_t n : {size_t{0}, size_t{64}, size_t{100000}, size_t{20u << 20}}) {
+    Buffer b = pattern(n, n + 1);
+    Response r = t.call(1, msg(tp::kEcho, 5, n, {b}), Millis{10000});
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    ASSERT_EQ(r.response.payloads.size(), 1u);
+    ASSERT_EQ(r.response.payloads[0].size(), n);
+    if (n > 0) {
+      EXPECT_EQ(0, std::memcmp(r.response.payloads[0].data(), b.data(), n));
+    }
+  }
+  // Ordering: one-way messages counted in order by the peer's inline
+  // handler, and echoes sent back to ours.
+  constexpr uint64_t kN = 2000, kEchoes = 300;
+  for (uint64_t i = 0; i < kN; ++i) t.send(1, msg(tp::kSeq, 8, i, {pattern(i % 5000, i)}), nullptr);
+  for (uint64_t i = 0; i < kEchoes; ++i) t.send(1, msg(tp::kEcho, 0, i), nullptr);
+  auto s = parse_stats(stats(1));
+  EXPECT_EQ(s["msgs"], std::to_string(kN));
+  EXPECT_EQ(s["errors"], "0");
+  ASSERT_TRUE(eventually([&] { std::lock_guard l(mu); return echoed.size() == kEchoes; }, Millis{10000}));
+  std::lock_guard lock(mu);
+  for (uint64_t i = 0; i < kEchoes; ++i) EXPECT_EQ(echoed[i], i);
+  ASSERT_TRUE(call_code.has_value());
+  EXPECT_EQ(*call_code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(*wait_code, ErrorCode::kInvalidArgument);
 }
 
 TEST_P(TransportTest, ManyPeersAndConcurrentSenders) {
@@ -636,7 +722,18 @@ TEST_P(TransportTest, GarbageAtTheListeningPortIsDropped) {
   ASSERT_EQ(zmq_connect(stranger, addr.c_str()), 0);
   zmq_send(stranger, wire::encode(good).data(), wire::encode(good).size(), 0);
   ++malformed;
+  // A heartbeat connection (routing id 'H' + node) carrying anything but a
+  // heartbeat.
+  void* hb = zmq_socket(ctx, ZMQ_DEALER);
+  zmq_setsockopt(hb, ZMQ_LINGER, &zero, sizeof zero);
+  const char hb_rid[5] = {'H', 5, 0, 0, 0};
+  zmq_setsockopt(hb, ZMQ_ROUTING_ID, hb_rid, 5);
+  ASSERT_EQ(zmq_connect(hb, addr.c_str()), 0);
+  std::vector<std::byte> good_head = wire::encode(good);
+  zmq_send(hb, good_head.data(), good_head.size(), ZMQ_SNDMORE);
+  zmq_send(hb, ten.data(), ten.size(), 0);
   std::this_thread::sleep_for(Millis{300});
+  zmq_close(hb);
   zmq_close(stranger);
   zmq_ctx_term(ctx);
 
@@ -661,7 +758,7 @@ TEST_P(TransportTest, GarbageAtTheListeningPortIsDropped) {
   for (const char* what : {"bad magic", "wire version 9", "declares", "ends after", "does not fit",
                            "beyond the declared", "claims source node 6", "addressed to node 3",
                            "past the limit", "reserved range", "without a correlation id",
-                           "routing id"})
+                           "routing id", "(inbound heartbeats) dropped: heartbeat connection carried a request"})
     EXPECT_NE(log.find(what), std::string::npos) << "no log line for: " << what << "\n" << log;
 }
 

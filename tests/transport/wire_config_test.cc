@@ -133,7 +133,7 @@ TEST(TransportConfig, ReadsEveryKey) {
   char sec[41] = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6";
   TransportConfig c = read(std::string() +
                            "  backend: zmq\n  node_id: 7\n  listen: [\"tcp://0.0.0.0:7100\", \"ipc:///run/x.sock\"]\n"
-                           "  io_threads: 4\n  handler_threads: 2\n  heartbeat_interval_ms: 250\n"
+                           "  io_threads: 4\n  handler_threads: 2\n  inline_handlers: true\n  heartbeat_interval_ms: 250\n"
                            "  peer_timeout_ms: 2000\n  default_request_timeout_ms: 1500\n"
                            "  max_frame_bytes: 8MiB\n  max_message_bytes: 2GiB\n  max_payloads: 16\n"
                            "  send_queue_messages: 100\n  send_queue_bytes: 1GiB\n"
@@ -147,6 +147,7 @@ TEST(TransportConfig, ReadsEveryKey) {
   EXPECT_EQ(c.listen.size(), 2u);
   EXPECT_EQ(c.io_threads, 4);
   EXPECT_EQ(c.handler_threads, 2);
+  EXPECT_TRUE(c.inline_handlers);
   EXPECT_EQ(c.heartbeat_interval, Millis{250});
   EXPECT_EQ(c.peer_timeout, Millis{2000});
   EXPECT_EQ(c.default_request_timeout, Millis{1500});

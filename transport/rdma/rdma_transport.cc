@@ -1149,6 +1149,7 @@ void RdmaTransport::handle_completions() {
 }
 
 void RdmaTransport::loop() {
+  set_io_thread();
   std::vector<NodeId> heartbeats;
   Clock::time_point next_tick = Clock::now();
   while (!stop_.load()) {

@@ -34,16 +34,24 @@ void check(int rc, const std::string& what) {
   if (rc != 0) throw Error(ErrorCode::kUnavailable, "transport zmq: " + zmq_error(what));
 }
 
-std::string routing_id_of(NodeId id) {
+// Routing ids: 'N' + node id for the data connection, 'H' + node id for the
+// heartbeat connection (a second DEALER per added peer that carries nothing
+// but heartbeats, so they never queue behind a large message: ZeroMQ hands
+// a multipart message over only when its last frame arrived).
+constexpr char kDataRid = 'N';
+constexpr char kHeartbeatRid = 'H';
+
+std::string routing_id_of(NodeId id, char kind = kDataRid) {
   std::string rid(5, '\0');
-  rid[0] = 'N';  // a routing id must not start with a zero byte
+  rid[0] = kind;  // a routing id must not start with a zero byte
   for (int i = 0; i < 4; ++i) rid[1 + i] = static_cast<char>((id >> (8 * i)) & 0xFF);
   return rid;
 }
 
-bool node_of_routing_id(const void* data, size_t size, NodeId& out) {
+bool node_of_routing_id(const void* data, size_t size, NodeId& out, char& kind) {
   const auto* p = static_cast<const unsigned char*>(data);
-  if (size != 5 || p[0] != 'N') return false;
+  if (size != 5 || (p[0] != kDataRid && p[0] != kHeartbeatRid)) return false;
+  kind = static_cast<char>(p[0]);
   out = 0;
   for (int i = 0; i < 4; ++i) out |= static_cast<NodeId>(p[1 + i]) << (8 * i);
   return out != kNoNode;
@@ -95,13 +103,17 @@ class ZmqTransport final : public TransportBase {
  private:
   struct Route {
     void* socket = nullptr;          // a DEALER we own, or router_ (not owned)
+    void* heartbeat = nullptr;       // dealers only: the heartbeat DEALER
     std::string address;             // dealers only
     std::deque<Outgoing> fifo;       // accepted, not yet handed to ZeroMQ
     bool blocked = false;            // head hit the high-water mark
   };
 
   void* make_socket(int type);
-  void* make_dealer(const std::string& address);
+  void* make_dealer(const std::string& address, char rid_kind);
+  // Both DEALERs of an added peer (data, heartbeat); throws Error.
+  void connect_route(Route& route);
+  void close_route(Route& route);
   void close_socket(void*& s);
   void post_control(std::function<void()> fn);
   void loop();
@@ -110,7 +122,8 @@ class ZmqTransport final : public TransportBase {
   // 1 sent, 0 would block, -1 failed (status set).
   int send_one(Route& route, NodeId to, const Outgoing& out, Status& status);
   bool send_heartbeat(NodeId to);
-  void read_socket(void* socket, bool is_router, NodeId dealer_peer);
+  // heartbeat_only: the heartbeat DEALER (anything else on it is malformed).
+  void read_socket(void* socket, bool is_router, NodeId dealer_peer, bool heartbeat_only = false);
   void handle_zap();
   void handle_monitor();
   void fail_route(Route& route, const Status& status);
@@ -219,9 +232,9 @@ void* ZmqTransport::make_socket(int type) {
   return s;
 }
 
-void* ZmqTransport::make_dealer(const std::string& address) {
+void* ZmqTransport::make_dealer(const std::string& address, char rid_kind) {
   void* s = make_socket(ZMQ_DEALER);
-  std::string rid = routing_id_of(self());
+  std::string rid = routing_id_of(self(), rid_kind);
   check(zmq_setsockopt(s, ZMQ_ROUTING_ID, rid.data(), rid.size()), "ZMQ_ROUTING_ID");
   int ivl = 100, ivl_max = 1000;
   zmq_setsockopt(s, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
@@ -245,7 +258,25 @@ void ZmqTransport::close_socket(void*& s) {
   s = nullptr;
 }
 
+void ZmqTransport::connect_route(Route& route) {
+  route.socket = make_dealer(route.address, kDataRid);
+  try {
+    route.heartbeat = make_dealer(route.address, kHeartbeatRid);
+  } catch (...) {
+    close_socket(route.socket);
+    throw;
+  }
+}
+
+void ZmqTransport::close_route(Route& route) {
+  close_socket(route.socket);
+  close_socket(route.heartbeat);
+}
+
 void ZmqTransport::backend_wakeup() {
+  // The loop looks at the send queue before it sleeps again: a reply from
+  // an inline handler needs no wake-up (two syscalls saved per request).
+  if (on_io_thread()) return;
   uint64_t one = 1;
   // EAGAIN only when the counter is saturated: the loop is waking anyway.
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof one);
@@ -265,13 +296,13 @@ void ZmqTransport::backend_add_peer(NodeId id, const std::string& address) {
     auto it = dealers_.find(id);
     if (it != dealers_.end()) {
       if (it->second.address == address) return;
-      close_socket(it->second.socket);
+      close_route(it->second);
       it->second.blocked = false;
     }
     Route& r = dealers_[id];
     r.address = address;
     try {
-      r.socket = make_dealer(address);
+      connect_route(r);
     } catch (const Error& e) {
       BC_LOG(LogZmq(), kError) << "node " << self() << ": " << e.what();
       fail_route(r, Status::FromError(e));
@@ -285,7 +316,7 @@ void ZmqTransport::backend_remove_peer(NodeId id) {
     Status gone(ErrorCode::kUnavailable, "peer " + std::to_string(id) + " was removed");
     if (auto it = dealers_.find(id); it != dealers_.end()) {
       fail_route(it->second, gone);
-      close_socket(it->second.socket);
+      close_route(it->second);
       dealers_.erase(it);
     }
     if (auto it = inbound_.find(id); it != inbound_.end()) {
@@ -301,10 +332,10 @@ void ZmqTransport::backend_peer_lost(NodeId id, const Status& status) {
   if (auto it = dealers_.find(id); it != dealers_.end()) {
     Route& r = it->second;
     fail_route(r, status);
-    close_socket(r.socket);
+    close_route(r);
     r.blocked = false;
     try {
-      r.socket = make_dealer(r.address);
+      connect_route(r);
     } catch (const Error& e) {
       BC_LOG(LogZmq(), kError) << "node " << self() << ": reconnect to node " << id
                                << " failed: " << e.what();
@@ -409,20 +440,27 @@ void ZmqTransport::flush(NodeId id, Route& route) {
 
 bool ZmqTransport::send_heartbeat(NodeId to) {
   std::vector<std::byte> head = wire::encode(heartbeat_header(to));
-  Route* r = nullptr;
-  if (auto it = dealers_.find(to); it != dealers_.end()) r = &it->second;
-  else if (auto in = inbound_.find(to); in != inbound_.end()) r = &in->second;
-  if (!r || !r->socket) return false;
-  // Behind a blocked queue the data itself will prove us alive.
-  if (r->blocked) return false;
-  if (r->socket == router_) {
-    std::string rid = routing_id_of(to);
-    if (zmq_send(router_, rid.data(), rid.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) return false;
+  if (auto it = dealers_.find(to); it != dealers_.end()) {
+    // Our own heartbeat connection: never behind data.
+    if (!it->second.heartbeat) return false;
+    return zmq_send(it->second.heartbeat, head.data(), head.size(), ZMQ_DONTWAIT) >= 0;
   }
-  return zmq_send(r->socket, head.data(), head.size(), ZMQ_DONTWAIT) >= 0;
+  auto in = inbound_.find(to);
+  if (in == inbound_.end()) return false;
+  // To the peer's heartbeat DEALER when it is connected to us (a separate
+  // pipe, so not behind the data); else on the data connection, unless that
+  // is blocked (then the data itself proves us alive).
+  std::string rid = routing_id_of(to, kHeartbeatRid);
+  if (zmq_send(router_, rid.data(), rid.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0)
+    return zmq_send(router_, head.data(), head.size(), ZMQ_DONTWAIT) >= 0;
+  if (in->second.blocked) return false;
+  rid = routing_id_of(to, kDataRid);
+  if (zmq_send(router_, rid.data(), rid.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) return false;
+  return zmq_send(router_, head.data(), head.size(), ZMQ_DONTWAIT) >= 0;
 }
 
-void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer) {
+void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
+                               bool heartbeat_only) {
   const std::string origin_dealer = "node " + std::to_string(dealer_peer);
   for (int n = 0; n < kReadBatch && !receive_paused(); ++n) {
     // Collect one whole multipart message (ZeroMQ delivers them atomically).
@@ -440,16 +478,19 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer)
     size_t idx = 0;
     NodeId conn_node = dealer_peer;
     std::string origin = origin_dealer;
+    bool only_heartbeats = heartbeat_only;
     if (is_router) {
       const ZmqMsg& rid = *parts[idx++];
+      char rid_kind = kDataRid;
       if (!node_of_routing_id(zmq_msg_data(const_cast<zmq_msg_t*>(&rid.m)),
-                              zmq_msg_size(const_cast<zmq_msg_t*>(&rid.m)), conn_node)) {
+                              zmq_msg_size(const_cast<zmq_msg_t*>(&rid.m)), conn_node, rid_kind)) {
         log_malformed("a connection to " + bound_.front(),
                       "routing id is not a ByteComp node id (" +
                           std::to_string(zmq_msg_size(const_cast<zmq_msg_t*>(&rid.m))) + " bytes)");
         continue;
       }
-      origin = "node " + std::to_string(conn_node) + " (inbound)";
+      only_heartbeats = rid_kind == kHeartbeatRid;
+      origin = "node " + std::to_string(conn_node) + (only_heartbeats ? " (inbound heartbeats)" : " (inbound)");
     }
     if (idx >= parts.size()) {
       log_malformed(origin, "message without a header frame");
@@ -470,6 +511,21 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer)
     if (h.dst != self()) {
       log_malformed(origin, "addressed to node " + std::to_string(h.dst) + ", this is node " +
                                 std::to_string(self()));
+      continue;
+    }
+    if (only_heartbeats) {
+      // The heartbeat connection carries nothing else (its replies would
+      // have no data route), and a heartbeat has no payloads.
+      if (h.kind != wire::Kind::kHeartbeat || idx != parts.size()) {
+        log_malformed(origin, std::string("heartbeat connection carried a ") +
+                                  wire::kind_name(h.kind) + " message with " +
+                                  std::to_string(parts.size() - idx) + " payload frames");
+        continue;
+      }
+      // The way back to an inbound peer (its data connection) is learnt
+      // from its heartbeats too, or it would never hear ours.
+      if (is_router && !inbound_.count(conn_node)) inbound_[conn_node].socket = router_;
+      note_alive(h.src);
       continue;
     }
     // Payload frames: each payload in order, every frame non-empty and
@@ -619,6 +675,7 @@ void ZmqTransport::handle_monitor() {
 }
 
 void ZmqTransport::loop() {
+  set_io_thread();
   std::vector<zmq_pollitem_t> items;
   std::vector<NodeId> owners;  // dealer peer of items[i], kNoNode for others
   std::vector<NodeId> heartbeats;
@@ -664,6 +721,11 @@ void ZmqTransport::loop() {
       short ev = static_cast<short>((paused ? 0 : ZMQ_POLLIN) | (r.blocked ? ZMQ_POLLOUT : 0));
       items.push_back({r.socket, 0, ev, 0});
       owners.push_back(id);
+      // Not while paused: tick() holds liveness then anyway.
+      if (r.heartbeat && !paused) {
+        items.push_back({r.heartbeat, 0, ZMQ_POLLIN, 0});
+        owners.push_back(id);
+      }
     }
     auto wait = std::chrono::duration_cast<Millis>(next_tick - now) + Millis{1};
     // A full ROUTER pipe cannot be polled for; look again shortly (sleeping).
@@ -689,7 +751,12 @@ void ZmqTransport::loop() {
         handle_monitor();
       } else {
         auto it = dealers_.find(owners[i]);
-        if (it == dealers_.end() || it->second.socket != s) continue;
+        if (it == dealers_.end()) continue;
+        if (it->second.heartbeat == s) {
+          read_socket(s, false, owners[i], /*heartbeat_only=*/true);
+          continue;
+        }
+        if (it->second.socket != s) continue;
         if (items[i].revents & ZMQ_POLLOUT) it->second.blocked = false;
         if (items[i].revents & ZMQ_POLLIN) read_socket(s, false, owners[i]);
       }
@@ -700,7 +767,7 @@ void ZmqTransport::loop() {
   route_outgoing();
   for (auto& [id, r] : dealers_) {
     fail_route(r, down);
-    close_socket(r.socket);
+    close_route(r);
   }
   for (auto& [id, r] : inbound_) fail_route(r, down);
   dealers_.clear();
