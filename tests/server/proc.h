@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -64,6 +65,9 @@ class Process {
     pid_ = fork();
     if (pid_ < 0) throw std::runtime_error("fork failed");
     if (pid_ == 0) {
+      // A test binary that dies (crash, sanitizer halt) takes its children
+      // with it instead of leaving servers behind.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
       dup2(out, 1);
       dup2(err, 2);
       execve(argv[0], argv.data(), envp.data());
