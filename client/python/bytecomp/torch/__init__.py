@@ -402,7 +402,7 @@ def _broadcast_tensors(c, named, root_rank, what):
         with torch.no_grad():
             for _, t in named:
                 k = t.numel() * t.element_size()
-                raw = data[off:off + k]
+                raw = data[off:off + k].clone()  # aligned for view()
                 if t.dtype == torch.bool:
                     v = raw.to(torch.bool)
                 else:
