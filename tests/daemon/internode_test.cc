@@ -406,3 +406,22 @@ TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
     EXPECT_EQ(mismatches, 0u) << "iteration " << it;
   }
 }
+
+// Node 0's ranks close right after their last wait while node 1's ranks have
+// not read their last results: node 1 must still get them.
+TEST_F(TwoNodes, CleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
+  start(1);
+  const std::string spec = "f32:1,f32:300000";
+  std::vector<std::unique_ptr<Process>> w;
+  for (int n = 0; n < 2; ++n) {
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> extra{"--node", std::to_string(n) + "/2"};
+      if (n == 1) extra.insert(extra.end(), {"--linger", "600"});
+      w.push_back(nodes_[n]->worker("linger", r, 2, 15, spec, extra));
+    }
+  }
+  for (auto& p : w) expect_ok(*p);
+  for (auto& n : nodes_) {
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+  }
+}

@@ -7,6 +7,8 @@
 //   --threads  one thread per tensor (exercises client thread-safety)
 //   --stall    start, then never push (the other ranks wait on it)
 //   --node R/N this is node R of N (values and sums over all N * SIZE ranks)
+//   --linger MS  sleep MS before waiting for the last iteration's results (so
+//              peers finish and close first while this rank has results unread)
 //
 // Prints "running" after the first verified iteration, and on failure the
 // status name and message. Exit: 0 ok, 1 usage, 2 wrong result, 10+status
@@ -94,12 +96,14 @@ int main(int argc, char** argv) {
   bool threads = false;
   bool stall = false;
   uint32_t node_rank = 0, num_nodes = 1;
+  int linger_ms = 0;
   for (int i = 7; i < argc; ++i) {
     threads |= std::strcmp(argv[i], "--threads") == 0;
     stall |= std::strcmp(argv[i], "--stall") == 0;
     if (std::strcmp(argv[i], "--node") == 0 && i + 1 < argc) {
       std::sscanf(argv[++i], "%u/%u", &node_rank, &num_nodes);
     }
+    if (std::strcmp(argv[i], "--linger") == 0 && i + 1 < argc) linger_ms = std::atoi(argv[++i]);
   }
   // Values and expected sums over every rank of every node.
   const uint32_t grank = node_rank * size + rank;
@@ -182,6 +186,9 @@ int main(int argc, char** argv) {
       for (size_t k = ts.size(); k-- > 0;) {
         do_fill(ts[k], grank, it);
         if ((s = bytecomp_push_pull(c, ts[k].id, it, &hs[k])) != BYTECOMP_OK) die(s, "push_pull");
+      }
+      if (it + 1 == iters && linger_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(linger_ms));
       }
       for (size_t k = 0; k < ts.size(); ++k) {
         if ((s = bytecomp_wait(c, hs[k], 20000)) != BYTECOMP_OK) die(s, "wait");
