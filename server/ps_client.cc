@@ -102,9 +102,15 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     m.header.type = proto::kSetStrategy;
     m.header.aux = info_.uid;
     m.header.arg = iteration;
-    m.payloads.push_back(Buffer::take(std::move(yaml)));
+    m.payloads.push_back(Buffer::copy_of(yaml));
+    // The coordinator's update message and its reply travel separately; the
+    // requester applies the change itself first so its on_strategy_change
+    // always runs before done (the later update is then a duplicate).
+    std::weak_ptr<JobImpl> weak = weak_from_this();
     start(core_->cluster.coordinator, std::move(m), Millis{0},
-          [done = std::move(done)](const Status& s, Buffer) {
+          [weak, yaml, iteration, done = std::move(done)](const Status& s, Buffer) {
+            if (s.ok())
+              if (auto self = weak.lock()) self->apply_change(iteration, yaml);
             if (done) done(s);
           });
   }
@@ -160,6 +166,9 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
   void fail(const Status& why) { close(why, true); }
 
   void apply_change(uint64_t iteration, const std::string& yaml) {
+    // Held through the callbacks: whichever of the update message and the
+    // requester's reply comes second returns only once they ran.
+    std::lock_guard apply(apply_mu_);
     StrategyChange c;
     c.iteration = iteration;
     c.strategy_yaml = yaml;
@@ -173,6 +182,8 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     std::vector<StrategyCallback> cbs;
     {
       std::lock_guard lk(mu_);
+      for (const StrategyChange& known : changes_)
+        if (known.iteration == iteration) return;  // already applied
       changes_.push_back(c);
       std::stable_sort(changes_.begin(), changes_.end(),
                        [](const StrategyChange& a, const StrategyChange& b) {
@@ -268,6 +279,7 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
   std::shared_ptr<Core> core_;
   const JobInfo info_;
+  std::mutex apply_mu_;  // serialises apply_change (taken before mu_)
   mutable std::mutex mu_;
   Status failed_;
   bool closed_ = false;
@@ -297,6 +309,11 @@ class ClientImpl final : public PsClient {
     });
     core_->tp->start();
     core_->tp->add_peer(cluster.coordinator, cluster.coordinator_info().address);
+    // Servers with a fixed address are reachable before any admission (for
+    // stats()); the others are learnt from the coordinator at join().
+    for (const ServerInfo& s : cluster.servers)
+      if (s.id != cluster.coordinator && !s.address.ends_with(":0"))
+        core_->tp->add_peer(s.id, s.address);
   }
   ~ClientImpl() override { close(); }
 

@@ -7,9 +7,11 @@
 //   auto client = server::PsClient::create(cluster, tc);
 //   std::shared_ptr<server::PsJob> job = client->join(spec);  // blocks until admitted
 //   for (it = spec.start_iteration; ...; ++it)
-//     for (const Partition& p : job->my_partitions())          // all of them
+//     // every node pushes every partition (of kSharded/kSingle tensors)
+//     for (const Partition& p : job->info().assignment.partitions) {
 //       job->push(p.key, it, buffer_of(p), [](const Status& s) {...});
 //       job->pull(p.key, it, [](const Status& s, transport::Buffer sum) {...});
+//     }
 //   job->barrier(std::chrono::seconds(30)).throw_if_error();
 //   job->leave();
 //
@@ -157,6 +159,8 @@ class PsJob {
 
   // Register before pushing (callbacks added later miss earlier events,
   // except on_failure, which runs at once if the job already failed).
+  // Strategy callbacks of one job run one at a time; a job's callbacks may
+  // start new async operations but must not wait for their completion.
   virtual void on_strategy_change(StrategyCallback callback) = 0;
   virtual void on_failure(FailureCallback callback) = 0;
   // kOk while the job runs; the abort reason afterwards.
@@ -194,7 +198,9 @@ class PsClient {
   // when the coordinator cannot be reached.
   virtual std::shared_ptr<PsJob> join(const JobSpec& spec, Millis timeout = Millis{0}) = 0;
 
-  // Asks one server for its counters (tests, monitoring).
+  // Asks one server for its counters (tests, monitoring). Reaches the
+  // coordinator, servers with a fixed (non-0) port in the cluster config, and
+  // servers learnt at a join(). Throws Error on failure.
   virtual ServerStats stats(NodeId server, Millis timeout = Millis{5000}) = 0;
 
   // Closes every job (kUnavailable) and the transport; idempotent.

@@ -312,18 +312,32 @@ class Coordinator {
     timer_ = std::thread([this] { timer_loop(); });
   }
   ~Coordinator() { stop(); }
+  // Answers every waiting registration and aborts every running job (so
+  // nodes hear about it at once, not after their heartbeat timeout).
   void stop() {
+    std::vector<Incoming> waiting;
+    std::vector<uint32_t> running;
     {
       std::lock_guard lk(mu_);
+      if (stopping_) return;
       stopping_ = true;
+      std::vector<std::string> names;
+      for (auto& [name, p] : pending_) names.push_back(name);
+      for (const std::string& n : names)
+        for (Incoming& in : take_pending(n)) waiting.push_back(std::move(in));
+      for (auto& [uid, r] : running_) running.push_back(uid);
     }
     cv_.notify_all();
     if (timer_.joinable()) timer_.join();
+    const std::string why = "coordinator " + std::to_string(srv_.cfg.node_id) + " shut down";
+    reply_all_unavailable(waiting, why);
+    for (uint32_t uid : running) abort_running(uid, why);
   }
 
   void on_message(Incoming in);
   void on_peer_lost(NodeId id, const Status& s);
   void abort_running(uint32_t uid, const std::string& reason);
+  void reply_all_unavailable(std::vector<Incoming>& ins, const std::string& why);
 
  private:
   struct Reg {
@@ -445,6 +459,11 @@ std::string spec_difference(const std::string& job, const JobSpec& a, const std:
   if (a.nodes != b.nodes) return head + "the node list differs on " + bn + " from " + an;
   if (a.deterministic != b.deterministic)
     return head + "'deterministic' differs on " + bn + " from " + an;
+  // One strategy for the whole job: a node with another text would run
+  // other plans than the coordinator distributes.
+  if (a.strategy_yaml != b.strategy_yaml)
+    return head + "the strategy differs on " + bn + " from " + an +
+           " (every node must run the job with the same strategy text)";
   if (a.start_iteration != b.start_iteration)
     return head + "start_iteration " + std::to_string(b.start_iteration) + " on " + bn +
            " differs from " + std::to_string(a.start_iteration) + " on " + an;
@@ -467,6 +486,10 @@ std::string spec_difference(const std::string& job, const JobSpec& a, const std:
 }
 
 }  // namespace
+
+void Coordinator::reply_all_unavailable(std::vector<Incoming>& ins, const std::string& why) {
+  reply_all(srv_, ins, ErrorCode::kUnavailable, why);
+}
 
 std::string Coordinator::missing_locked(const Pending& p) const {
   std::string m;
@@ -1522,6 +1545,12 @@ void ParameterServer::Impl::on_pull(const std::shared_ptr<ServerJob>& job, PartS
   const uint64_t it = in.message.header.arg;
   if (ps.has_result && it == ps.result_iteration) return reply(in, proto::ok_reply(ps.result));
   if (it == ps.collecting) {
+    for (const Incoming& w : ps.waiting)
+      if (w.from == in.from)
+        return refuse(in, ErrorCode::kInvalidArgument,
+                      "pull refused: duplicate pull from node " + std::to_string(in.from) +
+                          " for iteration " + std::to_string(it) + " of " + ps.label +
+                          " (one is already waiting)");
     ps.waiting.push_back(std::move(in));
     return;
   }

@@ -7,7 +7,9 @@
 //   bytecomp-ps-worker --cluster cluster.yaml --node 100 --job j --nodes 100,101
 //       --tensors a:1000,b:5000 [--strategy s.yaml] [--deterministic]
 //       [--iterations 10] [--start 0] [--seed 1] [--dump FILE]
-//       [--pause-at ITER:PUSHES] [--bench] [--leave]
+//       [--pause-at ITER:PUSHES] [--bench] [--leave] [--start-at EPOCH_MS]
+//   bytecomp-ps-worker --raw-echo ADDRESS ... : the same traffic straight over
+//       the transport to bytecomp-ps-echo (scripts/bench-server's baseline)
 #include <unistd.h>
 
 #include <chrono>
@@ -23,6 +25,7 @@
 
 #include "common/config.h"
 #include "compress/compressor.h"
+#include "server/protocol.h"
 #include "server/ps_client.h"
 #include "tests/server/testdata.h"
 
@@ -55,6 +58,8 @@ struct Options {
   int64_t pause_iter = -1;
   uint64_t pause_pushes = 0;
   uint64_t timeout_ms = 20000;
+  std::string raw_echo;
+  int64_t start_at_ms = 0;
 };
 
 Options parse(int argc, char** argv) {
@@ -87,6 +92,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--bench") o.bench = true;
     else if (a == "--leave") o.leave = true;
     else if (a == "--timeout-ms") o.timeout_ms = std::stoull(next());
+    else if (a == "--raw-echo") o.raw_echo = next();
+    else if (a == "--start-at") o.start_at_ms = std::stoll(next());
     else if (a == "--pause-at") {
       auto kv = split(next(), ':');
       o.pause_iter = std::stoll(kv.at(0));
@@ -118,12 +125,80 @@ struct Waiter {
   }
 };
 
+// Sleeps until the wall-clock time the bench script gave every worker, so
+// their measured loops overlap.
+void wait_start(const Options& o) {
+  if (o.start_at_ms <= 0) return;
+  auto target = std::chrono::system_clock::time_point(std::chrono::milliseconds(o.start_at_ms));
+  std::this_thread::sleep_until(target);
+}
+
+// The baseline: identical partitions, requests and payloads, over a bare
+// transport to bytecomp-ps-echo (no rounds, no sums).
+int raw_echo(const Options& o, const ClusterConfig& cluster) {
+  transport::TransportConfig tc = cluster.transport;
+  tc.node_id = o.node;
+  tc.listen = {};
+  auto tp = transport::make_transport(tc);
+  tp->start();
+  const NodeId echo = cluster.coordinator;
+  tp->add_peer(echo, o.raw_echo);
+  std::vector<TensorPlan> plans(o.tensors.size());
+  Assignment a = assign_partitions(o.tensors, plans, {ServerInfo{echo, o.raw_echo, 1}},
+                                   cluster.partition_bytes);
+  std::vector<std::vector<float>> data(a.partitions.size());
+  for (size_t i = 0; i < a.partitions.size(); ++i) {
+    data[i].resize(a.partitions[i].count);
+    testing::fill(data[i].data(), data[i].size(), o.seed, 0, a.partitions[i].tensor, 0,
+                  a.partitions[i].offset);
+  }
+  wait_start(o);
+  uint64_t bytes = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t it = 0; it < o.iterations; ++it) {
+    Waiter w;
+    w.left = 2 * a.partitions.size();
+    std::mutex bmu;
+    for (size_t i = 0; i < a.partitions.size(); ++i) {
+      const Partition& p = a.partitions[i];
+      transport::Message push;
+      push.header.type = proto::kPush;
+      push.header.key = p.key;
+      push.header.arg = it;
+      push.payloads.push_back(transport::Buffer::wrap(data[i].data(), p.count * 4, nullptr));
+      bytes += p.count * 4;
+      tp->request(echo, std::move(push), std::chrono::milliseconds(o.timeout_ms),
+                  [&w](transport::Response r) { w.done(r.status); });
+      transport::Message pull;
+      pull.header.type = proto::kPull;
+      pull.header.key = p.key;
+      pull.header.arg = it;
+      tp->request(echo, std::move(pull), std::chrono::milliseconds(o.timeout_ms),
+                  [&w, &bytes, &bmu](transport::Response r) {
+                    {
+                      std::lock_guard lk(bmu);
+                      bytes += r.response.payload_bytes();
+                    }
+                    w.done(r.status);
+                  });
+    }
+    Status st = w.wait(std::chrono::milliseconds(o.timeout_ms));
+    if (!st.ok()) die(st);
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  tp->shutdown();
+  std::cout << "OK raw partitions=" << a.partitions.size() << " bytes=" << bytes
+            << " seconds=" << secs << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
   try {
     ClusterConfig cluster = load_cluster_config(o.cluster);
+    if (!o.raw_echo.empty()) return raw_echo(o, cluster);
     transport::TransportConfig tc = cluster.transport;
     tc.node_id = o.node;
     tc.listen = {};
@@ -153,6 +228,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<float>> data(parts.size());
     for (size_t i = 0; i < parts.size(); ++i) data[i].resize(parts[i].count);
 
+    wait_start(o);
     uint64_t bytes = 0;
     auto t0 = std::chrono::steady_clock::now();
     for (uint64_t it = o.start; it < o.start + o.iterations; ++it) {

@@ -59,6 +59,12 @@ class ServerTest : public ::testing::Test {
   }
   void TearDown() override {
     workers_.clear();
+    if (server1_) {
+      server1_->kill(SIGTERM);
+      EXPECT_TRUE(server1_->wait(10s)) << "server 1 did not exit on SIGTERM";
+      EXPECT_EQ(server1_->exit_code(), 0) << server1_->err();
+      server1_.reset();
+    }
     if (server_) {
       server_->kill(SIGTERM);
       bool exited = server_->wait(10s);
@@ -76,40 +82,65 @@ class ServerTest : public ::testing::Test {
     std::ofstream(dir_ + "/" + name) << text;
   }
 
-  std::string cluster_yaml(const std::string& address, int admission_ms) {
+  std::string cluster_yaml(const std::vector<std::string>& addresses, int admission_ms) {
+    std::string servers;
+    for (size_t i = 0; i < addresses.size(); ++i)
+      servers += "    - {id: " + std::to_string(i) + ", address: \"" + addresses[i] + "\"}\n";
     return "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: " +
-           std::to_string(kPartitionBytes) + "\n  servers:\n    - {id: 0, address: \"" + address +
-           "\"}\n  daemons:\n    - {id: 100, address: \"tcp://127.0.0.1:9\"}\n"
+           std::to_string(kPartitionBytes) + "\n  servers:\n" + servers +
+           "  daemons:\n    - {id: 100, address: \"tcp://127.0.0.1:9\"}\n"
            "  timeouts: {admission_ms: " +
            std::to_string(admission_ms) +
            ", request_ms: 10000, setup_ms: 5000}\n"
            "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n";
   }
 
-  // Starts the server on an ephemeral port and writes cluster.yaml for clients.
-  void start_server(int admission_ms = 5000, const std::string& extra = "") {
-    write("server-cluster.yaml", cluster_yaml("tcp://127.0.0.1:0", admission_ms));
-    write("server.yaml",
-          "version: 1\nserver: {node_id: 0, cluster_file: server-cluster.yaml, engine_threads: 2" +
-              extra +
-              "}\ntransport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1, "
-              "handler_threads: 2}\nlogging: {levels: info}\n");
-    std::string ready = dir_ + "/ready";
-    server_ = std::make_unique<testing_proc>(
+  std::unique_ptr<testing_proc> launch_server(int id, const std::string& cluster_file,
+                                              const std::string& ready) {
+    std::string cfg = "server" + std::to_string(id) + ".yaml";
+    write(cfg, "version: 1\nserver: {node_id: " + std::to_string(id) + ", cluster_file: " +
+                   cluster_file +
+                   ", engine_threads: 2}\ntransport: {heartbeat_interval_ms: 100, "
+                   "peer_timeout_ms: 1000, io_threads: 1, handler_threads: 2}\n"
+                   "logging: {levels: info}\n");
+    return std::make_unique<testing_proc>(
         std::vector<std::string>{td::self_dir() + "/../../server/bytecomp-server", "--config",
-                                 dir_ + "/server.yaml", "--ready-file", ready},
-        dir_ + "/server.out", dir_ + "/server.err",
+                                 dir_ + "/" + cfg, "--ready-file", ready},
+        dir_ + "/server" + std::to_string(id) + ".out", dir_ + "/server" + std::to_string(id) + ".err",
         std::vector<std::string>{"BYTECOMP_LOG=warn,server=info,coordinator=info"});
+  }
+
+  std::string wait_ready(testing_proc& p, const std::string& ready) {
     auto until = std::chrono::steady_clock::now() + 15s;
     while (!std::filesystem::exists(ready)) {
-      ASSERT_TRUE(server_->running()) << server_->err();
-      ASSERT_LT(std::chrono::steady_clock::now(), until) << "server did not get ready";
+      if (!p.running() || std::chrono::steady_clock::now() > until) {
+        ADD_FAILURE() << "server did not get ready: " << p.err();
+        return {};
+      }
       std::this_thread::sleep_for(10ms);
     }
     std::string addr = td::read_file(ready);
     addr.erase(addr.find_last_not_of("\n") + 1);
-    address_ = addr;
-    write("cluster.yaml", cluster_yaml(addr, admission_ms));
+    return addr;
+  }
+
+  // Starts the coordinator (server 0) on an ephemeral port, and with
+  // `servers` == 2 a second server that registers with it; writes
+  // cluster.yaml for the clients (only the coordinator's address is real:
+  // clients learn the others at admission).
+  void start_server(int admission_ms = 5000, int servers = 1) {
+    std::vector<std::string> any(static_cast<size_t>(servers), "tcp://127.0.0.1:0");
+    write("server-cluster.yaml", cluster_yaml(any, admission_ms));
+    server_ = launch_server(0, "server-cluster.yaml", dir_ + "/ready0");
+    address_ = wait_ready(*server_, dir_ + "/ready0");
+    ASSERT_FALSE(address_.empty());
+    any[0] = address_;
+    write("cluster.yaml", cluster_yaml(any, admission_ms));
+    if (servers == 2) {
+      server1_ = launch_server(1, "cluster.yaml", dir_ + "/ready1");
+      address1_ = wait_ready(*server1_, dir_ + "/ready1");
+      ASSERT_FALSE(address1_.empty());
+    }
     cluster_ = load_cluster_config(dir_ + "/cluster.yaml");
   }
 
@@ -128,9 +159,13 @@ class ServerTest : public ::testing::Test {
     return PsClient::create(cluster_, tc);
   }
 
-  ServerStats stats() {
-    auto c = client(199);
-    return c->stats(0);
+  ServerStats stats(NodeId server = 0) {
+    ClusterConfig known = cluster_;
+    if (server1_) known.servers.at(1).address = address1_;  // a real address to reach it
+    transport::TransportConfig tc = known.transport;
+    tc.node_id = 199;
+    tc.listen = {};
+    return PsClient::create(known, tc)->stats(server);
   }
 
   // Polls until the server holds no job (memory released).
@@ -146,9 +181,9 @@ class ServerTest : public ::testing::Test {
   }
 
   std::string dir_;
-  std::string address_;
+  std::string address_, address1_;
   ClusterConfig cluster_;
-  std::unique_ptr<testing_proc> server_;
+  std::unique_ptr<testing_proc> server_, server1_;
   bool server_killed_ = false;
   std::vector<std::unique_ptr<testing_proc>> workers_;
 };
@@ -231,6 +266,29 @@ TEST_F(ServerTest, DeterministicSumsAreExactOverManyIterations) {
                    3, 3, iters, /*exact=*/true);
   expect_released();
   EXPECT_GE(stats().rounds_completed, iters * 8);
+}
+
+TEST_F(ServerTest, TwoServersShareTheJobAndSumsStayExact) {
+  start_server(5000, /*servers=*/2);
+  const std::string tensors = "emb:70000,fc:20000,bias:7";
+  const std::vector<NodeId> nodes = {100, 101};
+  for (size_t r = 0; r < nodes.size(); ++r)
+    worker("w" + std::to_string(r),
+           {"--node", std::to_string(nodes[r]), "--job", "two", "--nodes", nodes_arg(nodes),
+            "--tensors", tensors, "--deterministic", "--iterations", "6", "--seed", "8", "--dump",
+            dir_ + "/w" + std::to_string(r) + ".bin", "--leave"});
+  for (auto& w : workers_) {
+    ASSERT_TRUE(w->wait(60s)) << w->out() << w->err();
+    ASSERT_EQ(w->exit_code(), 0) << w->out() << w->err();
+  }
+  for (size_t r = 0; r < nodes.size(); ++r)
+    check_raw_dump(read_dump(dir_ + "/w" + std::to_string(r) + ".bin"), parse_tensors(tensors), 8,
+                   2, 0, 6, /*exact=*/true);
+  // 8 partitions balanced by bytes: both servers summed rounds.
+  EXPECT_GT(stats(0).rounds_completed, 0u);
+  EXPECT_GT(stats(1).rounds_completed, 0u);
+  expect_released();
+  EXPECT_NE(server1_->err().find("registered with coordinator 0"), std::string::npos) << server1_->err();
 }
 
 TEST_F(ServerTest, ArrivalOrderSumsMatchReferenceWithinRounding) {
@@ -427,6 +485,7 @@ TEST_F(ServerTest, RefusesBadPushesAndPullsNamingWhatWasWrong) {
   // A pull that arrives early waits for the round.
   auto early = std::async(std::launch::async, [&] { return pull(*ja, key, 0); });
   EXPECT_EQ(early.wait_for(300ms), std::future_status::timeout);
+  expect_refused(pull(*ja, key, 0).first, "duplicate pull from node 100");
   ASSERT_TRUE(push(*jb, key, 0, 1000, 2.0f).ok());
   auto [st, res] = early.get();
   ASSERT_TRUE(st.ok()) << st.to_string();
@@ -702,6 +761,26 @@ TEST_F(ServerTest, ServerKilledWorkersGetAnErrorNotAHang) {
   EXPECT_EQ(workers_[0]->exit_code(), 3) << workers_[0]->out();
   EXPECT_NE(workers_[0]->out().find("ERROR peer lost"), std::string::npos) << workers_[0]->out();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+}
+
+TEST_F(ServerTest, SecondServerKilledAbortsTheJobAndReleasesTheCoordinatorsShare) {
+  start_server(5000, /*servers=*/2);
+  const std::vector<NodeId> nodes = {100, 101};
+  worker("w0", {"--node", "100", "--job", "half", "--nodes", nodes_arg(nodes), "--tensors",
+                "a:40000,b:40000", "--iterations", "50", "--timeout-ms", "30000"});
+  worker("w1", {"--node", "101", "--job", "half", "--nodes", nodes_arg(nodes), "--tensors",
+                "a:40000,b:40000", "--iterations", "50", "--timeout-ms", "30000", "--pause-at",
+                "2:0"});
+  ASSERT_TRUE(workers_[1]->wait_for_output("PAUSED", 30s)) << workers_[1]->err();
+  EXPECT_EQ(stats(0).jobs, 1u);
+  auto t0 = std::chrono::steady_clock::now();
+  server1_->kill(SIGKILL);
+  server1_.reset();
+  ASSERT_TRUE(workers_[0]->wait(10s)) << "worker hangs after server 1 died";
+  EXPECT_EQ(workers_[0]->exit_code(), 3) << workers_[0]->out();
+  EXPECT_NE(workers_[0]->out().find("server 1 lost"), std::string::npos) << workers_[0]->out();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  expect_released();  // the coordinator dropped the job and its memory too
 }
 
 TEST_F(ServerTest, SigtermShutsDownCleanlyWithAJobRunning) {
