@@ -37,7 +37,6 @@ import atexit
 import ctypes
 import pickle
 import struct
-import sys
 import threading
 import zlib
 
@@ -213,7 +212,6 @@ class _Context:
 
 _ctx = None
 _ctx_lock = threading.Lock()
-_exit_failed = False
 _hooks_installed = []
 
 
@@ -222,14 +220,6 @@ def _ctx_or_raise(call):
     if c is None:
         raise NotInitializedError("bytecomp.torch.%s() called before bytecomp.torch.init()" % call)
     return c
-
-
-def _record_failure_excepthook(prev):
-    def hook(tp, value, tb):
-        global _exit_failed
-        _exit_failed = True
-        prev(tp, value, tb)
-    return hook
 
 
 def init():
@@ -245,8 +235,7 @@ def init():
         _ctx = _Context(settings)
         if not _hooks_installed:
             _hooks_installed.append(True)
-            sys.excepthook = _record_failure_excepthook(sys.excepthook)
-            atexit.register(_atexit)
+            atexit.register(shutdown)
 
 
 def is_initialized():
@@ -277,18 +266,15 @@ def num_nodes():
     return _ctx_or_raise("num_nodes").settings.num_nodes
 
 
-def _atexit():
-    # After an uncaught exception, leave at once so the other processes see
-    # this one's end (their waits fail) instead of waiting in a barrier.
-    shutdown(barrier=not _exit_failed)
-
-
-def shutdown(barrier=True):
-    """Leaves every job of this process. With barrier=True first waits (within
-    BYTECOMP_TIMEOUT_MS) until every process has reached shutdown, so no
-    process's exit aborts a peer that is still finishing its last step.
+def shutdown(barrier=False):
+    """Leaves every job of this process; called automatically at exit.
     Gradients are copied out of shared memory first, so param.grad stays
-    usable. Called automatically at exit."""
+    usable. A process that has waited for everything it pushed (step()
+    does) leaves without disturbing peers still reading their last results
+    (the daemon's clean close), so no exit barrier is needed; barrier=True
+    still waits (within BYTECOMP_TIMEOUT_MS) until every process called
+    shutdown. A process leaving with a sum still in flight, or while peers
+    wait for its part, aborts the job for them (they raise at once)."""
     global _ctx
     with _ctx_lock:
         c = _ctx
@@ -644,7 +630,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 _strategy.check(self._bc_strategy,
                                 [(n, p.numel() * _ELEMENT_BYTES[p.dtype])
                                  for n, p in self._bc_params])
-                _strategy.apply(self._bc_strategy, s.strategy)
+                _strategy.apply(self._bc_strategy, client, s.strategy)
             client.start(s.start_timeout_ms)
             self._bc_slots = []
             for tid, (name, p) in zip(ids, self._bc_params):
