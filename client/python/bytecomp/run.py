@@ -4,15 +4,19 @@
     bytecomp-run --nodes 2 --nproc-per-node 2 train.py --epochs 3
 
 Starts, in a private temporary directory:
-  - parameter servers (bytecomp-server) when the cluster has more than one
-    node (inter-node path; see `_cluster_supported`),
+  - for more than one node, --servers parameter servers (bytecomp-server,
+    default 1) on ephemeral loopback ports, server 0 coordinating, and the
+    cluster file naming them,
   - one bytecompd per emulated node, each with its own control socket and
-    shared-memory namespace, running the --strategy file if given,
+    shared-memory namespace, running the --strategy file if given, and for
+    more than one node the `internode` section (cluster file, node id
+    100 + node rank, the nodes in rank order),
   - N training processes per node running COMMAND (a *.py first argument
     runs under this Python), with RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, GROUP_RANK and BYTECOMP_* set (bytecomp.env).
 Every process started carries BYTECOMP_RUN_ID=<job id> in its environment.
-Every output line is forwarded with a prefix ("[rank 3] ", "[daemon 1] ").
+Every output line is forwarded with a prefix ("[rank 3] ", "[daemon 1] ",
+"[server 0] ").
 The first process to fail decides the exit status; the others get
 --grace seconds to notice (their bytecomp calls raise) and are then
 terminated. Every process started is stopped and every shared-memory

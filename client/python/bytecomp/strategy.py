@@ -10,8 +10,9 @@ the training script naming the file, and hands it to the daemons as the
 job's own strategy (`apply`: bytecomp_set_strategy, libbytecomp ABI 1.1).
 
 Tensor names starting with "bytecomp." belong to bytecomp.torch's control
-job (a float64 scratch tensor for broadcasts): a strategy must leave them
-uncompressed (the daemon refuses to compress float64 tensors).
+job (a scratch tensor for broadcasts: float64 on one node, float32 across
+nodes): a strategy must leave them uncompressed (the daemon refuses to
+compress float64; across nodes init()'s exactness check fails).
 """
 
 import os
