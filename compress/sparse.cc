@@ -170,10 +170,22 @@ class RandomK final : public Base {
     Info in = check(p);
     size_t n = p.count;
     const std::byte* vp = p.payload.data();
-    if (mode == Mode::kSet)
-      for_chunks(pool, n, [&](size_t, size_t b, size_t e) {
-        std::memset(out + b, 0, (e - b) * sizeof(float));
+    if (mode == Mode::kSet) {
+      // Zero each block and drop in its picks while it is in cache: one pass.
+      for_chunks(pool, n, [&](size_t, size_t cb, size_t ce) {
+        for (size_t b = cb; b < ce; b += kSub) {
+          size_t e = std::min(ce, b + kSub);
+          std::memset(out + b, 0, (e - b) * sizeof(float));
+          uint64_t i = static_cast<uint64_t>(static_cast<u128>(b) * in.k / n);
+          i = i > 0 ? i - 1 : 0;
+          for (; i < in.k && lo(i, n, in.k) < e; ++i) {
+            uint64_t j = index(in.seed, i, n, in.k);
+            if (j >= b && j < e) out[j] = load<float>(vp + 4 * i);
+          }
+        }
       });
+      return;
+    }
     float sign = mode == Mode::kSub ? -1.0f : 1.0f;
     for_chunks(pool, in.k, [&](size_t, size_t b, size_t e) {
       for (size_t i = b; i < e; ++i) out[index(in.seed, i, n, in.k)] += sign * load<float>(vp + 4 * i);
