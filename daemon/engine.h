@@ -79,7 +79,7 @@ class Engine {
   Engine(std::string job_name, void* segment, const ipc::Layout& layout,
          std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans, uint32_t node_rank,
          ThreadPool& pool, const Tunables& tunables, FailureFn on_failure,
-         JoinFn join = nullptr, std::shared_ptr<const void> keep_mapped = nullptr);
+         JoinFn join = nullptr);
   ~Engine();  // stops and joins
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -163,9 +163,6 @@ class Engine {
   std::atomic<int64_t> switch_published_{-1};
   Scheduler sched_;
   JoinFn join_;
-  // Keeps the segment mapped while the transport sends from it (zero-copy
-  // pushes hold a copy until sent).
-  std::shared_ptr<const void> keep_mapped_;
   std::shared_ptr<server::PsJob> ps_;
   std::shared_ptr<Inbox> inbox_;
   std::vector<std::vector<PsPart>> ps_parts_;

@@ -539,8 +539,22 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
         bi::mapped_region region(shm, bi::read_write);
         c->region.swap(region);
       } catch (const bi::interprocess_exception& e) {
-        fail(BYTECOMP_ERR_UNAVAILABLE, "cannot map job shared memory '" + ready.segment_name +
-                                           "': " + e.what());
+        // The job may have been aborted right after READY (e.g. another node
+        // refused it): the daemon sends ABORT before it removes the segment,
+        // so the reason is already waiting on the socket.
+        const std::string why = e.what();
+        std::optional<ipc::Decoded> abort;
+        try {
+          abort = c->recv_msg(std::chrono::milliseconds(200));
+        } catch (const std::exception&) {
+        }
+        if (abort && (abort->type == ipc::MsgType::kAbort || abort->type == ipc::MsgType::kError)) {
+          const auto& m = std::get<ipc::ErrorMsg>(abort->msg);
+          fail(from_code(static_cast<ErrorCode>(m.code)),
+               "job '" + c->job_id + "' was aborted by bytecompd as it started: " + m.message);
+        }
+        fail(BYTECOMP_ERR_UNAVAILABLE,
+             "cannot map job shared memory '" + ready.segment_name + "': " + why);
       }
       c->header = ipc::check_segment(c->region.get_address(), c->region.get_size(), c->layout);
       auto* base = static_cast<char*>(c->region.get_address());
