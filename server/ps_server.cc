@@ -786,6 +786,19 @@ void Coordinator::on_barrier(Incoming in) {
 
 void Coordinator::on_leave(Incoming in) {
   uint32_t uid = in.message.header.aux;
+  if (in.message.header.flags & proto::kLeaveAbort) {
+    std::string reason = node_name(in.from) + " aborted the job: " + proto::joined(in.message);
+    bool known;
+    {
+      std::lock_guard lk(mu_);
+      known = running_.count(uid) != 0;
+    }
+    srv_.reply(in, known ? proto::ok_reply()
+                         : proto::error_reply(ErrorCode::kInvalidArgument,
+                                              "abort: unknown job uid " + std::to_string(uid)));
+    if (known) abort_running(uid, reason);
+    return;
+  }
   std::vector<Incoming> done;
   bool all_left = false;
   std::string name;
