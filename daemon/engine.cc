@@ -102,10 +102,19 @@ void Engine::stop() {
   // Late PS callbacks must not touch the segment once it is unmapped.
   inbox_->close();
   if (ps_) {
-    // Tells the coordinator (so the other nodes learn at once when this
-    // node stops early) and fails what is still pending.
-    const Status s = ps_->leave(std::chrono::milliseconds(2000));
-    if (!s.ok()) BC_LOG(LogEngine(), kDebug) << "job " << job_ << ": leave: " << s.to_string();
+    // Tells the coordinator and fails what is still pending. An aborted job
+    // is aborted for every node at once (a job the coordinator already
+    // aborted is unknown to it by now: that refusal is harmless).
+    std::string reason;
+    {
+      std::lock_guard lock(abort_mu_);
+      reason = abort_reason_;
+    }
+    const Status s = reason.empty() ? ps_->leave(std::chrono::milliseconds(2000))
+                                    : ps_->abort(reason, std::chrono::milliseconds(2000));
+    if (!s.ok())
+      BC_LOG(LogEngine(), kDebug) << "job " << job_ << (reason.empty() ? ": leave: " : ": abort: ")
+                                  << s.to_string();
     ps_.reset();
   }
 }
@@ -201,6 +210,7 @@ void Engine::rank_left(uint32_t rank) {
 
 void Engine::publish_abort(ErrorCode code, const std::string& reason) {
   std::lock_guard lock(abort_mu_);
+  if (abort_reason_.empty()) abort_reason_ = reason.empty() ? "aborted" : reason;
   ipc::publish_abort(header_, code, reason, clients_, layout_.local_size);
 }
 

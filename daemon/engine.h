@@ -170,6 +170,7 @@ class Engine {
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   std::mutex abort_mu_;  // serialises publish_abort between the two threads
+  std::string abort_reason_;  // first published abort (guarded by abort_mu_)
   std::thread thread_;
 };
 

@@ -137,6 +137,26 @@ TEST_F(TwoNodes, KilledDaemonAbortsTheOtherNode) {
   nodes_[1]->drop_daemon();
 }
 
+// A training process dying on one node aborts the job on the other node at
+// once, through the coordinator, well before the cluster's 10 s request
+// deadline would end the other node's waits.
+TEST_F(TwoNodes, KilledClientAbortsTheOtherNodeAtOnce) {
+  start(1);
+  auto w = workers("kc2", 1000000, "f32:1000");
+  for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
+  const auto t0 = std::chrono::steady_clock::now();
+  w[3]->signal(SIGKILL);  // node 1, local rank 1
+  for (size_t i = 0; i < 3; ++i) {
+    auto st = w[i]->wait(10s);
+    ASSERT_TRUE(st.has_value()) << w[i]->output();
+    EXPECT_EQ(*st, 16) << w[i]->output();  // BYTECOMP_ERR_ABORTED
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 4s) << "node 0 learnt of the death late";
+  EXPECT_NE(w[0]->output().find("aborted the job"), std::string::npos) << w[0]->output();
+  (void)w[3]->wait(5s);
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}
+
 #include <bytecomp/bytecomp.h>
 
 #include <cmath>
