@@ -128,6 +128,26 @@ TEST(Simulator, GpuCompressionDelaysBackward) {
   EXPECT_NEAR(find_event(tl, "a", "decompress")->start_us, 130.125, 1e-9);
 }
 
+TEST(Simulator, PsCollectivesPayOneLatencyPerStep) {
+  // 4 machines of 1 GPU, 1000 bytes/us, 10 us latency, one tensor of 4000
+  // bytes ready at 0. The runtime's reduce-scatter/allgather is a PS push and
+  // pull (DESIGN.md section 3): all shards go at once, one latency each:
+  // 2 x (10 + 3/4 x 4) = 26. A peer ring allreduce pays M-1 latencies per
+  // half: 2 x 3 x 10 + 2 x 3/4 x 4 = 66.
+  Cluster c = Cluster::parse("version: 1\nname: four\nmachines: 4\ngpus_per_machine: 1\n"
+                             "inter: {gbps: 8, latency_us: 10}\nintra: {gbps: 8, latency_us: 10}\n"
+                             "cpu_cores: 1\n", "four.yaml");
+  Profile one = Profile::parse(
+      "version: 1\nmodel: one\nforward_us: 0\ntensors:\n  - {name: a, elements: 1000, gap_us: 0}\n",
+      "one.yaml");
+  Problem p(one, c, tiny_costs(), CompressorSpec::parse("onebit"));
+  Evaluator ev(p);
+  EXPECT_DOUBLE_EQ(ev.evaluate({index_of(p, fp32())}), 26.0);
+  Option ring = fp32();
+  ring.inter = Collective::kAllreduce;
+  EXPECT_DOUBLE_EQ(ev.evaluate({index_of(p, ring)}), 66.0);
+}
+
 TEST(Simulator, GpuDecodesTheGatheredPiecesInOneKernel) {
   // The paper's V100 table gives one decode cost for the whole "compress
   // inter-node only" option, which decodes all gathered pieces: the fixed
