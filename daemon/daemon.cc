@@ -43,6 +43,7 @@ struct Daemon::Conn {
   Clock::time_point accepted_at = Clock::now();
   std::vector<ipc::Declare> decls;
   uint64_t declared_bytes = 0;
+  std::optional<ipc::StrategyMsg> strategy;  // bytecomp_set_strategy
   std::string who() const {
     return "local rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
   }
@@ -58,6 +59,11 @@ struct Daemon::Job {
   uint32_t num_nodes = 0;
   std::vector<Conn*> members;  // by local rank
   std::vector<ipc::Declare> reference;
+  // The job's own strategy (every local rank passed the same text), null:
+  // the daemon's default; reference_rank is the rank that started first.
+  std::optional<ipc::StrategyMsg> strategy;
+  std::shared_ptr<const planner::Strategy> own_strategy;
+  uint32_t reference_rank = 0;
   uint32_t started = 0;
   Clock::time_point setup_deadline;
   std::unique_ptr<Segment> segment;
@@ -367,6 +373,14 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
       c.decls.push_back(std::move(m));
       return;
     }
+    case ipc::MsgType::kStrategy: {
+      if (c.state != S::kJoined) {
+        return reject(c, ErrorCode::kMalformed, "STRATEGY outside the declaration phase");
+      }
+      if (c.strategy) return reject(c, ErrorCode::kMalformed, "STRATEGY sent twice");
+      c.strategy = std::move(std::get<ipc::StrategyMsg>(d.msg));
+      return;
+    }
     case ipc::MsgType::kStart: {
       if (c.state != S::kJoined) return reject(c, ErrorCode::kMalformed, "START sent twice or before HELLO");
       const auto& m = std::get<ipc::Start>(d.msg);
@@ -378,7 +392,24 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
       }
       if (j.reference.empty()) {
         j.reference = c.decls;
+        j.strategy = c.strategy;
+        j.reference_rank = c.rank;
       } else {
+        auto describe_strategy = [](const std::optional<ipc::StrategyMsg>& s) {
+          return s ? "the strategy '" + s->source + "' (" + std::to_string(s->text.size()) +
+                         " bytes)"
+                   : std::string("no strategy (the daemon's default)");
+        };
+        if (j.strategy.has_value() != c.strategy.has_value() ||
+            (j.strategy && j.strategy->text != c.strategy->text)) {
+          abort_job(j, ErrorCode::kInvalidArgument,
+                    "local ranks disagree on the job's strategy: local rank " +
+                        std::to_string(c.rank) + " set " + describe_strategy(c.strategy) +
+                        ", local rank " + std::to_string(j.reference_rank) + " set " +
+                        describe_strategy(j.strategy) +
+                        " (every local rank must pass the same text to bytecomp_set_strategy)");
+          return;
+        }
         std::string diff;
         if (j.reference.size() != c.decls.size()) {
           diff = std::to_string(c.decls.size()) + " tensors declared, another rank declared " +
@@ -424,6 +455,23 @@ std::shared_ptr<const planner::Strategy> Daemon::load_strategy() const {
 
 void Daemon::maybe_start(Job& j) {
   if (j.started != j.local_size) return;
+  if (j.strategy) {
+    try {
+      j.own_strategy = std::make_shared<const planner::Strategy>(
+          planner::Strategy::parse(j.strategy->text, j.strategy->source));
+    } catch (const Error& e) {
+      abort_job(j, ErrorCode::kInvalidArgument,
+                "cannot start the job: the job's strategy '" + j.strategy->source +
+                    "' is invalid: " + e.what());
+      return;
+    }
+  }
+  // The job's own strategy overrides the daemon's default for this job only.
+  const std::shared_ptr<const planner::Strategy> strategy =
+      j.own_strategy ? j.own_strategy : strategy_;
+  const std::string strategy_source =
+      j.own_strategy ? j.strategy->source : config_.strategy_file;
+  const std::string strategy_text = j.own_strategy ? j.strategy->text : strategy_text_;
   Engine::JoinFn join;
   if (j.num_nodes > 1) {
     std::string problem;
@@ -448,7 +496,7 @@ void Daemon::maybe_start(Job& j) {
       }
       spec.tensors.push_back({d.name, d.count, compress::DType::kFloat32});
     }
-    if (strategy_) spec.strategy_yaml = strategy_text_;
+    if (strategy) spec.strategy_yaml = strategy_text;
     if (problem.empty()) {
       try {
         for (const auto& plan : server::plan_job(spec.tensors, spec.strategy_yaml)) {
@@ -496,10 +544,10 @@ void Daemon::maybe_start(Job& j) {
     Job* jp = &j;
     const int wake = wake_fd_;
     // Multi-node jobs follow the coordinator's plans (ps_->plan_at).
-    std::vector<TensorPlan> plans = strategy_ && !join
-                                        ? make_plans(*strategy_, config_.strategy_file, specs)
+    std::vector<TensorPlan> plans = strategy && !join
+                                        ? make_plans(*strategy, strategy_source, specs)
                                         : uncompressed_plans(specs.size());
-    if (strategy_ && join) (void)make_plans(*strategy_, config_.strategy_file, specs);
+    if (strategy && join) (void)make_plans(*strategy, strategy_source, specs);
     j.segment = std::make_unique<Segment>(name, layout.total_bytes, j.uid, j.gid);
     j.engine = std::make_unique<Engine>(
         j.id, j.segment->data(), layout, std::move(specs), std::move(plans), j.node_rank, pool_,
@@ -654,7 +702,8 @@ void Daemon::reload() {
     strategy_ = strategy;
     strategy_text_ = strategy_ ? read_text(config_.strategy_file) : std::string();
     for (auto& [key, j] : jobs_) {
-      if (!j->engine) continue;
+      // A job that brought its own strategy keeps it.
+      if (!j->engine || j->own_strategy) continue;
       if (j->num_nodes > 1) {
         // One node asks the coordinator, which announces the change to
         // every node and server for the same iteration.

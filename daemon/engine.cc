@@ -331,6 +331,18 @@ bool Engine::check_left() {
   for (uint32_t r = 0; r < layout_.local_size; ++r) {
     if (!left_[r].load()) continue;
     for (size_t t = 0; t < rounds_.size(); ++t) {
+      // Closing with its own push_pull unfinished: the caller abandoned work
+      // the others share (its buffer would be summed after it let go of it).
+      if (rounds_[t].from[r]) {
+        fail(ErrorCode::kAborted, "local rank " + std::to_string(r) +
+                                      " closed the job with its push_pull of tensor '" +
+                                      tensors_[t].name + "' (iteration " +
+                                      std::to_string(rounds_[t].iteration) + ") still in flight");
+        return false;
+      }
+      // A rank that finished everything it pushed leaves quietly: the others
+      // keep reading their results, and only a round still waiting for it
+      // can never finish.
       if (rounds_[t].arrived > 0 && !rounds_[t].running && !rounds_[t].from[r]) {
         fail(ErrorCode::kAborted, "local rank " + std::to_string(r) +
                                       " closed the job while tensor '" + tensors_[t].name +

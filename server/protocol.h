@@ -27,12 +27,17 @@ namespace bytecomp::server::proto {
 
 inline constexpr uint16_t kVersion = 1;
 
+// Header flag of kLeave: this node's part failed (e.g. a local client died);
+// the coordinator aborts the job for every party instead of waiting for the
+// others to time out.
+inline constexpr uint16_t kLeaveAbort = 0x1;
+
 enum MsgType : uint16_t {
   // node -> coordinator
   kRegister = 0x5101,     // req: JobSpec + rank; reply (deferred): Admission
   kBarrier = 0x5102,      // req: aux=uid, arg=seq; reply when all arrived
   kSetStrategy = 0x5103,  // req: aux=uid, arg=iteration, payload: yaml
-  kLeave = 0x5104,        // req: aux=uid
+  kLeave = 0x5104,        // req: aux=uid; flags=kLeaveAbort + payload reason: abort the job
   // server -> coordinator
   kServerHello = 0x5110,  // req: ServerInfo
   kAbortRequest = 0x5111, // one-way: aux=uid, payload: reason (a server saw a node die)

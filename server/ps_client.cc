@@ -138,7 +138,12 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     return failed_;
   }
 
-  Status leave(Millis timeout) override {
+  Status leave(Millis timeout) override { return leave_or_abort(nullptr, timeout); }
+  Status abort(const std::string& reason, Millis timeout) override {
+    return leave_or_abort(&reason, timeout);
+  }
+
+  Status leave_or_abort(const std::string* abort_reason, Millis timeout) {
     {
       std::lock_guard lk(mu_);
       if (closed_) return Status::Ok();
@@ -152,9 +157,21 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
       Message m;
       m.header.type = proto::kLeave;
       m.header.aux = info_.uid;
+      if (abort_reason) {
+        m.header.flags = proto::kLeaveAbort;
+        m.payloads.push_back(transport::Buffer::copy_of(*abort_reason));
+      }
       st = to_status(core_->tp->call(core_->cluster.coordinator, std::move(m), timeout));
     }
-    close(Status(ErrorCode::kUnavailable, "job '" + info_.name + "' left"), false);
+    if (abort_reason) {
+      // status() tells the reason; no failure callbacks: this node asked for it.
+      std::lock_guard lk(mu_);
+      if (failed_.ok())
+        failed_ = Status(ErrorCode::kAborted, "job '" + info_.name + "' aborted here: " + *abort_reason);
+    }
+    close(abort_reason ? Status(ErrorCode::kAborted, "job '" + info_.name + "' aborted here: " + *abort_reason)
+                       : Status(ErrorCode::kUnavailable, "job '" + info_.name + "' left"),
+          false);
     {
       std::lock_guard lk(core_->mu);
       core_->jobs.erase(info_.uid);

@@ -177,6 +177,12 @@ class PsJob {
   // `timeout`.
   virtual Status leave(Millis timeout = Millis{5000}) = 0;
 
+  // This node's part of the job failed (e.g. one of its training processes
+  // died): the coordinator aborts the job at once for every node and server,
+  // so the others get kAborted carrying `reason` instead of waiting for a
+  // timeout. Closes the handle like leave(). Blocks at most `timeout`.
+  virtual Status abort(const std::string& reason, Millis timeout = Millis{2000}) = 0;
+
  protected:
   PsJob() = default;
 };

@@ -460,6 +460,11 @@ std::string spec_difference(const std::string& job, const JobSpec& a, const std:
   if (a.nodes != b.nodes) return head + "the node list differs on " + bn + " from " + an;
   if (a.deterministic != b.deterministic)
     return head + "'deterministic' differs on " + bn + " from " + an;
+  // One strategy for the whole job: a node with another text would run
+  // other plans than the coordinator distributes.
+  if (a.strategy_yaml != b.strategy_yaml)
+    return head + "the strategy differs on " + bn + " from " + an +
+           " (every node must run the job with the same strategy text)";
   if (a.start_iteration != b.start_iteration)
     return head + "start_iteration " + std::to_string(b.start_iteration) + " on " + bn +
            " differs from " + std::to_string(a.start_iteration) + " on " + an;
@@ -781,6 +786,19 @@ void Coordinator::on_barrier(Incoming in) {
 
 void Coordinator::on_leave(Incoming in) {
   uint32_t uid = in.message.header.aux;
+  if (in.message.header.flags & proto::kLeaveAbort) {
+    std::string reason = node_name(in.from) + " aborted the job: " + proto::joined(in.message);
+    bool known;
+    {
+      std::lock_guard lk(mu_);
+      known = running_.count(uid) != 0;
+    }
+    srv_.reply(in, known ? proto::ok_reply()
+                         : proto::error_reply(ErrorCode::kInvalidArgument,
+                                              "abort: unknown job uid " + std::to_string(uid)));
+    if (known) abort_running(uid, reason);
+    return;
+  }
   std::vector<Incoming> done;
   bool all_left = false;
   std::string name;

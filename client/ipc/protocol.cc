@@ -1,5 +1,6 @@
 #include "client/ipc/protocol.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace bytecomp::ipc {
@@ -21,6 +22,7 @@ class Writer {
     u16(static_cast<uint16_t>(s.size()));
     buf_.insert(buf_.end(), s.begin(), s.end());
   }
+  void raw(std::string_view s) { buf_.insert(buf_.end(), s.begin(), s.end()); }
   std::vector<uint8_t> finish() {
     const size_t payload = buf_.size() - kHeaderBytes;
     if (buf_.size() > kMaxMessageBytes) {
@@ -74,6 +76,12 @@ class Reader {
     at_ += n;
     return s;
   }
+  std::string raw(const char* field, size_t n) {
+    need(n, field);
+    std::string s(reinterpret_cast<const char*>(b_.data() + at_), n);
+    at_ += n;
+    return s;
+  }
   void end() {
     if (at_ != b_.size()) {
       fail(std::to_string(b_.size() - at_) + " unexpected trailing bytes");
@@ -105,6 +113,7 @@ const char* type_name(uint16_t t) {
     case MsgType::kError: return "ERROR";
     case MsgType::kAbort: return "ABORT";
     case MsgType::kBye: return "BYE";
+    case MsgType::kStrategy: return "STRATEGY";
   }
   return "unknown";
 }
@@ -189,6 +198,18 @@ std::vector<uint8_t> encode(const ErrorMsg& m, MsgType type) {
   return w.finish();
 }
 std::vector<uint8_t> encode(const Bye&) { return Writer(MsgType::kBye).finish(); }
+std::vector<uint8_t> encode(const StrategyMsg& m) {
+  Writer w(MsgType::kStrategy);
+  w.str(m.source, kMaxSourceNameBytes);
+  w.u32(static_cast<uint32_t>(std::min<size_t>(m.text.size(), UINT32_MAX)));
+  if (m.text.size() > kMaxStrategyBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "strategy text of " + std::to_string(m.text.size()) +
+                    " bytes exceeds the limit of " + std::to_string(kMaxStrategyBytes));
+  }
+  w.raw(m.text);
+  return w.finish();
+}
 
 Decoded decode(std::span<const uint8_t> bytes) {
   Reader h(bytes, "control");
@@ -318,6 +339,19 @@ Decoded decode(std::span<const uint8_t> bytes) {
       r.end();
       d.msg = Bye{};
       break;
+    case MsgType::kStrategy: {
+      StrategyMsg m;
+      m.source = r.str("source", kMaxSourceNameBytes);
+      const uint32_t n = r.u32("text_bytes");
+      if (n == 0 || n > kMaxStrategyBytes) {
+        r.fail("text_bytes " + std::to_string(n) + " not in 1.." +
+               std::to_string(kMaxStrategyBytes));
+      }
+      m.text = r.raw("text", n);
+      r.end();
+      d.msg = std::move(m);
+      break;
+    }
     default:
       r.fail("unknown message type " + std::to_string(type));
   }

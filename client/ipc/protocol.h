@@ -16,6 +16,7 @@
 // Conversation (C: client, D: daemon):
 //   C HELLO        -> D WELCOME | ERROR (then D closes)
 //   C DECLARE x N  (no replies; pipelined)
+//   C STRATEGY     (optional, once, before START: the job's strategy YAML)
 //   C START        -> D READY (once every local rank started) | ERROR
 //   then data moves through shared memory (shm_layout.h); on the socket:
 //   D ABORT        (the job was aborted; D closes afterwards)
@@ -44,6 +45,10 @@ inline constexpr size_t kMaxReasonBytes = 4000;
 inline constexpr uint32_t kMaxLocalSize = 256;
 inline constexpr uint32_t kMaxNodes = 65536;
 inline constexpr uint32_t kMaxTensors = 1u << 20;
+inline constexpr size_t kMaxSourceNameBytes = 1024;
+// What is left of one datagram for a strategy's text.
+inline constexpr size_t kMaxStrategyBytes =
+    kMaxMessageBytes - kHeaderBytes - 2 - kMaxSourceNameBytes - 4;
 
 enum class MsgType : uint16_t {
   kHello = 1,
@@ -54,6 +59,7 @@ enum class MsgType : uint16_t {
   kError = 6,
   kAbort = 7,
   kBye = 8,
+  kStrategy = 9,  // added within version 1: older daemons refuse it by type
 };
 
 // Element types; values equal bytecomp_dtype.
@@ -96,8 +102,14 @@ struct ErrorMsg {  // kError and kAbort
   std::string message;
 };
 struct Bye {};
+// The job's strategy (planner format), overriding the daemon's default for
+// this job. `source` names it in error messages.
+struct StrategyMsg {
+  std::string source;
+  std::string text;
+};
 
-using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye>;
+using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye, StrategyMsg>;
 
 struct Decoded {
   MsgType type;
@@ -114,6 +126,7 @@ std::vector<uint8_t> encode(const Start& m);
 std::vector<uint8_t> encode(const Ready& m);
 std::vector<uint8_t> encode(const ErrorMsg& m, MsgType type = MsgType::kError);
 std::vector<uint8_t> encode(const Bye& m);
+std::vector<uint8_t> encode(const StrategyMsg& m);
 
 // Thrown by decode() when only the header's version differs, so either side
 // can report a version mismatch rather than garbage.

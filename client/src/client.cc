@@ -116,6 +116,7 @@ struct bytecomp_client {
 
   std::vector<TensorInfo> tensors;
   std::unordered_map<std::string, uint32_t> by_name;
+  std::optional<ipc::StrategyMsg> strategy;  // bytecomp_set_strategy, sent at start
 
   std::string segment_name;
   bi::mapped_region region;
@@ -452,6 +453,37 @@ bytecomp_status bytecomp_declare_tensor(bytecomp_client* c, const char* name, ui
   });
 }
 
+bytecomp_status bytecomp_set_strategy(bytecomp_client* c, const char* yaml_text,
+                                      const char* source_name) {
+  return guarded([&] {
+    require_client(c);
+    std::lock_guard lock(c->mu);
+    if (c->phase != bytecomp_client::Phase::kDeclaring) {
+      fail(BYTECOMP_ERR_STATE, "bytecomp_set_strategy after bytecomp_start(): set the job's "
+                               "strategy before starting it");
+    }
+    if (yaml_text == nullptr || *yaml_text == '\0') {
+      fail(BYTECOMP_ERR_INVALID_ARGUMENT, "strategy text is NULL or empty");
+    }
+    ipc::StrategyMsg m;
+    m.source = source_name != nullptr && *source_name != '\0' ? source_name : "<client strategy>";
+    m.text = yaml_text;
+    if (m.source.size() > ipc::kMaxSourceNameBytes) {
+      fail(BYTECOMP_ERR_INVALID_ARGUMENT, "strategy source name of " +
+                                              std::to_string(m.source.size()) +
+                                              " bytes exceeds " +
+                                              std::to_string(ipc::kMaxSourceNameBytes));
+    }
+    if (m.text.size() > ipc::kMaxStrategyBytes) {
+      fail(BYTECOMP_ERR_INVALID_ARGUMENT,
+           "strategy text of " + std::to_string(m.text.size()) + " bytes exceeds the limit of " +
+               std::to_string(ipc::kMaxStrategyBytes) +
+               " (use pattern rules rather than one entry per tensor)");
+    }
+    c->strategy = std::move(m);
+  });
+}
+
 bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
   return guarded([&] {
     require_client(c);
@@ -474,6 +506,7 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
         d.dtype = c->tensors[i].dtype;
         c->send_msg(ipc::encode(d));
       }
+      if (c->strategy) c->send_msg(ipc::encode(*c->strategy));
       c->send_msg(ipc::encode(ipc::Start{static_cast<uint32_t>(c->tensors.size())}));
       const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
       std::optional<ipc::Decoded> reply;
@@ -506,8 +539,22 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
         bi::mapped_region region(shm, bi::read_write);
         c->region.swap(region);
       } catch (const bi::interprocess_exception& e) {
-        fail(BYTECOMP_ERR_UNAVAILABLE, "cannot map job shared memory '" + ready.segment_name +
-                                           "': " + e.what());
+        // The job may have been aborted right after READY (e.g. another node
+        // refused it): the daemon sends ABORT before it removes the segment,
+        // so the reason is already waiting on the socket.
+        const std::string why = e.what();
+        std::optional<ipc::Decoded> abort;
+        try {
+          abort = c->recv_msg(std::chrono::milliseconds(200));
+        } catch (const std::exception&) {
+        }
+        if (abort && (abort->type == ipc::MsgType::kAbort || abort->type == ipc::MsgType::kError)) {
+          const auto& m = std::get<ipc::ErrorMsg>(abort->msg);
+          fail(from_code(static_cast<ErrorCode>(m.code)),
+               "job '" + c->job_id + "' was aborted by bytecompd as it started: " + m.message);
+        }
+        fail(BYTECOMP_ERR_UNAVAILABLE,
+             "cannot map job shared memory '" + ready.segment_name + "': " + why);
       }
       c->header = ipc::check_segment(c->region.get_address(), c->region.get_size(), c->layout);
       auto* base = static_cast<char*>(c->region.get_address());

@@ -217,3 +217,29 @@ TEST(Client, StaticHelpers) {
   EXPECT_STREQ(bytecomp_status_name(1234), "unknown");
   EXPECT_NE(std::string(bytecomp_version_string()).find("protocol 1"), std::string::npos);
 }
+
+TEST(Protocol, StrategyMessageRoundTripsAndIsChecked) {
+  const std::string text = "version: 1\ndefault: {compressor: none}\n";
+  const auto ok = ipc::encode(ipc::StrategyMsg{"job.yaml", text});
+  const auto d = ipc::decode(ok);
+  ASSERT_EQ(d.type, ipc::MsgType::kStrategy);
+  EXPECT_EQ(std::get<ipc::StrategyMsg>(d.msg).source, "job.yaml");
+  EXPECT_EQ(std::get<ipc::StrategyMsg>(d.msg).text, text);
+  // Every truncation is caught.
+  for (size_t cut = 1; cut < ok.size() - 16; ++cut) {
+    auto b = ok;
+    b.resize(ok.size() - cut);
+    b[8] = static_cast<uint8_t>(b.size() - 16);
+    b[9] = 0;
+    EXPECT_NE(malformed(b).find("STRATEGY"), std::string::npos) << cut;
+  }
+  // A text length that disagrees with the bytes, and an empty text.
+  auto b = ok;
+  b[16 + 2 + 8] = static_cast<uint8_t>(text.size() - 1);  // u32 text_bytes after the source
+  EXPECT_NE(malformed(b).find("trailing"), std::string::npos);
+  EXPECT_NE(malformed(ipc::encode(ipc::StrategyMsg{"x", ""})).find("text_bytes 0"),
+            std::string::npos);
+  // Too large to fit one datagram: refused when encoding.
+  EXPECT_THROW(ipc::encode(ipc::StrategyMsg{"x", std::string(ipc::kMaxStrategyBytes + 1, 'a')}),
+               Error);
+}

@@ -238,6 +238,32 @@ TEST_F(Api, GracefulCloseWhileAnotherRankWaitsAbortsIt) {
   EXPECT_TRUE(no_shm_left(env_.shm_prefix()));
 }
 
+TEST_F(Api, CloseWithOwnPushPullInFlightAbortsTheOthers) {
+  bytecomp_client* a = connect(env_, "inflight", 0, 2);
+  bytecomp_client* b = connect(env_, "inflight", 1, 2);
+  for (auto* c : {a, b}) {
+    ASSERT_EQ(bytecomp_declare_tensor(c, "x", 4, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
+              BYTECOMP_OK);
+  }
+  auto fb = std::async(std::launch::async, [&] { return bytecomp_start(b, 5000); });
+  ASSERT_EQ(bytecomp_start(a, 5000), BYTECOMP_OK);
+  ASSERT_EQ(fb.get(), BYTECOMP_OK);
+  bytecomp_handle hb;
+  ASSERT_EQ(bytecomp_push_pull(b, 0, 0, &hb), BYTECOMP_OK);
+  EXPECT_EQ(bytecomp_close(b), BYTECOMP_OK);  // without waiting for hb
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  bytecomp_handle ha;
+  bytecomp_status s = bytecomp_push_pull(a, 0, 0, &ha);
+  if (s == BYTECOMP_OK) s = bytecomp_wait(a, ha, 5000);
+  EXPECT_EQ(s, BYTECOMP_ERR_ABORTED);
+  EXPECT_NE(last().find("local rank 1 closed the job with its push_pull of tensor 'x' "
+                        "(iteration 0) still in flight"),
+            std::string::npos)
+      << last();
+  bytecomp_close(a);
+  EXPECT_TRUE(no_shm_left(env_.shm_prefix()));
+}
+
 TEST_F(Api, CppWrapper) {
   auto run = [&](uint32_t rank) {
     bytecomp::Client c({.job_id = "cpp", .local_rank = rank, .local_size = 2,

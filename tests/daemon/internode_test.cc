@@ -406,3 +406,77 @@ TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
     EXPECT_EQ(mismatches, 0u) << "iteration " << it;
   }
 }
+
+// Node 0's ranks close right after their last wait while node 1's ranks have
+// not read their last results: node 1 must still get them.
+TEST_F(TwoNodes, CleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
+  start(1);
+  const std::string spec = "f32:1,f32:300000";
+  std::vector<std::unique_ptr<Process>> w;
+  for (int n = 0; n < 2; ++n) {
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> extra{"--node", std::to_string(n) + "/2"};
+      if (n == 1) extra.insert(extra.end(), {"--linger", "600"});
+      w.push_back(nodes_[n]->worker("linger", r, 2, 15, spec, extra));
+    }
+  }
+  for (auto& p : w) expect_ok(*p);
+  for (auto& n : nodes_) {
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+  }
+}
+
+// bytecomp_set_strategy in a multi-node job: the coordinator distributes one
+// strategy, so nodes with different texts are refused, naming the nodes; an
+// agreeing job's strategy is the one the nodes run.
+TEST_F(TwoNodes, PerJobStrategyMustAgreeAcrossNodes) {
+  start(1);
+  write("a.yaml", "version: 1\ndefault: {compressor: none, inter: reduce_broadcast}\n");
+  write("b.yaml", "version: 1\ndefault: {compressor: none}\n");
+  const std::string spec = "f32:1000";
+  {
+    std::vector<std::unique_ptr<Process>> w;
+    for (int n = 0; n < 2; ++n) {
+      for (int r = 0; r < 2; ++r) {
+        w.push_back(nodes_[n]->worker(
+            "differ", r, 2, 3, spec,
+            {"--node", std::to_string(n) + "/2", "--strategy",
+             (dir_ / (n == 0 ? "a.yaml" : "b.yaml")).string()}));
+      }
+    }
+    for (auto& p : w) {
+      auto st = p->wait(30s);
+      ASSERT_TRUE(st.has_value()) << p->output();
+      EXPECT_NE(*st, 0) << p->output();
+      // Named in the order the nodes registered.
+      const std::string out = p->output();
+      EXPECT_NE(out.find("the strategy differs on node 10"), std::string::npos) << out;
+      EXPECT_NE(out.find("node 100 (rank 0)"), std::string::npos) << out;
+      EXPECT_NE(out.find("node 101 (rank 1)"), std::string::npos) << out;
+    }
+  }
+  {
+    // Agreeing texts: the job runs, with exact sums.
+    std::vector<std::unique_ptr<Process>> w;
+    for (int n = 0; n < 2; ++n) {
+      for (int r = 0; r < 2; ++r) {
+        w.push_back(nodes_[n]->worker("agree", r, 2, 10, spec,
+                                      {"--node", std::to_string(n) + "/2", "--strategy",
+                                       (dir_ / "a.yaml").string()}));
+      }
+    }
+    for (auto& p : w) expect_ok(*p);
+  }
+  {
+    // The job's text, not the daemons' default, decides: peer allgather is
+    // checked (and refused by this release) when the job asks for it.
+    write("g.yaml", "version: 1\ndefault: {compressor: topk, params: {ratio: '0.1'}, inter: allgather}\n");
+    auto p = nodes_[0]->worker("gather", 0, 1, 1, spec,
+                               {"--node", "0/2", "--strategy", (dir_ / "g.yaml").string()});
+    auto st = p->wait(30s);
+    ASSERT_TRUE(st.has_value()) << p->output();
+    EXPECT_NE(*st, 0) << p->output();
+    EXPECT_NE(p->output().find("allgather between daemons"), std::string::npos) << p->output();
+  }
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}

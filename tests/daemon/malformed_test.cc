@@ -101,6 +101,12 @@ TEST(Malformed, EachBadMessageGetsAClearErrorAndTheDaemonSurvives) {
                    "START says 2 tensors, 1 were declared"});
   cases.push_back({"server-msg", {hello("mal6"), ipc::encode(ipc::Ready{"x", 1})},
                    "may not send this message type"});
+  cases.push_back({"strategy-first", {ipc::encode(ipc::StrategyMsg{"s", "version: 1\n"})},
+                   "STRATEGY outside the declaration phase"});
+  cases.push_back({"strategy-twice",
+                   {hello("mal7"), ipc::encode(ipc::StrategyMsg{"s", "version: 1\n"}),
+                    ipc::encode(ipc::StrategyMsg{"s", "version: 1\n"})},
+                   "STRATEGY sent twice"});
   cases.push_back({"oversize", {std::vector<uint8_t>(ipc::kMaxMessageBytes + 100, 0)},
                    "exceeds the limit"});
   for (const auto& c : cases) {

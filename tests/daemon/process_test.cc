@@ -234,3 +234,22 @@ TEST(Daemon, IdleJobBurnsNoCpu) {
   EXPECT_LE(a1 - a0, 5);
   EXPECT_FALSE(a->wait(std::chrono::milliseconds(0)).has_value()) << a->output();
 }
+
+// A rank that closes right after its last wait must not abort the job for a
+// rank that has not read its last results yet.
+TEST(Daemon, CleanCloseLeavesPeersFinishedWorkIntact) {
+  DaemonEnv env("linger");
+  env.start();
+  const std::string spec = "f32:1,f32:70000,i64:5";
+  for (int round = 0; round < 3; ++round) {
+    const std::string job = "linger" + std::to_string(round);
+    auto fast = env.worker(job, 0, 3, 20, spec);
+    auto slow = env.worker(job, 1, 3, 20, spec, {"--linger", "400"});
+    auto fast2 = env.worker(job, 2, 3, 20, spec);
+    expect_ok(*fast);
+    expect_ok(*fast2);
+    expect_ok(*slow);
+  }
+  EXPECT_TRUE(no_shm_left(env.shm_prefix()));
+  EXPECT_EQ(env.daemon().output().find("aborted"), std::string::npos) << env.daemon().output();
+}

@@ -32,7 +32,7 @@ float grad(uint32_t rank, uint64_t it, uint64_t i) {
 // Two in-process ranks; fn(rank, client, ids) runs on each.
 template <class Fn>
 void two_ranks(const DaemonEnv& env, const std::string& job, const std::vector<Tensor>& ts,
-               Fn fn) {
+               Fn fn, const char* strategy = nullptr) {
   auto run = [&](uint32_t rank) {
     bytecomp_connect_options o;
     bytecomp_connect_options_init(&o);
@@ -46,6 +46,10 @@ void two_ranks(const DaemonEnv& env, const std::string& job, const std::vector<T
       ASSERT_EQ(bytecomp_declare_tensor(c, t.name.c_str(), t.count, t.dtype, BYTECOMP_DEVICE_CPU,
                                         0, nullptr),
                 BYTECOMP_OK);
+    }
+    if (strategy != nullptr) {
+      ASSERT_EQ(bytecomp_set_strategy(c, strategy, "job-strategy.yaml"), BYTECOMP_OK)
+          << bytecomp_last_error();
     }
     ASSERT_EQ(bytecomp_start(c, 10000), BYTECOMP_OK) << bytecomp_last_error();
     fn(rank, c);
@@ -274,4 +278,112 @@ TEST(Strategy, SighupSwitchesEveryTensorAtOneIteration) {
     EXPECT_EQ(got_a[it], ea) << "tensor a, iteration " << it;
     EXPECT_EQ(got_b[it], eb) << "tensor b, iteration " << it;
   }
+}
+
+// bytecomp_set_strategy: the job's own strategy runs instead of the daemon's
+// default, for that job only.
+TEST(Strategy, PerJobStrategyOverridesTheDefaultForThatJobOnly) {
+  DaemonEnv env("sjob");
+  env.start();  // default: no strategy, everything uncompressed
+  const std::vector<Tensor> ts = {{"fp.w", 5000}, {"l.bias", 100}};
+  constexpr int kIters = 3;
+  std::vector<std::vector<float>> own(kIters), plain(kIters);
+  auto body = [&](std::vector<std::vector<float>>& out) {
+    return [&out](uint32_t rank, bytecomp_client* c) {
+      Lockstep ls(c);
+      for (uint64_t it = 0; it < kIters; ++it) {
+        auto f = ls.round(rank, 0, 5000, it);
+        (void)ls.round(rank, 1, 100, it);
+        if (rank == 0) out[it] = std::move(f);
+      }
+    };
+  };
+  two_ranks(env, "own", ts, body(own), kStrategy);
+  two_ranks(env, "plain", ts, body(plain));
+  for (uint64_t it = 0; it < kIters; ++it) {
+    std::vector<float> fp = exact_sum(5000, it);
+    for (float& v : fp) v = cz::fp16_to_fp32(cz::fp32_to_fp16(v));
+    EXPECT_EQ(own[it], fp) << "the job's strategy (fp16) at iteration " << it;
+    EXPECT_EQ(plain[it], exact_sum(5000, it)) << "the default (none) at iteration " << it;
+  }
+  EXPECT_TRUE(no_shm_left(env.shm_prefix()));
+}
+
+TEST(Strategy, PerJobStrategyDisagreementAndErrorsAreRefused) {
+  DaemonEnv env("sjobbad");
+  env.start();
+  auto connect = [&](const std::string& job, uint32_t rank, uint32_t size) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = env.socket().c_str();
+    o.job_id = job.c_str();
+    o.local_rank = rank;
+    o.local_size = size;
+    bytecomp_client* c = nullptr;
+    EXPECT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    EXPECT_EQ(bytecomp_declare_tensor(c, "w", 1000, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0,
+                                      nullptr),
+              BYTECOMP_OK);
+    return c;
+  };
+  // Local ranks with different texts: both starts fail, naming the ranks.
+  {
+    bytecomp_client* a = connect("differ", 0, 2);
+    bytecomp_client* b = connect("differ", 1, 2);
+    ASSERT_EQ(bytecomp_set_strategy(a, kStrategy, "a.yaml"), BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_set_strategy(b, "version: 1\ndefault: {compressor: none}\n", "b.yaml"),
+              BYTECOMP_OK);
+    auto fb = std::async(std::launch::async, [&] {
+      const bytecomp_status s = bytecomp_start(b, 5000);
+      return std::make_pair(s, std::string(bytecomp_last_error()));
+    });
+    const bytecomp_status sa = bytecomp_start(a, 5000);
+    const std::string ma = bytecomp_last_error();
+    const auto [sb, mb] = fb.get();
+    EXPECT_NE(sa, BYTECOMP_OK);
+    EXPECT_NE(sb, BYTECOMP_OK);
+    for (const std::string& m : {ma, mb}) {
+      EXPECT_NE(m.find("local ranks disagree on the job's strategy"), std::string::npos) << m;
+      EXPECT_NE(m.find("a.yaml"), std::string::npos) << m;
+      EXPECT_NE(m.find("b.yaml"), std::string::npos) << m;
+    }
+    bytecomp_close(a);
+    bytecomp_close(b);
+  }
+  // Checked against the job's tensors, naming the source.
+  {
+    bytecomp_client* a = connect("ghost", 0, 1);
+    ASSERT_EQ(bytecomp_set_strategy(
+                  a, "version: 1\nentries:\n  - tensor: ghost\n    option: {compressor: none}\n",
+                  "mine.yaml"),
+              BYTECOMP_OK);
+    EXPECT_EQ(bytecomp_start(a, 5000), BYTECOMP_ERR_INVALID_ARGUMENT);
+    const std::string m = bytecomp_last_error();
+    EXPECT_NE(m.find("mine.yaml"), std::string::npos) << m;
+    EXPECT_NE(m.find("ghost"), std::string::npos) << m;
+    bytecomp_close(a);
+  }
+  // Not YAML of the planner's format.
+  {
+    bytecomp_client* a = connect("junk", 0, 1);
+    ASSERT_EQ(bytecomp_set_strategy(a, "version: 1\ndefault: {compressor: [\n", "junk.yaml"),
+              BYTECOMP_OK);
+    EXPECT_EQ(bytecomp_start(a, 5000), BYTECOMP_ERR_INVALID_ARGUMENT);
+    const std::string m = bytecomp_last_error();
+    EXPECT_NE(m.find("junk.yaml"), std::string::npos) << m;
+    bytecomp_close(a);
+  }
+  // Misuse.
+  {
+    bytecomp_client* a = connect("late", 0, 1);
+    EXPECT_EQ(bytecomp_set_strategy(a, nullptr, "x"), BYTECOMP_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(bytecomp_set_strategy(a, "", "x"), BYTECOMP_ERR_INVALID_ARGUMENT);
+    const std::string huge(70000, '#');
+    EXPECT_EQ(bytecomp_set_strategy(a, huge.c_str(), "x"), BYTECOMP_ERR_INVALID_ARGUMENT);
+    ASSERT_EQ(bytecomp_start(a, 5000), BYTECOMP_OK) << bytecomp_last_error();
+    EXPECT_EQ(bytecomp_set_strategy(a, kStrategy, "x"), BYTECOMP_ERR_STATE);
+    EXPECT_NE(std::string(bytecomp_last_error()).find("before starting"), std::string::npos);
+    bytecomp_close(a);
+  }
+  EXPECT_TRUE(no_shm_left(env.shm_prefix()));
 }

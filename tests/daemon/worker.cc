@@ -7,6 +7,9 @@
 //   --threads  one thread per tensor (exercises client thread-safety)
 //   --stall    start, then never push (the other ranks wait on it)
 //   --node R/N this is node R of N (values and sums over all N * SIZE ranks)
+//   --strategy FILE  the job's strategy (bytecomp_set_strategy with FILE's text)
+//   --linger MS  sleep MS before waiting for the last iteration's results (so
+//              peers finish and close first while this rank has results unread)
 //
 // Prints "running" after the first verified iteration, and on failure the
 // status name and message. Exit: 0 ok, 1 usage, 2 wrong result, 10+status
@@ -17,6 +20,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -94,12 +99,16 @@ int main(int argc, char** argv) {
   bool threads = false;
   bool stall = false;
   uint32_t node_rank = 0, num_nodes = 1;
+  int linger_ms = 0;
+  std::string strategy_file;
   for (int i = 7; i < argc; ++i) {
     threads |= std::strcmp(argv[i], "--threads") == 0;
     stall |= std::strcmp(argv[i], "--stall") == 0;
     if (std::strcmp(argv[i], "--node") == 0 && i + 1 < argc) {
       std::sscanf(argv[++i], "%u/%u", &node_rank, &num_nodes);
     }
+    if (std::strcmp(argv[i], "--strategy") == 0 && i + 1 < argc) strategy_file = argv[++i];
+    if (std::strcmp(argv[i], "--linger") == 0 && i + 1 < argc) linger_ms = std::atoi(argv[++i]);
   }
   // Values and expected sums over every rank of every node.
   const uint32_t grank = node_rank * size + rank;
@@ -138,6 +147,13 @@ int main(int argc, char** argv) {
     s = bytecomp_declare_tensor(c, name.c_str(), ts[k].count, ts[k].dtype, BYTECOMP_DEVICE_CPU, 0,
                                 &ts[k].id);
     if (s != BYTECOMP_OK) die(s, "declare");
+  }
+  if (!strategy_file.empty()) {
+    std::ifstream in(strategy_file);
+    std::stringstream text;
+    text << in.rdbuf();
+    s = bytecomp_set_strategy(c, text.str().c_str(), strategy_file.c_str());
+    if (s != BYTECOMP_OK) die(s, "set_strategy");
   }
   if ((s = bytecomp_start(c, 30000)) != BYTECOMP_OK) die(s, "start");
   for (auto& t : ts) {
@@ -182,6 +198,9 @@ int main(int argc, char** argv) {
       for (size_t k = ts.size(); k-- > 0;) {
         do_fill(ts[k], grank, it);
         if ((s = bytecomp_push_pull(c, ts[k].id, it, &hs[k])) != BYTECOMP_OK) die(s, "push_pull");
+      }
+      if (it + 1 == iters && linger_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(linger_ms));
       }
       for (size_t k = 0; k < ts.size(); ++k) {
         if ((s = bytecomp_wait(c, hs[k], 20000)) != BYTECOMP_OK) die(s, "wait");

@@ -225,15 +225,36 @@ class Api(unittest.TestCase):
         self.raises(ValueError, "'nope.weight'", make, unknown)
         demo = os.path.join(helpers.SOURCE_ROOT, "configs", "demo-strategy.yaml")
         self.assertTrue(bstrategy.load(demo).compresses_anything())
-        # The daemons run their configured strategy: asking for another one
-        # (or for one while the daemons' is unknown) is refused, not ignored.
-        e = self.raises(bytecomp.UnsupportedError, "bytecomp-run --strategy", make, demo)
-        self.assertIn("BYTECOMP_STRATEGY is not set", str(e))
-        bc.shutdown()
-        os.environ["BYTECOMP_STRATEGY"] = unknown   # read at init()
+        # The job's own strategy goes to the daemon (bytecomp_set_strategy),
+        # which validates it at start and names the file.
+        wrong = os.path.join(d, "wrong.yaml")
+        with open(wrong, "w") as f:
+            f.write("version: 1\ndefault: {compressor: nonesuch}\n")
+        e = self.raises(bytecomp.BytecompError, "nonesuch", make, wrong)
+        self.assertIn("wrong.yaml", str(e))
+
+    def test_per_job_strategy_is_executed(self):
+        """strategy=FILE runs FILE for this job, though the daemon has no
+        strategy configured: fp16 on the weight (one process, one node: the
+        sum is the fp16-rounded gradient), the bias uncompressed."""
+        self.assertTrue(bytecomp._lib.has_set_strategy())
         bc.init()
-        self.raises(bytecomp.UnsupportedError, "BYTECOMP_STRATEGY is '%s'" % unknown,
-                    make, demo)
+        path = os.path.join(self.daemon.dir, "fp16.yaml")
+        with open(path, "w") as f:
+            f.write("version: 1\nrules:\n  - match: weight\n    option: {compressor: fp16}\n")
+        m = torch.nn.Linear(300, 7)
+        opt = bc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                      named_parameters=m.named_parameters(), strategy=path)
+        x = torch.randn(5, 300) * 1.2345
+        ref = torch.nn.Linear(300, 7)
+        ref.load_state_dict(m.state_dict())
+        ref(x).pow(2).sum().backward()
+        m(x).pow(2).sum().backward()
+        opt.step()
+        self.assertTrue(torch.equal(m.weight.grad, ref.weight.grad.half().float()))
+        self.assertFalse(torch.equal(m.weight.grad, ref.weight.grad))
+        self.assertTrue(torch.equal(m.bias.grad, ref.bias.grad))
+
 
 if __name__ == "__main__":
     unittest.main()

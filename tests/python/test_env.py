@@ -65,7 +65,7 @@ class EnvTest(unittest.TestCase):
 
     def test_job_id(self):
         msg = self.fails("BYTECOMP_JOB_ID", "is not set", BYTECOMP_JOB_ID=None)
-        self.assertIn("--rdzv-id", msg)
+        self.assertIn("--rdzv_id", msg)
         # torchrun's default run id "none" is no job name.
         self.fails("BYTECOMP_JOB_ID", "is not set", BYTECOMP_JOB_ID=None,
                    TORCHELASTIC_RUN_ID="none")

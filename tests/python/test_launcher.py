@@ -15,19 +15,38 @@ def sh(script):
 
 class Launcher(unittest.TestCase):
     def test_environment_and_prefixes(self):
+        """2 nodes x 3 processes, 2 servers: ranks numbered node by node, each
+        process on its node's daemon; the servers and daemons came up (the
+        daemons with the cluster file of the servers bytecomp-run started)."""
         run_id = "le" + uuid.uuid4().hex[:8]
         rc, out, pid = helpers.launch(
-            ["--nproc-per-node", "3", "--job-id", run_id, "--time-limit", "30", "--"] +
+            ["--nodes", "2", "--nproc-per-node", "3", "--servers", "2", "--job-id", run_id,
+             "--time-limit", "30", "--keep-tmp", "--"] +
             sh('echo "env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK '
-               '$BYTECOMP_JOB_ID $BYTECOMP_RUN_ID $BYTECOMP_SOCKET"'), timeout=60)
+               '$BYTECOMP_NODE_RANK $BYTECOMP_JOB_ID $BYTECOMP_RUN_ID $BYTECOMP_SOCKET"; '
+               'cat "$(dirname "$BYTECOMP_SOCKET")/daemon.yaml" | sed "s/^/cfg $RANK /"'),
+            timeout=60)
         self.assertEqual(rc, 0, out)
         lines = re.findall(r"^\[rank (\d)\] env (.*)$", out, re.M)
-        self.assertEqual(sorted(r for r, _ in lines), ["0", "1", "2"], out)
+        self.assertEqual(sorted(r for r, _ in lines), [str(r) for r in range(6)], out)
         for r, rest in lines:
-            rank, world, lrank, lworld, group, job, run, sock = rest.split()
-            self.assertEqual((rank, world, lrank, lworld, group), (r, "3", r, "3", "0"))
+            rank, world, lrank, lworld, group, node, job, run, sock = rest.split()
+            n = int(r) // 3
+            self.assertEqual((rank, world, lrank, lworld, group, node),
+                             (r, "6", str(int(r) % 3), "3", str(n), str(n)))
             self.assertEqual((job, run), (run_id, run_id))
-            self.assertTrue(sock.endswith("/node0/ctl.sock"), sock)
+            self.assertTrue(sock.endswith("/node%d/ctl.sock" % n), sock)
+            self.assertIn("[rank %s] cfg %s   node_id: %d" % (r, r, 100 + n), out)
+            self.assertIn("[rank %s] cfg %s   nodes: [100, 101]" % (r, r), out)
+        tmp = os.path.dirname(os.path.dirname(lines[0][1].split()[-1]))
+        try:
+            with open(os.path.join(tmp, "cluster.yaml")) as f:
+                cluster = f.read()
+            self.assertRegex(cluster, r'id: 0, address: "tcp://127\.0\.0\.1:[1-9]\d*"')
+            self.assertIn('id: 1, address: "tcp://127.0.0.1:0"', cluster)
+        finally:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
         self.assertEqual(helpers.run_leftovers(run_id, pid), ([], []))
 
     def test_exit_status_of_the_first_failure(self):
@@ -83,14 +102,32 @@ class Launcher(unittest.TestCase):
         self.assertIn("this one is float64", out)
         self.assertIn("give the daemons' strategy a first rule '- match: \"bytecomp.*\"'", out)
 
-    def test_multi_node_refused_until_the_daemons_support_it(self):
-        from bytecomp.run import _cluster_supported
-        why = _cluster_supported(2, helpers.BUILD_ROOT)
-        if why is None:
-            self.skipTest("the daemons have the inter-node path")
-        rc, out, _ = helpers.launch(["--nodes", "2", "x.py"], timeout=30)
+    def test_multi_node_needs_a_server(self):
+        rc, out, _ = helpers.launch(["--nodes", "2", "--bytecomp-server", "/nonexistent/srv",
+                                     "x.py"], timeout=30)
         self.assertEqual(rc, 1, out)
-        self.assertIn("no inter-node path yet", out)
+        self.assertIn("--nodes 2 needs bytecomp-server", out)
+        self.assertIn("not found at /nonexistent/srv", out)
+
+    def test_strategy_compressing_the_control_tensor_across_nodes_is_detected(self):
+        """Across nodes the control tensor is float32, which the daemons would
+        compress: init()'s exactness check refuses to go on."""
+        src = os.path.join(helpers.SOURCE_ROOT, "configs", "demo-strategy.yaml")
+        with open(src) as f:
+            text = f.read().replace('  - match: "bytecomp.*"\n    option: {compressor: none}\n',
+                                    "").replace("min_bytes: 64KiB", "min_bytes: 1")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "no-control-rule.yaml")
+            with open(path, "w") as f:
+                f.write(text)
+            rc, out, _ = helpers.launch(
+                ["--nodes", "2", "--nproc-per-node", "1", "--strategy", path, "--time-limit", "30",
+                 os.path.join(helpers.PYTHON_ROOT, "bytecomp", "examples", "digits.py")],
+                timeout=60)
+        self.assertNotEqual(rc, 0, out)
+        self.assertIn("sums of bytecomp.torch's control tensor 'bytecomp.control' are not exact",
+                      out)
+        self.assertIn("give the strategy a first rule '- match: \"bytecomp.*\"'", out)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ MULTI = os.path.join(helpers.TESTS_DIR, "workers", "multi_worker.py")
 
 
 class Multi(unittest.TestCase):
-    def run_mode(self, mode, nproc=3):
+    def run_mode(self, mode, nproc=3, nodes=1):
         run_id = "mm" + uuid.uuid4().hex[:8]
-        rc, out, pid = helpers.launch(["--nproc-per-node", str(nproc), "--job-id", run_id,
+        rc, out, pid = helpers.launch(["--nodes", str(nodes), "--nproc-per-node", str(nproc),
+                                       "--job-id", run_id,
                                        "--timeout-ms", "5000", "--start-timeout", "5",
                                        "--time-limit", "60", MULTI, mode], timeout=90)
         self.assertEqual(helpers.run_leftovers(run_id, pid), ([], []), out)
@@ -31,11 +32,19 @@ class Multi(unittest.TestCase):
         self.assertEqual(rc, 0, out)
         self.assertEqual(out.count("OK state"), 3, out)
 
+    def test_broadcasts_across_nodes(self):
+        """2 nodes x 2: the control job goes through the parameter server in
+        float32; broadcasts still arrive bit for bit (int64 above 2**53, NaN
+        payloads, bool)."""
+        rc, out = self.run_mode("state", nproc=2, nodes=2)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(out.count("OK state"), 4, out)
+
     def test_broadcast_of_different_tensors_raises_everywhere(self):
-        rc, out = self.run_mode("mismatch")
+        rc, out = self.run_mode("mismatch", nproc=2, nodes=2)
         self.assertEqual(rc, 3, out)
         msgs = re.findall(r"RAISED ValueError: (.*)", out)
-        self.assertEqual(len(msgs), 3, out)
+        self.assertEqual(len(msgs), 4, out)
         for m in msgs:
             self.assertIn("broadcast_parameters: the processes passed different tensors", m)
 

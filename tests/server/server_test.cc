@@ -512,6 +512,42 @@ TEST_F(ServerTest, RefusesBadPushesAndPullsNamingWhatWasWrong) {
   expect_released();
 }
 
+// A node whose local part failed aborts the job through the coordinator: the
+// other nodes learn at once (a waiting pull fails with the reason) instead of
+// waiting for their request deadline.
+TEST_F(ServerTest, NodeAbortReachesTheOtherNodesAtOnce) {
+  start_server();
+  auto a = client(100), b = client(101);
+  JobSpec spec;
+  spec.name = "abortive";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"w", 1000}};
+  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
+  auto jb = b->join(spec);
+  auto ja = fa.get();
+  std::vector<float> d(1000, 1.0f);
+  std::promise<Status> pushed;
+  jb->push(partition_key(0, 0), 0, transport::Buffer::copy_of(d.data(), d.size() * 4),
+           [&](const Status& s) { pushed.set_value(s); });
+  ASSERT_TRUE(pushed.get_future().get().ok());
+  std::promise<Status> pulled;
+  jb->pull(partition_key(0, 0), 0,
+           [&](const Status& s, transport::Buffer) { pulled.set_value(s); });
+  auto result = pulled.get_future();
+  EXPECT_EQ(result.wait_for(200ms), std::future_status::timeout);  // waits for node 100
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(ja->abort("local rank 1 died").ok());
+  ASSERT_EQ(result.wait_for(3s), std::future_status::ready) << "the other node was not told";
+  Status st = result.get();
+  EXPECT_EQ(st.code(), ErrorCode::kAborted) << st.to_string();
+  EXPECT_NE(st.message().find("local rank 1 died"), std::string::npos) << st.to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  EXPECT_EQ(jb->status().code(), ErrorCode::kAborted);
+  EXPECT_EQ(ja->status().code(), ErrorCode::kAborted);
+  jb->leave();
+  expect_released();
+}
+
 TEST_F(ServerTest, GarbageFramesAndUnknownJobsAreRefusedAndTheServerSurvives) {
   start_server();
   // Raw ZeroMQ garbage: not even a transport header.

@@ -154,6 +154,20 @@ BYTECOMP_API bytecomp_status bytecomp_declare_tensor(bytecomp_client* client,
  * cluster's admission timeout; a refused admission aborts the job). */
 BYTECOMP_API bytecomp_status bytecomp_start(bytecomp_client* client, uint32_t timeout_ms);
 
+/* Added in ABI 1.1 (symbol version BYTECOMP_1.1). Sets this job's strategy
+ * (the planner's YAML format, docs/strategy-format.md) for this job only,
+ * instead of the daemon's configured default. Only before bytecomp_start();
+ * a later call replaces an earlier one. Every local rank must pass the same
+ * text (else bytecomp_start fails for all of them, naming the ranks); every
+ * node of a multi-node job must too (else the coordinator refuses the job,
+ * naming the nodes). The daemon checks it against the job's tensors at
+ * bytecomp_start, which fails with the problem and `source_name` (e.g. the
+ * file the text came from; NULL: "<client strategy>"). Text up to about
+ * 63 KiB. An older bytecompd refuses it at bytecomp_start. */
+BYTECOMP_API bytecomp_status bytecomp_set_strategy(bytecomp_client* client,
+                                                   const char* yaml_text,
+                                                   const char* source_name);
+
 /* The id of a declared tensor by name. */
 BYTECOMP_API bytecomp_status bytecomp_tensor_id(bytecomp_client* client, const char* name,
                                                 uint32_t* out_tensor_id);

@@ -165,6 +165,10 @@ def _declare(lib):
     lib.bytecomp_abi_version.restype = u32
     lib.bytecomp_version_string.argtypes = []
     lib.bytecomp_version_string.restype = c.c_char_p
+    # ABI 1.1 (BYTECOMP_1.1): absent from older libraries.
+    if hasattr(lib, "bytecomp_set_strategy"):
+        lib.bytecomp_set_strategy.argtypes = [vp, c.c_char_p, c.c_char_p]
+        lib.bytecomp_set_strategy.restype = c.c_int
 
 
 def library():
@@ -196,6 +200,11 @@ def library():
             "BYTECOMP_ERR_UNAVAILABLE",
             "cannot load libbytecomp; tried: %s. Build the project (meson compile -C build), "
             "or set BYTECOMP_LIBRARY to the path of libbytecomp.so.1" % "; ".join(tried))
+
+
+def has_set_strategy():
+    """Whether the loaded libbytecomp has bytecomp_set_strategy (ABI 1.1)."""
+    return hasattr(library(), "bytecomp_set_strategy")
 
 
 def version_string():
@@ -249,6 +258,19 @@ class Client:
         self._check(self._lib.bytecomp_declare_tensor(
             self._c, name.encode(), count, dtype, device, device_index, ctypes.byref(out)))
         return out.value
+
+    def set_strategy(self, yaml_text, source_name=None):
+        """This job's own strategy (before start(); the daemon checks it at
+        start and names `source_name` in its errors). UnsupportedError when
+        the library predates ABI 1.1."""
+        if not hasattr(self._lib, "bytecomp_set_strategy"):
+            raise UnsupportedError(
+                "BYTECOMP_ERR_UNSUPPORTED",
+                "this libbytecomp (%s) has no bytecomp_set_strategy (ABI 1.1): a job cannot "
+                "have its own strategy; give the daemons the strategy instead "
+                "(bytecomp-run --strategy, or strategy.file in daemon.yaml)" % version_string())
+        self._check(self._lib.bytecomp_set_strategy(
+            self._c, yaml_text.encode(), source_name.encode() if source_name else None))
 
     def start(self, timeout_ms):
         self._check(self._lib.bytecomp_start(self._c, timeout_ms))

@@ -9,7 +9,7 @@ systemd setup (docs/torch.md).
   BYTECOMP_NODE_RANK            this node's rank (else GROUP_RANK, else NODE_RANK,
                                 else RANK // LOCAL_WORLD_SIZE)
   BYTECOMP_JOB_ID               the job's name, the same in every process
-                                (else TORCHELASTIC_RUN_ID when torchrun got --rdzv-id)
+                                (else TORCHELASTIC_RUN_ID when torchrun got --rdzv_id)
   BYTECOMP_SOCKET               the node daemon's control socket (default
                                 /run/bytecomp/bytecompd.sock)
   BYTECOMP_TIMEOUT_MS           bound on every wait for the other processes (30000)
@@ -127,7 +127,7 @@ class Settings:
         if job_id == "":
             raise EnvironmentConfigError(
                 "BYTECOMP_JOB_ID", None, job_expected,
-                "bytecomp-run sets it; with torchrun export it or pass --rdzv-id")
+                "bytecomp-run sets it; with torchrun export it or pass --rdzv_id")
         # The package appends short suffixes (".ctl", ".opt0"): keep room.
         if not _JOB_ID_RE.match(job_id) or len(job_id) > 120:
             raise EnvironmentConfigError(job_var, job_id, job_expected)

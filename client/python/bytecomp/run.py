@@ -4,15 +4,19 @@
     bytecomp-run --nodes 2 --nproc-per-node 2 train.py --epochs 3
 
 Starts, in a private temporary directory:
-  - parameter servers (bytecomp-server) when the cluster has more than one
-    node (inter-node path; see `_cluster_supported`),
+  - for more than one node, --servers parameter servers (bytecomp-server,
+    default 1) on ephemeral loopback ports, server 0 coordinating, and the
+    cluster file naming them,
   - one bytecompd per emulated node, each with its own control socket and
-    shared-memory namespace, running the --strategy file if given,
+    shared-memory namespace, running the --strategy file if given, and for
+    more than one node the `internode` section (cluster file, node id
+    100 + node rank, the nodes in rank order),
   - N training processes per node running COMMAND (a *.py first argument
     runs under this Python), with RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, GROUP_RANK and BYTECOMP_* set (bytecomp.env).
 Every process started carries BYTECOMP_RUN_ID=<job id> in its environment.
-Every output line is forwarded with a prefix ("[rank 3] ", "[daemon 1] ").
+Every output line is forwarded with a prefix ("[rank 3] ", "[daemon 1] ",
+"[server 0] ").
 The first process to fail decides the exit status; the others get
 --grace seconds to notice (their bytecomp calls raise) and are then
 terminated. Every process started is stopped and every shared-memory
@@ -210,12 +214,23 @@ class _Interrupted(Exception):
         self.sig = sig
 
 
-def _cluster_supported(nodes, build_root):
-    """Why a multi-node cluster cannot be started with these binaries, or None."""
+def _cluster_supported(nodes, build_root, server=None):
+    """Why a cluster of `nodes` emulated nodes cannot be started with these
+    binaries, or None. More than one node needs bytecomp-server (the
+    daemons' inter-node path goes through parameter servers)."""
     if nodes == 1:
         return None
-    return ("--nodes %d: this bytecompd has no inter-node path yet (it serves single-node "
-            "jobs); run with --nodes 1" % nodes)
+    exe = server or find_program("bytecomp-server", build_root, "server")
+    if not exe or not os.access(exe, os.X_OK):
+        return ("--nodes %d needs bytecomp-server (the daemons' inter-node path goes through "
+                "parameter servers) and it was not found%s: build the project (meson compile "
+                "-C build), set BYTECOMP_BUILD_ROOT, or pass --bytecomp-server PATH" %
+                (nodes, " at %s" % exe if exe else ""))
+    return None
+
+
+# Node ids of the emulated nodes' daemons in the cluster file.
+_DAEMON_ID_BASE = 100
 
 
 class Cluster:
@@ -243,31 +258,111 @@ class Cluster:
         env["BYTECOMP_RUN_ID"] = self.job
         return env
 
-    def start_daemons(self):
+    def _wait_up(self, children, ready, what):
+        """Waits (bounded by --daemon-timeout) until ready(child) for each."""
+        deadline = time.monotonic() + self.args.daemon_timeout
+        for child in children:
+            while not ready(child):
+                if child.returncode is not None:
+                    raise LaunchError("%s exited during startup (%s); its output is above" %
+                                      (child.label, describe_status(child.returncode)))
+                if time.monotonic() > deadline:
+                    raise LaunchError("%s did not %s within %.0f s" %
+                                      (child.label, what(child), self.args.daemon_timeout))
+                time.sleep(0.02)
+
+    def _cluster_yaml(self, coordinator):
+        """The cluster file: server 0 (the coordinator) at `coordinator`, the
+        other servers on ephemeral ports (they report theirs to it)."""
+        a = self.args
+        timeout_ms = a.timeout_ms or 30000
+        servers = "".join('    - {id: %d, address: "%s"}\n' %
+                          (i, coordinator if i == 0 else "tcp://127.0.0.1:0")
+                          for i in range(a.servers))
+        daemons = "".join("    - {id: %d}\n" % (_DAEMON_ID_BASE + n) for n in range(a.nodes))
+        # request_ms bounds a pull waiting for the other nodes: the same bound
+        # the training processes put on their waits (BYTECOMP_TIMEOUT_MS).
+        return ("version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: %s\n"
+                "  servers:\n%s  daemons:\n%s"
+                "  timeouts: {admission_ms: %d, request_ms: %d, setup_ms: 10000}\n"
+                "transport: {heartbeat_interval_ms: 200, peer_timeout_ms: 2000}\n"
+                % (a.partition_bytes, servers, daemons, int(a.start_timeout * 1000),
+                   timeout_ms))
+
+    def start_servers(self):
+        """Starts --servers parameter servers (only for more than one node):
+        server 0 binds an ephemeral port and coordinates; the others report
+        their ephemeral ports to it. Returns the daemons' cluster file."""
+        server = self.args.bytecomp_server or find_program("bytecomp-server", self.build_root,
+                                                           "server")
+        why = _cluster_supported(self.args.nodes, self.build_root, server)
+        if why:
+            raise LaunchError(why)
+        d = os.path.join(self.tmp, "servers")
+        os.makedirs(d)
+        coordinator = "tcp://127.0.0.1:0"
+        for i in range(self.args.servers):
+            cluster = os.path.join(d, "cluster%d.yaml" % i)
+            with open(cluster, "w") as f:
+                f.write(self._cluster_yaml(coordinator))
+            cfg = os.path.join(d, "server%d.yaml" % i)
+            with open(cfg, "w") as f:
+                f.write("version: 1\nserver: {node_id: %d, cluster_file: %s, "
+                        "engine_threads: %d}\n"
+                        "transport: {io_threads: 1, handler_threads: 1, "
+                        "heartbeat_interval_ms: 200, peer_timeout_ms: 2000}\n"
+                        % (i, cluster, self.args.daemon_threads))
+            ready = os.path.join(d, "ready%d" % i)
+            try:
+                child = _Child("server %d" % i, [server, "--config", cfg, "--ready-file", ready],
+                               self._daemon_env(), None, self.output, self.events,
+                               "[server %d] " % i)
+            except OSError as e:
+                raise LaunchError("cannot start bytecomp-server %s: %s" % (server, e.strerror))
+            child.ready_file = ready
+            self.servers.append(child)
+            if i == 0:
+                # The others and the daemons need the coordinator's real address.
+                self._wait_up([child], lambda c: os.path.exists(c.ready_file),
+                              lambda c: "write its address to " + c.ready_file)
+                with open(ready) as f:
+                    coordinator = f.read().strip()
+        self._wait_up(self.servers, lambda c: os.path.exists(c.ready_file),
+                      lambda c: "write its address to " + c.ready_file)
+        path = os.path.join(self.tmp, "cluster.yaml")
+        with open(path, "w") as f:
+            f.write(self._cluster_yaml(coordinator))
+        return path
+
+    def start_daemons(self, cluster_file=None):
         bytecompd = self.args.bytecompd or find_program("bytecompd", self.build_root, "daemon")
         if not bytecompd:
             raise LaunchError("bytecompd not found: build the project (meson compile -C build), "
                               "set BYTECOMP_BUILD_ROOT, or pass --bytecompd PATH")
         if not os.access(bytecompd, os.X_OK):
             raise LaunchError("cannot start bytecompd %s: no such executable file" % bytecompd)
-        why = _cluster_supported(self.args.nodes, self.build_root)
-        if why:
-            raise LaunchError(why)
-        for n in range(self.args.nodes):
+        nodes = self.args.nodes
+        for n in range(nodes):
             d = os.path.join(self.tmp, "node%d" % n)
             os.makedirs(d)
             sock = os.path.join(d, "ctl.sock")
             instance = "run%dn%d" % (os.getpid(), n)
             cfg = os.path.join(d, "daemon.yaml")
+            internode = ""
+            if cluster_file:
+                internode = ("internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n"
+                             % (cluster_file, _DAEMON_ID_BASE + n,
+                                ", ".join(str(_DAEMON_ID_BASE + k) for k in range(nodes))))
             with open(cfg, "w") as f:
                 f.write("version: 1\n"
                         "control:\n  socket: %s\n  socket_mode: 384\n"
                         "  setup_timeout_ms: %d\n"
                         "shm:\n  instance: %s\n"
                         "scheduler:\n  threads: %d\n"
+                        "%s"
                         "strategy:\n  file: \"%s\"\n"
                         % (sock, int(self.args.start_timeout * 1000), instance,
-                           self.args.daemon_threads,
+                           self.args.daemon_threads, internode,
                            os.path.abspath(self.args.strategy) if self.args.strategy else ""))
             self.instances.append(instance)
             try:
@@ -278,16 +373,8 @@ class Cluster:
                 raise LaunchError("cannot start bytecompd %s: %s" % (bytecompd, e.strerror))
             child.socket = sock
             self.daemons.append(child)
-        deadline = time.monotonic() + self.args.daemon_timeout
-        for child in self.daemons:
-            while not _can_connect(child.socket):
-                if child.returncode is not None:
-                    raise LaunchError("%s exited during startup (%s); its output is above" %
-                                      (child.label, describe_status(child.returncode)))
-                if time.monotonic() > deadline:
-                    raise LaunchError("%s did not open %s within %.0f s" %
-                                      (child.label, child.socket, self.args.daemon_timeout))
-                time.sleep(0.02)
+        self._wait_up(self.daemons, lambda c: _can_connect(c.socket),
+                      lambda c: "open " + c.socket)
 
     def _worker_argv(self):
         cmd = list(self.command)
@@ -399,7 +486,8 @@ class Cluster:
     def run(self):
         self.tmp = tempfile.mkdtemp(prefix="bytecomp-run-")
         try:
-            self.start_daemons()
+            cluster_file = self.start_servers() if self.args.nodes > 1 else None
+            self.start_daemons(cluster_file)
             self.start_workers()
             return self.supervise()
         finally:
@@ -435,6 +523,9 @@ def _parser():
     p.add_argument("--build-root", help="meson build directory (default $BYTECOMP_BUILD_ROOT, "
                    "else build/ of this source tree, else installed programs)")
     p.add_argument("--bytecompd", help="path of bytecompd")
+    p.add_argument("--bytecomp-server", help="path of bytecomp-server")
+    p.add_argument("--partition-bytes", default="1MiB",
+                   help="the servers' partition size (cluster.partition_bytes; default 1MiB)")
     p.add_argument("--keep-tmp", action="store_true",
                    help="keep the cluster's temporary directory (configs, sockets)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")

@@ -6,13 +6,13 @@ bytecompd runs the one strategy of its configuration (`strategy.file` in
 daemon.yaml) for every job; bytecomp-run writes it there from --strategy and
 exports the same path as BYTECOMP_STRATEGY. This module reads a strategy
 early, so a wrong path or a file that is not a version-1 strategy fails in
-the training script naming the file, and makes sure that the strategy a
-script asks for is the one its daemons run (libbytecomp has no call to hand
-a job its own strategy; see `apply`).
+the training script naming the file, and hands it to the daemons as the
+job's own strategy (`apply`: bytecomp_set_strategy, libbytecomp ABI 1.1).
 
 Tensor names starting with "bytecomp." belong to bytecomp.torch's control
-job (a float64 scratch tensor for broadcasts): a strategy must leave them
-uncompressed (the daemon refuses to compress float64 tensors).
+job (a scratch tensor for broadcasts: float64 on one node, float32 across
+nodes): a strategy must leave them uncompressed (the daemon refuses to
+compress float64; across nodes init()'s exactness check fails).
 """
 
 import os
@@ -92,20 +92,25 @@ def _same_file(a, b):
         return False
 
 
-def apply(strategy, daemon_strategy):
-    """Makes sure the job runs `strategy`. The daemons run their configured
-    strategy (daemon_strategy: $BYTECOMP_STRATEGY, the path bytecomp-run gave
-    them, or None when unknown); a different one cannot be handed to them
-    per job with this libbytecomp, so that is an error, not a silent
-    uncompressed (or differently compressed) run."""
+def apply(strategy, client, daemon_strategy):
+    """Makes the job `client` (not started yet) run `strategy`: with
+    libbytecomp ABI 1.1 as the job's own strategy (bytecomp_set_strategy;
+    the daemon validates it at start, naming the file). An older library
+    cannot hand a job its own strategy: then the daemons' configured one
+    (daemon_strategy: $BYTECOMP_STRATEGY, the path bytecomp-run gave them)
+    must be the same file or text, else UnsupportedError rather than a
+    silently different run."""
+    if _lib.has_set_strategy():
+        client.set_strategy(strategy.text, strategy.path)
+        return
     if daemon_strategy is not None and _same_file(strategy.path, daemon_strategy):
         return
     raise _lib.UnsupportedError(
         "BYTECOMP_ERR_UNSUPPORTED",
-        "strategy=%s: the node daemons run the strategy of their own configuration "
-        "(daemon.yaml strategy.file), and this libbytecomp (%s) cannot give a job another "
-        "one. Start the job with `bytecomp-run --strategy %s` (it configures the daemons and "
-        "sets BYTECOMP_STRATEGY), or configure the daemons with it and export "
-        "BYTECOMP_STRATEGY=%s; BYTECOMP_STRATEGY is %s" %
+        "strategy=%s: this libbytecomp (%s) cannot give a job its own strategy (no "
+        "bytecomp_set_strategy, ABI 1.1), and the node daemons run the strategy of their "
+        "configuration (daemon.yaml strategy.file). Start the job with `bytecomp-run "
+        "--strategy %s` (it configures the daemons and sets BYTECOMP_STRATEGY), or configure "
+        "the daemons with it and export BYTECOMP_STRATEGY=%s; BYTECOMP_STRATEGY is %s" %
         (strategy.path, _lib.version_string(), strategy.path, strategy.path,
          repr(daemon_strategy) if daemon_strategy else "not set"))

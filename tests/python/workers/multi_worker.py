@@ -30,13 +30,26 @@ try:
         got = [m.weight.detach().clone(), m.bias.detach().clone()] + [
             opt.state[p]["momentum_buffer"].clone() for p in m.parameters()]
         flat = torch.cat([g.reshape(-1) for g in got]).double()
-        mean = bc.allreduce(flat, average=True)
-        assert torch.equal(mean, flat), "ranks differ after the broadcasts"
+        root = bc.broadcast(flat.clone() if r == 0 else torch.zeros_like(flat), root_rank=0)
+        assert torch.equal(root, flat), "ranks differ after the broadcasts"
         assert opt.param_groups[0]["lr"] == 0.1
         obj = bc.broadcast_object({"rank": r, "data": list(range(r + 3))}, root_rank=1)
         assert obj == {"rank": 1, "data": [0, 1, 2, 3]}, obj
         s = bc.allreduce(torch.tensor([float(r)]), average=False)
         assert s.item() == sum(range(bc.size())), s
+        # Bit for bit, whatever the control job's dtype.
+        odd = {"big": torch.tensor([2 ** 62 + 1, -(2 ** 53) - 1], dtype=torch.int64),
+               "nan": torch.tensor([0x7FC00123, 0x7F800001], dtype=torch.int32).view(torch.float32),
+               "flags": torch.tensor([True, False, True]),
+               "half": torch.tensor([1.0009765625, -3.5], dtype=torch.float16)}
+        mine = {k: (v.clone() if r == 0 else torch.zeros_like(v)) for k, v in odd.items()}
+        bc.broadcast_parameters(mine, root_rank=0)
+        for k, v in odd.items():
+            a, b = mine[k], v
+            if a.dtype in (torch.float32, torch.float16):
+                a, b = a.view(torch.int32 if a.dtype == torch.float32 else torch.int16), \
+                    b.view(torch.int32 if b.dtype == torch.float32 else torch.int16)
+            assert torch.equal(a, b), (k, mine[k], v)
         print("OK state", flush=True)
     elif mode == "mismatch":
         sd = {"w": torch.zeros(4)} if r != 1 else {"w": torch.zeros(5)}

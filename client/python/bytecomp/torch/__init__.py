@@ -14,10 +14,12 @@
         opt.step()                              # waits for the rest, averages, steps
 
 How it maps onto the thin client (docs/torch.md):
-- `init()` joins a small *control job* ("<job>.ctl") with one float64 scratch
-  tensor; broadcasts, `allreduce()` and `barrier()` run through it as sums
-  (a broadcast is a sum in which every rank but the root contributes zeros,
-  exact in float64 for float32 values and integers up to 2**53).
+- `init()` joins a small *control job* ("<job>.ctl") with one scratch
+  tensor (float64 on one node; float32 across nodes, the only dtype the
+  parameter servers sum); broadcasts, `allreduce()` and `barrier()` run
+  through it as sums. A broadcast is a sum in which every rank but the root
+  contributes zeros; its bytes travel as 16-bit digits (0..65535, exact in
+  either dtype), so every dtype arrives bit for bit.
 - Each `DistributedOptimizer` joins its own job ("<job>.opt0", ".opt1", ...)
   declaring every parameter's gradient in parameter order (first declared =
   first needed by the next forward pass = highest priority). Gradients live
@@ -34,7 +36,7 @@ run on autograd's thread (the caller's thread for CPU tensors).
 import atexit
 import ctypes
 import pickle
-import sys
+import struct
 import threading
 import zlib
 
@@ -55,8 +57,12 @@ __all__ = [
 Average = "average"
 Sum = "sum"
 
-# Elements of the control job's scratch tensor (float64): 2 MiB per process.
+# Elements of the control job's scratch tensor: 2 MiB per process on one
+# node (float64), 1 MiB across nodes (float32).
 _SCRATCH_ELEMENTS = 1 << 18
+# check_same() compares values through sums of 4-bit digits and their
+# squares: exact in float32 for up to 2**24 / 225 processes.
+_DIGIT_BITS = 4
 # Bound on one blocking C wait, so Ctrl-C (KeyboardInterrupt) is seen
 # promptly; the overall bound is BYTECOMP_TIMEOUT_MS.
 _WAIT_SLICE_MS = 500
@@ -107,7 +113,12 @@ class _Context:
         self.settings = settings
         self.ctl = None
         self.scratch = None
+        # Iterations start at 0 and follow each other (the parameter servers
+        # collect iteration i + 1 after i).
         self.ctl_iteration = 0
+        # The parameter servers sum float32 only; one node keeps float64 so
+        # allreduce() of metrics is exact there.
+        self.dtype = torch.float32 if settings.num_nodes > 1 else torch.float64
         self.optimizers = []
         self.next_optimizer = 0
         self.failed = False
@@ -115,7 +126,7 @@ class _Context:
                           settings.node_rank, settings.num_nodes, settings.socket_path,
                           connect_timeout_ms=min(settings.timeout_ms, 60000))
         try:
-            tid = ctl.declare("bytecomp.control", _SCRATCH_ELEMENTS, _lib.FLOAT64)
+            tid = ctl.declare("bytecomp.control", _SCRATCH_ELEMENTS, _TORCH_TO_C[self.dtype])
             ctl.start(settings.start_timeout_ms)
             addr, nbytes = ctl.buffer(tid)
         except _lib.InvalidArgumentError as e:
@@ -132,11 +143,36 @@ class _Context:
             raise
         self.ctl = ctl
         self.ctl_tensor = tid
-        self.scratch = _shm_tensor(addr, nbytes, torch.float64)
+        self.scratch = _shm_tensor(addr, nbytes, self.dtype)
+        try:
+            self.probe()
+        except BaseException:
+            self.scratch = None
+            ctl.close()
+            raise
+
+    def probe(self):
+        """Checks that the control job's sums are exact: a strategy that
+        compresses 'bytecomp.control' (the daemons refuse that for float64,
+        not for float32 across nodes) would silently corrupt broadcasts.
+        Rank 0 contributes 16-bit digits, the others 1 each."""
+        n = _SCRATCH_ELEMENTS
+        pattern = (torch.arange(n, dtype=torch.int64) * 7919 % 65536).to(self.dtype)
+        flat = pattern.clone() if self.settings.rank == 0 else torch.ones(n, dtype=self.dtype)
+        self.sum_flat(flat, True, "init (control job check)")
+        if not torch.equal(flat, pattern + (self.settings.size - 1)):
+            bad = int((flat != pattern + (self.settings.size - 1)).sum())
+            self.failed = True
+            raise _lib.InvalidArgumentError(
+                "BYTECOMP_ERR_INVALID_ARGUMENT",
+                "init: the daemons' sums of bytecomp.torch's control tensor 'bytecomp.control' "
+                "are not exact (%d of %d elements differ): their strategy compresses it; give "
+                "the strategy a first rule '- match: \"bytecomp.*\"' with 'option: "
+                "{compressor: none}' (docs/torch.md)" % (bad, n))
 
     def sum_flat(self, flat, contribute, what):
-        """Sums the float64 vector `flat` over every process, in place, through
-        the scratch tensor. A process with contribute=False adds zeros."""
+        """Sums the vector `flat` (of the scratch dtype) over every process, in
+        place, through the scratch tensor. contribute=False adds zeros."""
         n = flat.numel()
         off = 0
         while off < n:
@@ -146,9 +182,9 @@ class _Context:
                 chunk.copy_(flat[off:off + k])
             else:
                 chunk.zero_()
-            self.ctl_iteration += 1
             try:
                 h = self.ctl.push_pull(self.ctl_tensor, self.ctl_iteration)
+                self.ctl_iteration += 1
                 _wait(self.ctl, h, self.settings.timeout_ms, "%s", what)
             except BytecompError:
                 self.failed = True  # no exit barrier: the job is broken
@@ -158,14 +194,15 @@ class _Context:
 
     def check_same(self, signature, count, what):
         """Fails on every rank unless all ranks passed the same (signature,
-        count): sum(v) == n*v and sum(v*v) == n*v*v hold for all ranks only
-        when every v is equal (values < 2**20, so float64 sums are exact)."""
-        v = [float(signature % (1 << 20)), float(count % (1 << 20))]
-        flat = torch.tensor([v[0], v[1], v[0] * v[0], v[1] * v[1]], dtype=torch.float64)
+        count): for each 4-bit digit v, sum(v) == n*v and sum(v*v) == n*v*v
+        hold for all ranks only when every rank's v is equal (Cauchy-Schwarz);
+        the sums are small integers, exact in float32 and float64."""
+        word = ((signature & 0xFFFFFFFF) << 32) | (count & 0xFFFFFFFF)
+        digits = [float((word >> k) & ((1 << _DIGIT_BITS) - 1)) for k in range(0, 64, _DIGIT_BITS)]
+        mine = torch.tensor(digits + [d * d for d in digits], dtype=self.dtype)
+        flat = mine.clone()
         self.sum_flat(flat, True, what)
-        n = self.settings.size
-        ok = (flat[0] == n * v[0] and flat[1] == n * v[1] and flat[2] == n * v[0] * v[0]
-              and flat[3] == n * v[1] * v[1])
+        ok = torch.equal(flat, mine * self.settings.size)
         if not ok:
             raise ValueError(
                 "%s: the processes passed different tensors (names, shapes, dtypes or number "
@@ -175,7 +212,6 @@ class _Context:
 
 _ctx = None
 _ctx_lock = threading.Lock()
-_exit_failed = False
 _hooks_installed = []
 
 
@@ -184,14 +220,6 @@ def _ctx_or_raise(call):
     if c is None:
         raise NotInitializedError("bytecomp.torch.%s() called before bytecomp.torch.init()" % call)
     return c
-
-
-def _record_failure_excepthook(prev):
-    def hook(tp, value, tb):
-        global _exit_failed
-        _exit_failed = True
-        prev(tp, value, tb)
-    return hook
 
 
 def init():
@@ -207,8 +235,7 @@ def init():
         _ctx = _Context(settings)
         if not _hooks_installed:
             _hooks_installed.append(True)
-            sys.excepthook = _record_failure_excepthook(sys.excepthook)
-            atexit.register(_atexit)
+            atexit.register(shutdown)
 
 
 def is_initialized():
@@ -239,18 +266,15 @@ def num_nodes():
     return _ctx_or_raise("num_nodes").settings.num_nodes
 
 
-def _atexit():
-    # After an uncaught exception, leave at once so the other processes see
-    # this one's end (their waits fail) instead of waiting in a barrier.
-    shutdown(barrier=not _exit_failed)
-
-
-def shutdown(barrier=True):
-    """Leaves every job of this process. With barrier=True first waits (within
-    BYTECOMP_TIMEOUT_MS) until every process has reached shutdown, so no
-    process's exit aborts a peer that is still finishing its last step.
+def shutdown(barrier=False):
+    """Leaves every job of this process; called automatically at exit.
     Gradients are copied out of shared memory first, so param.grad stays
-    usable. Called automatically at exit."""
+    usable. A process that has waited for everything it pushed (step()
+    does) leaves without disturbing peers still reading their last results
+    (the daemon's clean close), so no exit barrier is needed; barrier=True
+    still waits (within BYTECOMP_TIMEOUT_MS) until every process called
+    shutdown. A process leaving with a sum still in flight, or while peers
+    wait for its part, aborts the job for them (they raise at once)."""
     global _ctx
     with _ctx_lock:
         c = _ctx
@@ -270,7 +294,7 @@ def shutdown(barrier=True):
 
 
 def _barrier(c):
-    flat = torch.zeros(1, dtype=torch.float64)
+    flat = torch.zeros(1, dtype=c.dtype)
     c.sum_flat(flat, True, "barrier")
 
 
@@ -279,13 +303,42 @@ def barrier():
     _barrier(_ctx_or_raise("barrier"))
 
 
-def _to_float64(t):
-    if t.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                       torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool):
+_BROADCAST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                     torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _tensor_bytes(t):
+    """The tensor's bytes (a flat uint8 tensor, a copy)."""
+    if t.dtype not in _BROADCAST_DTYPES:
         raise TypeError("bytecomp.torch: cannot broadcast a tensor of dtype %s" % t.dtype)
-    if t.dtype == torch.int64 and t.numel() and int(t.abs().max()) > 2 ** 53:
-        raise ValueError("bytecomp.torch: int64 values above 2**53 cannot be broadcast exactly")
-    return t.detach().reshape(-1).to(torch.float64)
+    flat = t.detach().reshape(-1).clone()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def _broadcast_bytes(c, data, count, is_root, what):
+    """Returns the root's `count` bytes (a uint8 tensor) on every rank: the
+    root contributes them as 16-bit digits, the others zeros, so the sum is
+    exact whatever the scratch dtype."""
+    if count == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    padded = count + (count & 1)
+    if is_root:
+        b = torch.zeros(padded, dtype=torch.uint8)
+        b[:count] = data
+        b = b.to(torch.int32)
+        flat = (b[0::2] + 256 * b[1::2]).to(c.dtype)
+    else:
+        flat = torch.empty(padded // 2, dtype=c.dtype)
+    c.sum_flat(flat, is_root, what)
+    if is_root:
+        return data
+    words = flat.to(torch.int32)
+    out = torch.empty(padded, dtype=torch.uint8)
+    out[0::2] = (words & 0xFF).to(torch.uint8)
+    out[1::2] = (words >> 8).to(torch.uint8)
+    return out[:count]
 
 
 def _named_tensors(params, what):
@@ -314,7 +367,7 @@ def _named_tensors(params, what):
 
 
 def _broadcast_tensors(c, named, root_rank, what):
-    """Broadcasts the tensors in place from root_rank (all through float64)."""
+    """Broadcasts the tensors in place from root_rank, bit for bit."""
     if not isinstance(root_rank, int) or not 0 <= root_rank < c.settings.size:
         raise ValueError("%s: root_rank=%r is not a rank (0..%d)" %
                          (what, root_rank, c.settings.size - 1))
@@ -323,16 +376,24 @@ def _broadcast_tensors(c, named, root_rank, what):
     c.check_same(sig, count, what)
     if count == 0:
         return
+    for name, t in named:
+        if t.dtype not in _BROADCAST_DTYPES:
+            raise TypeError("%s: cannot broadcast tensor %r of dtype %s" % (what, name, t.dtype))
     is_root = c.settings.rank == root_rank
-    flat = torch.cat([_to_float64(t) for _, t in named]) if is_root else \
-        torch.empty(count, dtype=torch.float64)
-    c.sum_flat(flat, is_root, what)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    data = torch.cat([_tensor_bytes(t) for _, t in named]) if is_root else None
+    data = _broadcast_bytes(c, data, nbytes, is_root, what)
     if not is_root:
         off = 0
         with torch.no_grad():
             for _, t in named:
-                k = t.numel()
-                t.copy_(flat[off:off + k].view(t.shape).to(t.dtype))
+                k = t.numel() * t.element_size()
+                raw = data[off:off + k].clone()  # aligned for view()
+                if t.dtype == torch.bool:
+                    v = raw.to(torch.bool)
+                else:
+                    v = raw.view(t.dtype)
+                t.copy_(v.view(t.shape))
                 off += k
 
 
@@ -356,12 +417,15 @@ def broadcast(tensor, root_rank=0, name="tensor"):
 def allreduce(tensor, average=True, name="tensor"):
     """Returns a new tensor holding the sum (average=True: mean) of `tensor`
     over every process. Meant for metrics, not gradients (use
-    DistributedOptimizer for those); sums run in float64."""
+    DistributedOptimizer for those); sums run in float64 on one node and in
+    float32 across nodes (the parameter servers sum float32)."""
     c = _ctx_or_raise("allreduce")
     named = _named_tensors([(name, tensor)], "allreduce")
+    if tensor.dtype not in _BROADCAST_DTYPES:
+        raise TypeError("allreduce: cannot sum a tensor of dtype %s" % tensor.dtype)
     c.check_same(zlib.crc32(repr((tuple(tensor.shape), str(tensor.dtype))).encode()),
                  tensor.numel(), "allreduce")
-    flat = _to_float64(tensor).clone()
+    flat = tensor.detach().reshape(-1).to(c.dtype).clone()
     c.sum_flat(flat, True, "allreduce")
     if average:
         flat /= c.settings.size
@@ -377,15 +441,18 @@ def broadcast_object(obj, root_rank=0):
                          (root_rank, c.settings.size - 1))
     is_root = c.settings.rank == root_rank
     data = pickle.dumps(obj) if is_root else b""
-    length = torch.tensor([float(len(data))], dtype=torch.float64)
-    c.sum_flat(length, is_root, "broadcast_object")
-    n = int(length.item())
-    flat = torch.tensor(list(data), dtype=torch.float64) if is_root else \
-        torch.empty(n, dtype=torch.float64)
-    c.sum_flat(flat, is_root, "broadcast_object")
+
+    def as_tensor(b):
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else \
+            torch.empty(0, dtype=torch.uint8)
+    length = _broadcast_bytes(c, as_tensor(struct.pack("<Q", len(data))) if is_root else None,
+                              8, is_root, "broadcast_object")
+    n = struct.unpack("<Q", bytes(length.tolist()))[0]
+    got = _broadcast_bytes(c, as_tensor(data) if is_root else None, n, is_root,
+                           "broadcast_object")
     if is_root:
         return obj
-    return pickle.loads(bytes(flat.to(torch.uint8).tolist()))
+    return pickle.loads(got.numpy().tobytes())
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0):
@@ -563,7 +630,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 _strategy.check(self._bc_strategy,
                                 [(n, p.numel() * _ELEMENT_BYTES[p.dtype])
                                  for n, p in self._bc_params])
-                _strategy.apply(self._bc_strategy, s.strategy)
+                _strategy.apply(self._bc_strategy, client, s.strategy)
             client.start(s.start_timeout_ms)
             self._bc_slots = []
             for tid, (name, p) in zip(ids, self._bc_params):
@@ -617,7 +684,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     slot.buf.copy_(p.grad)
             p.grad = slot.buf
         try:
-            slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration + 1)
+            slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration)
         except BytecompError as e:
             self._bc_failed = e
             self._bc_ctx.failed = True
