@@ -150,9 +150,16 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
       add(Resource::kCpu, t, "compress");
     }
   };
+  // On the GPU the pieces one collective delivers are decoded by one batched
+  // kernel (paper's V100 table: the decode cost of the "compress inter-node
+  // only" option, which decodes all M gathered pieces, is that of one shard,
+  // and "intra+inter" costs about three such stages, one per decoding stage,
+  // not one per piece): the fixed cost is paid once per stage, the linear
+  // part grows with all the elements decoded. A CPU core decodes piece by
+  // piece, as compress_bench measures it.
   auto decomp = [&](double x, double pieces, int par) {
     if (o.decomp_device == Device::kGpu) {
-      add(Resource::kGpu, pieces * cc->gpu->decompress.at(x), "decompress");
+      add(Resource::kGpu, cc->gpu->decompress.at(pieces * x), "decompress");
     } else {
       double t = par * pieces * cc->cpu->decompress.at(x) / cores;
       if (copy_bpu > 0) t += par * 4.0 * x / copy_bpu;
@@ -252,17 +259,21 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
       const double server_bpu = cluster_.server_gbps * 1e3 / 8.0;
       B1 = B2 = std::min(Bp, servers * server_bpu / (M * par));
     }
+    // The PS-shaped collectives run as push/pull (DESIGN.md section 3): every
+    // node sends all its shards at once and the servers answer at once, so
+    // each of push and pull costs one latency, not the M-1 of a ring.
+    const double ps_lat = ae;
     switch (o.inter) {
       case Collective::kAllreduce:
         add(Resource::kInter, 2 * steps(M) * ae + 2 * frac(M) * bytes / Bp, "allreduce");
         break;
       case Collective::kReduceScatterAllgather:
-        add(Resource::kInter, steps(M) * ae + frac(M) * bytes / B1, "reduce_scatter");
-        add(Resource::kInter, steps(M) * ae + frac(M) * bytes / B2, "allgather");
+        add(Resource::kInter, ps_lat + frac(M) * bytes / B1, "reduce_scatter");
+        add(Resource::kInter, ps_lat + frac(M) * bytes / B2, "allgather");
         break;
       case Collective::kReduceBroadcast:
-        add(Resource::kInter, steps(M) * ae + bytes / B1, "reduce");
-        add(Resource::kInter, steps(M) * ae + bytes / B2, "broadcast");
+        add(Resource::kInter, ps_lat + bytes / B1, "reduce");
+        add(Resource::kInter, ps_lat + bytes / B2, "broadcast");
         break;
       case Collective::kAllgather:
         add(Resource::kInter, steps(M) * ae + steps(M) * bytes / Bp, "allgather");
@@ -271,10 +282,10 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
         break;
       case Collective::kAlltoallAllgather: {
         const double shard = m / M;
-        add(Resource::kInter, steps(M) * ae + frac(M) * bytes / B1, "alltoall");
+        add(Resource::kInter, ps_lat + frac(M) * bytes / B1, "alltoall");
         decomp(shard, M, par);
         comp(shard, par);
-        add(Resource::kInter, steps(M) * ae + steps(M) * wire(shard) / B2, "allgather");
+        add(Resource::kInter, ps_lat + steps(M) * wire(shard) / B2, "allgather");
         if (!s3) {
           decomp(shard, M, par);
           raw_after_inter = true;
@@ -282,10 +293,10 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
         break;
       }
       case Collective::kGatherBroadcast:
-        add(Resource::kInter, steps(M) * ae + steps(M) * bytes / B1, "gather");
+        add(Resource::kInter, ps_lat + steps(M) * bytes / B1, "gather");
         decomp(m, M, par);
         comp(m, par);
-        add(Resource::kInter, steps(M) * ae + bytes / B2, "broadcast");
+        add(Resource::kInter, ps_lat + bytes / B2, "broadcast");
         if (!s3) {
           decomp(m, 1, par);
           raw_after_inter = true;
