@@ -19,31 +19,18 @@ void Reader::need(size_t n, const char* field) {
                                            std::to_string(bytes_.size() - pos_) + " left)");
 }
 
-uint8_t Reader::u8(const char* field) {
-  need(1, field);
-  return static_cast<uint8_t>(bytes_[pos_++]);
-}
-uint16_t Reader::u16(const char* field) {
-  need(2, field);
-  uint16_t v;
-  std::memcpy(&v, bytes_.data() + pos_, 2);
-  pos_ += 2;
+template <class T>
+T Reader::fixed(const char* field) {
+  need(sizeof(T), field);
+  T v;
+  std::memcpy(&v, bytes_.data() + pos_, sizeof(T));  // unaligned-safe
+  pos_ += sizeof(T);
   return v;
 }
-uint32_t Reader::u32(const char* field) {
-  need(4, field);
-  uint32_t v;
-  std::memcpy(&v, bytes_.data() + pos_, 4);
-  pos_ += 4;
-  return v;
-}
-uint64_t Reader::u64(const char* field) {
-  need(8, field);
-  uint64_t v;
-  std::memcpy(&v, bytes_.data() + pos_, 8);
-  pos_ += 8;
-  return v;
-}
+uint8_t Reader::u8(const char* field) { return fixed<uint8_t>(field); }
+uint16_t Reader::u16(const char* field) { return fixed<uint16_t>(field); }
+uint32_t Reader::u32(const char* field) { return fixed<uint32_t>(field); }
+uint64_t Reader::u64(const char* field) { return fixed<uint64_t>(field); }
 std::string Reader::str(const char* field, size_t max_len) {
   uint32_t n = u32(field);
   if (n > max_len)

@@ -93,6 +93,8 @@ class Reader {
 
  private:
   void need(size_t n, const char* field);
+  template <class T>
+  T fixed(const char* field);
   std::string_view bytes_;
   size_t pos_ = 0;
   std::string what_;
