@@ -185,27 +185,32 @@ void all_candidates(Problem& p, Candidates& c) {
   }
 }
 
+// Tensor i takes its best option among `cands` if that shortens the
+// iteration (f is updated); returns whether it changed.
+bool take_best(Evaluator& ev, int i, const std::vector<int>& cands, double& f) {
+  double best = f;
+  int best_opt = -1;
+  for (int o : cands) {
+    if (o == ev.base()[i]) continue;
+    const double v = ev.try_option(i, o, best - kEps);
+    if (v < best - kEps) {
+      best = v;
+      best_opt = o;
+    }
+  }
+  if (best_opt < 0) return false;
+  ev.commit(i, best_opt);
+  f = best;
+  return true;
+}
+
 // One sweep over `order`: each tensor takes its best candidate.
 bool sweep(Evaluator& ev, const std::vector<int>& order,
            const std::vector<std::vector<int>>& cands, double& f, double stop_at) {
   bool improved = false;
   for (int i : order) {
     if (f <= stop_at) break;
-    double best = f;
-    int best_opt = -1;
-    for (int o : cands[i]) {
-      if (o == ev.base()[i]) continue;
-      const double v = ev.try_option(i, o, best - kEps);
-      if (v < best - kEps) {
-        best = v;
-        best_opt = o;
-      }
-    }
-    if (best_opt >= 0) {
-      ev.commit(i, best_opt);
-      f = best;
-      improved = true;
-    }
+    improved |= take_best(ev, i, cands[i], f);
   }
   return improved;
 }
@@ -360,20 +365,7 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
     if (f <= lb) break;  // no bubble left: nothing can be gained
     if (cand.gpu[i].empty()) continue;
     ++st.tensors_examined;
-    double best = f;
-    int best_opt = -1;
-    for (int o : cand.gpu[i]) {
-      if (o == ev.base()[i]) continue;
-      const double v = ev.try_option(i, o, best - kEps);
-      if (v < best - kEps) {
-        best = v;
-        best_opt = o;
-      }
-    }
-    if (best_opt >= 0) {
-      ev.commit(i, best_opt);
-      f = best;
-    }
+    take_best(ev, i, cand.gpu[i], f);
   }
   st.algorithm1_ms = ms_since(t0);
 
