@@ -1,6 +1,7 @@
 // Two emulated nodes: two bytecompd (own sockets, own shm instances) and a
 // real bytecomp-server on loopback, two client processes per node. Results
 // must equal the exact sum over all four clients.
+#include <bytecomp/bytecomp.h>
 #include <gtest/gtest.h>
 
 #include "tests/daemon/harness.h"
@@ -88,6 +89,25 @@ class TwoNodes : public ::testing::Test {
     return w;
   }
 
+  // A client of `job` as local rank `rank` of 2 on emulated node `node` of 2;
+  // nullptr (with a recorded failure) when the daemon refuses.
+  bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = job;
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    if (bytecomp_connect(&o, &c) != BYTECOMP_OK) {
+      ADD_FAILURE() << "connect to node " << node << ": " << bytecomp_last_error();
+      return nullptr;
+    }
+    return c;
+  }
+
   static inline int counter_ = 0;
   fs::path dir_;
   std::string coordinator_;
@@ -157,7 +177,6 @@ TEST_F(TwoNodes, KilledClientAbortsTheOtherNodeAtOnce) {
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
 
-#include <bytecomp/bytecomp.h>
 
 #include <cmath>
 #include <future>
@@ -191,16 +210,8 @@ TEST_F(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
   constexpr int kIters = 8;
   std::vector<std::vector<float>> got[2];
   auto run = [&](uint32_t node, uint32_t rank) {
-    bytecomp_connect_options o;
-    bytecomp_connect_options_init(&o);
-    o.socket_path = nodes_[node]->socket().c_str();
-    o.job_id = "fp16";
-    o.local_rank = rank;
-    o.local_size = 2;
-    o.node_rank = node;
-    o.num_nodes = 2;
-    bytecomp_client* c = nullptr;
-    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    bytecomp_client* c = connect_client(node, rank, "fp16");
+    ASSERT_NE(c, nullptr);
     uint32_t ids[2];
     ASSERT_EQ(bytecomp_declare_tensor(c, "dense", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0,
                                       &ids[0]),
@@ -260,16 +271,8 @@ TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
   std::barrier sync(4);
   int64_t switch_at = -1;
   auto run = [&](uint32_t node, uint32_t rank) {
-    bytecomp_connect_options o;
-    bytecomp_connect_options_init(&o);
-    o.socket_path = nodes_[node]->socket().c_str();
-    o.job_id = "switch";
-    o.local_rank = rank;
-    o.local_size = 2;
-    o.node_rank = node;
-    o.num_nodes = 2;
-    bytecomp_client* c = nullptr;
-    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    bytecomp_client* c = connect_client(node, rank, "switch");
+    ASSERT_NE(c, nullptr);
     uint32_t id = 0;
     ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
               BYTECOMP_OK);
@@ -356,16 +359,8 @@ TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
   constexpr int kIters = 6;
   std::vector<std::vector<float>> got;
   auto run = [&](uint32_t node, uint32_t rank) {
-    bytecomp_connect_options o;
-    bytecomp_connect_options_init(&o);
-    o.socket_path = nodes_[node]->socket().c_str();
-    o.job_id = "topk";
-    o.local_rank = rank;
-    o.local_size = 2;
-    o.node_rank = node;
-    o.num_nodes = 2;
-    bytecomp_client* c = nullptr;
-    ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+    bytecomp_client* c = connect_client(node, rank, "topk");
+    ASSERT_NE(c, nullptr);
     uint32_t id = 0;
     ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
               BYTECOMP_OK);
