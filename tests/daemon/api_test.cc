@@ -34,6 +34,18 @@ bytecomp_client* connect(const DaemonEnv& env, const char* job, uint32_t rank, u
 class Api : public ::testing::Test {
  protected:
   void SetUp() override { env_.start(); }
+  // Two local ranks of `job`, each with one 4-float tensor "x", started.
+  void start_pair(const char* job, bytecomp_client*& a, bytecomp_client*& b) {
+    a = connect(env_, job, 0, 2);
+    b = connect(env_, job, 1, 2);
+    for (auto* c : {a, b}) {
+      ASSERT_EQ(bytecomp_declare_tensor(c, "x", 4, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
+                BYTECOMP_OK);
+    }
+    auto fb = std::async(std::launch::async, [&] { return bytecomp_start(b, 5000); });
+    ASSERT_EQ(bytecomp_start(a, 5000), BYTECOMP_OK);
+    ASSERT_EQ(fb.get(), BYTECOMP_OK);
+  }
   DaemonEnv env_{"api"};
 };
 
@@ -220,15 +232,8 @@ TEST_F(Api, StartTimesOutWhenARankNeverComes) {
 }
 
 TEST_F(Api, GracefulCloseWhileAnotherRankWaitsAbortsIt) {
-  bytecomp_client* a = connect(env_, "bye", 0, 2);
-  bytecomp_client* b = connect(env_, "bye", 1, 2);
-  for (auto* c : {a, b}) {
-    ASSERT_EQ(bytecomp_declare_tensor(c, "x", 4, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
-              BYTECOMP_OK);
-  }
-  auto fb = std::async(std::launch::async, [&] { return bytecomp_start(b, 5000); });
-  ASSERT_EQ(bytecomp_start(a, 5000), BYTECOMP_OK);
-  ASSERT_EQ(fb.get(), BYTECOMP_OK);
+  bytecomp_client *a = nullptr, *b = nullptr;
+  ASSERT_NO_FATAL_FAILURE(start_pair("bye", a, b));
   bytecomp_handle h;
   ASSERT_EQ(bytecomp_push_pull(a, 0, 0, &h), BYTECOMP_OK);
   EXPECT_EQ(bytecomp_close(b), BYTECOMP_OK);
@@ -239,15 +244,8 @@ TEST_F(Api, GracefulCloseWhileAnotherRankWaitsAbortsIt) {
 }
 
 TEST_F(Api, CloseWithOwnPushPullInFlightAbortsTheOthers) {
-  bytecomp_client* a = connect(env_, "inflight", 0, 2);
-  bytecomp_client* b = connect(env_, "inflight", 1, 2);
-  for (auto* c : {a, b}) {
-    ASSERT_EQ(bytecomp_declare_tensor(c, "x", 4, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
-              BYTECOMP_OK);
-  }
-  auto fb = std::async(std::launch::async, [&] { return bytecomp_start(b, 5000); });
-  ASSERT_EQ(bytecomp_start(a, 5000), BYTECOMP_OK);
-  ASSERT_EQ(fb.get(), BYTECOMP_OK);
+  bytecomp_client *a = nullptr, *b = nullptr;
+  ASSERT_NO_FATAL_FAILURE(start_pair("inflight", a, b));
   bytecomp_handle hb;
   ASSERT_EQ(bytecomp_push_pull(b, 0, 0, &hb), BYTECOMP_OK);
   EXPECT_EQ(bytecomp_close(b), BYTECOMP_OK);  // without waiting for hb
