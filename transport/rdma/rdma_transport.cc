@@ -61,6 +61,21 @@ struct Hello {
   uint32_t recv_slots = 0;  // how many receives the sender of this hello posted
 };
 
+// Our side of the handshake, the same for rdma_accept and rdma_connect.
+// `mine` carries the hello and must outlive that call.
+rdma_conn_param handshake_param(Hello& mine, NodeId self, uint32_t recv_slots) {
+  mine.node = self;
+  mine.recv_slots = recv_slots;
+  rdma_conn_param param{};
+  param.private_data = &mine;
+  param.private_data_len = sizeof mine;
+  param.responder_resources = 1;
+  param.initiator_depth = 1;
+  param.rnr_retry_count = 7;
+  param.retry_count = 7;
+  return param;
+}
+
 // wr_id layout: connection serial (32 bits) | kind (8) | index (24).
 // kWrSend: an eager message whose Outgoing completes with it; kWrCtl: RTS,
 // CTS, NACK, credits, heartbeats (nothing to complete).
@@ -611,15 +626,7 @@ void RdmaTransport::handle_cm_event(rdma_cm_event* ev) {
       }
       c->send_credits = static_cast<int>(std::min<uint32_t>(hello.recv_slots, config().rdma.max_send_wr / 2));
       Hello mine;
-      mine.node = self();
-      mine.recv_slots = config().rdma.recv_buffers;
-      rdma_conn_param param{};
-      param.private_data = &mine;
-      param.private_data_len = sizeof mine;
-      param.responder_resources = 1;
-      param.initiator_depth = 1;
-      param.rnr_retry_count = 7;
-      param.retry_count = 7;
+      rdma_conn_param param = handshake_param(mine, self(), config().rdma.recv_buffers);
       c->state = ConnState::kConnecting;
       uint32_t serial = c->serial;
       conns_[serial] = std::move(c);
@@ -644,15 +651,7 @@ void RdmaTransport::handle_cm_event(rdma_cm_event* ev) {
         break;
       }
       Hello mine;
-      mine.node = self();
-      mine.recv_slots = config().rdma.recv_buffers;
-      rdma_conn_param param{};
-      param.private_data = &mine;
-      param.private_data_len = sizeof mine;
-      param.responder_resources = 1;
-      param.initiator_depth = 1;
-      param.rnr_retry_count = 7;
-      param.retry_count = 7;
+      rdma_conn_param param = handshake_param(mine, self(), config().rdma.recv_buffers);
       c->state = ConnState::kConnecting;
       if (rdma_connect(id, &param) != 0)
         BC_LOG(LogRdma(), kWarn) << "node " << self() << ": " << errno_text("rdma_connect");
