@@ -61,6 +61,9 @@ void TransportConfig::validate() const {
     bad("max_message_bytes " + std::to_string(max_message_bytes) + " is out of range");
   if (max_payloads < 1 || max_payloads > 4096)
     bad("max_payloads " + std::to_string(max_payloads) + " is out of range (accepted: 1..4096)");
+  if (wait_spin.count() < 0 || wait_spin.count() > 1000)
+    bad("wait_spin_us " + std::to_string(wait_spin.count()) +
+        " is out of range (accepted: 0..1000)");
   if (send_queue_messages < 1) bad("send_queue_messages must be >= 1");
   if (send_queue_bytes < 1) bad("send_queue_bytes must be >= 1");
   if (receive_queue_messages < 1) bad("receive_queue_messages must be >= 1");
@@ -98,6 +101,9 @@ TransportConfig read_transport_config(config::Reader& r) {
   r.get("io_threads", c.io_threads, Range<int>{1, 64});
   r.get("handler_threads", c.handler_threads, Range<int>{1, 64});
   r.get("inline_handlers", c.inline_handlers);
+  int64_t spin_us = c.wait_spin.count();
+  r.get("wait_spin_us", spin_us, Range<int64_t>{0, 1000});
+  c.wait_spin = std::chrono::microseconds{spin_us};
   c.heartbeat_interval = read_ms(r, "heartbeat_interval_ms", c.heartbeat_interval, 10, 600000);
   c.peer_timeout = read_ms(r, "peer_timeout_ms", c.peer_timeout, 20, 3600000);
   c.default_request_timeout =

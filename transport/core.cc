@@ -238,7 +238,7 @@ void TransportBase::enqueue(Outgoing out) {
   ++queued_messages_;
   send_queue_.push_back(std::move(out));
   lock.unlock();
-  backend_wakeup();
+  backend_outgoing();
 }
 
 bool TransportBase::pop_outgoing(Outgoing& out) {
@@ -266,6 +266,14 @@ void TransportBase::complete_send(Outgoing& out, Status status) {
     BC_LOG(LogTransport(), kDebug) << "node " << self() << ": send of "
                                    << wire::kind_name(out.header.kind) << " to " << out.to
                                    << " failed: " << status.to_string();
+  if (out.request_id != 0 && !status.ok()) {
+    // finish_request delivers on the completion thread (or, for call(),
+    // fulfils its promise here).
+    uint64_t id = out.request_id;
+    out.request_id = 0;
+    finish_request(id, Response{status, out.to, {}});
+  }
+  out.request_id = 0;
   if (out.done)
     completions_.post([done = std::move(out.done), status = std::move(status)] { done(status); });
   out.done = nullptr;
@@ -303,9 +311,7 @@ void TransportBase::start_request(NodeId to, Message message, Millis timeout,
   out.bytes = message.payload_bytes() + out.header.encoded_size();
   Status bad = validate_message(message);
   out.payloads = std::move(message.payloads);
-  out.done = [this, id, to](const Status& s) {
-    if (!s.ok()) finish_request(id, Response{s, to, {}});
-  };
+  out.request_id = id;
   if (!bad.ok()) {
     complete_send(out, bad);
     return;

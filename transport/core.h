@@ -19,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -42,6 +43,9 @@ struct Outgoing {
   wire::WireHeader header;
   std::vector<Buffer> payloads;
   SendCallback done;     // wrapped: runs on the completion thread
+  // request(): a failed send finishes this request (no callback is posted
+  // for a successful one, so a request costs the completion thread nothing).
+  uint64_t request_id = 0;
   uint64_t bytes = 0;    // budget held in the send queue
 };
 
@@ -93,6 +97,7 @@ class TransportBase : public Transport {
  protected:
   TransportBase(const TransportConfig& config, std::string backend_name);
   Millis wait_bound() const override;
+  std::chrono::microseconds wait_spin() const override { return config_.wait_spin; }
   bool on_io_thread() const override {
     return io_thread_.load(std::memory_order_relaxed) == std::this_thread::get_id();
   }
@@ -104,6 +109,10 @@ class TransportBase : public Transport {
   // --- backend hooks (called without locks held) ---
   // Make the I/O loop look at the send queue / control commands soon.
   virtual void backend_wakeup() = 0;
+  // A message was queued (called by the queuing thread, after it queued,
+  // without locks held). A backend may move it to the wire on the calling
+  // thread when its sockets are free, sparing the I/O loop a wake-up.
+  virtual void backend_outgoing() { backend_wakeup(); }
   // Validate `address` (throw Error(kInvalidArgument)) and connect.
   virtual void backend_add_peer(NodeId id, const std::string& address) = 0;
   virtual void backend_remove_peer(NodeId id) = 0;

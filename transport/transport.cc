@@ -1,5 +1,7 @@
 #include "transport/transport.h"
 
+#include <sched.h>
+
 #include <future>
 
 #include "transport/zmq/zmq_transport.h"
@@ -8,6 +10,20 @@
 #endif
 
 namespace bytecomp::transport {
+namespace {
+
+// The bounded spin of TransportConfig::wait_spin for a blocking wrapper
+// (see there for what it buys and what it costs). Yields between looks.
+template <class T>
+void spin_until_ready(std::future<T>& f, std::chrono::microseconds spin) {
+  if (spin.count() <= 0) return;
+  auto until = Clock::now() + spin;
+  while (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready &&
+         Clock::now() < until)
+    sched_yield();
+}
+
+}  // namespace
 
 std::vector<std::string> available_backends() {
   std::vector<std::string> b{"zmq"};
@@ -47,6 +63,7 @@ Status Transport::send_wait(NodeId to, Message message) {
   auto promise = std::make_shared<std::promise<Status>>();
   std::future<Status> result = promise->get_future();
   send(to, std::move(message), [promise](const Status& s) { promise->set_value(s); });
+  spin_until_ready(result, wait_spin());
   if (result.wait_for(wait_bound()) != std::future_status::ready)
     return {ErrorCode::kTimeout, "send to node " + std::to_string(to) + " did not complete within " +
                                      std::to_string(wait_bound().count()) + " ms"};
@@ -62,6 +79,7 @@ Response Transport::call(NodeId to, Message message, Millis timeout) {
   std::future<Response> result = promise->get_future();
   request_for_call(to, std::move(message), timeout,
                    [promise](Response r) { promise->set_value(std::move(r)); });
+  spin_until_ready(result, wait_spin());
   if (result.wait_for(wait_bound() + timeout) != std::future_status::ready)
     return {Status(ErrorCode::kTimeout, "request to node " + std::to_string(to) +
                                             " did not complete within its bound"),

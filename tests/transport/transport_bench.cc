@@ -4,9 +4,18 @@
 //
 //   transport_bench [--backend zmq] [--endpoint tcp|ipc] [--size BYTES]
 //                   [--messages N] [--rtt-iters N] [--runs N] [--io-threads N]
-//                   [--rtt-peers default|inline|both]
+//                   [--variants default,inline,nospin] [--spin-us N]
+// Round trips are measured per variant, each with its own client transport
+// and peer process, one variant after the other (idle ones sleep):
+//   default  the config defaults on both sides (wait_spin_us: --spin-us
+//            when given);
+//   inline   the same with inline_handlers: true at the peer;
+//   nospin   wait_spin_us: 0 (call() sleeps at once).
+// For each, the CPU time both processes spent per round trip is reported
+// (the bench process via getrusage, the peer via /proc/PID/stat ticks).
 // Prints one line per run and, last, one JSON line:
 //   {"goodput_bytes_per_s": [...], "rtt_us_median": [...], ...}
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -17,6 +26,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
+#include <memory>
 #include <sstream>
 
 #include "common/log.h"
@@ -86,30 +97,70 @@ double raw_zmq_rtt_median_us(uint64_t iters) {
   return us[us.size() / 2];
 }
 
+// CPU seconds this process used so far (all threads).
+double self_cpu_s() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+// CPU seconds process `pid` used so far (utime + stime, clock ticks).
+double proc_cpu_s(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  auto close = text.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  // After "pid (comm) ": state is field 3; utime and stime are 14 and 15.
+  for (int i = 3; i <= 15 && rest >> field; ++i)
+    if (i >= 14) ticks += std::stod(field);
+  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string backend = "zmq", endpoint = "tcp";
   size_t size = 4u << 20;
-  uint64_t messages = 500, rtt_iters = 5000;
+  uint64_t messages = 500, rtt_iters = 3000;
   int runs = 3;
   int io_threads = 2;  // ZeroMQ I/O threads on both sides
-  std::string rtt_peers = "both";  // default | inline | both
+  int spin_us = -1;    // -1: the config default
+  std::string variants_arg = "default,inline,nospin";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--backend") backend = v;
     else if (k == "--endpoint") endpoint = v;
     else if (k == "--size") size = std::stoull(v);
     else if (k == "--messages") messages = std::stoull(v);
-    else if (k == "--rtt-iters") rtt_iters = std::stoull(v);  // split over both peers
+    else if (k == "--rtt-iters") rtt_iters = std::stoull(v);  // per variant
     else if (k == "--runs") runs = std::stoi(v);
     else if (k == "--io-threads") io_threads = std::stoi(v);
-    else if (k == "--rtt-peers") rtt_peers = v;
+    else if (k == "--variants") variants_arg = v;
+    else if (k == "--spin-us") spin_us = std::stoi(v);
     else {
       std::cerr << "transport_bench: unknown option " << k << "\n";
       return 2;
     }
   }
+  std::vector<std::string> variants = split(variants_arg);
+  for (const std::string& v : variants)
+    if (v != "default" && v != "inline" && v != "nospin") {
+      std::cerr << "transport_bench: unknown variant '" << v << "' (accepted: default, inline, nospin)\n";
+      return 2;
+    }
+  if (variants.empty() || variants[0] != "default") variants.insert(variants.begin(), "default");
   char tmpl[] = "/tmp/bc-transport-bench-XXXXXX";
   if (!mkdtemp(tmpl)) return 1;
   std::string dir = tmpl;
@@ -119,78 +170,94 @@ int main(int argc, char** argv) {
     auto listen = [&](const std::string& name) {
       return endpoint == "ipc" ? "ipc://" + dir + "/" + name + ".sock" : std::string("tcp://127.0.0.1:0");
     };
-    std::ofstream(dir + "/peer.yaml") << "version: 1\ntransport:\n  backend: " << backend
-                                      << "\n  io_threads: " << io_threads
-                                      << "\n  listen: [\"" << listen("peer") << "\"]\n";
-    testing::PeerProcess peer(dir + "/peer.yaml", 1);
-    // The same peer with inline_handlers (handlers on its I/O loop thread).
-    std::ofstream(dir + "/peer-inline.yaml") << "version: 1\ntransport:\n  backend: " << backend
-                                             << "\n  inline_handlers: true\n  io_threads: " << io_threads
-                                             << "\n  listen: [\""
-                                             << listen("peer-inline") << "\"]\n";
-    testing::PeerProcess peer_inline(dir + "/peer-inline.yaml", 2);
-    TransportConfig cfg;
-    cfg.backend = backend;
-    cfg.listen = {listen("bench")};
-    cfg.node_id = 0;
-    cfg.io_threads = io_threads;
-    auto t = make_transport(cfg);
-    t->add_peer(1, peer.address());
-    t->add_peer(2, peer_inline.address());
-    t->start();
+    struct Variant {
+      std::string name;
+      std::unique_ptr<testing::PeerProcess> peer;
+      std::unique_ptr<Transport> client;
+      std::vector<double> goodput, median, p99, cpu_us;
+      uint64_t seq = 0;  // the peer checks its sequence numbers
+    };
+    std::vector<Variant> vs;
+    NodeId next_node = 1;
+    for (const std::string& name : variants) {
+      Variant v;
+      v.name = name;
+      int spin = name == "nospin" ? 0 : spin_us;
+      std::ostringstream yaml;
+      yaml << "version: 1\ntransport:\n  backend: " << backend << "\n  io_threads: " << io_threads
+           << "\n  listen: [\"" << listen("peer-" + name) << "\"]\n";
+      if (name == "inline") yaml << "  inline_handlers: true\n";
+      if (spin >= 0) yaml << "  wait_spin_us: " << spin << "\n";
+      std::ofstream(dir + "/peer-" + name + ".yaml") << yaml.str();
+      v.peer = std::make_unique<testing::PeerProcess>(dir + "/peer-" + name + ".yaml", next_node);
+      TransportConfig cfg;
+      cfg.backend = backend;
+      cfg.listen = {listen("bench-" + name)};
+      cfg.node_id = 100 + next_node;
+      cfg.io_threads = io_threads;
+      if (spin >= 0) cfg.wait_spin = std::chrono::microseconds{spin};
+      v.client = make_transport(cfg);
+      v.client->add_peer(next_node, v.peer->address());
+      v.client->start();
+      ++next_node;
+      vs.push_back(std::move(v));
+    }
     Buffer payload = Buffer::allocate(size);
     tp::fill_pattern(payload.mutable_data(), size, 1);
     Buffer small = Buffer::allocate(64);
 
-    std::vector<double> goodput, rtt_median, rtt_p99, rtt_inline_median, rtt_inline_p99, raw_rtt;
-    uint64_t seq = 0;
+    std::vector<double> raw_rtt;
     for (int run = 0; run < runs; ++run) {
-      // Goodput: stream, then one request that queues behind every message
-      // (same ordered connection) and whose answer counts them.
-      Response before = t->call(1, Message{{tp::kStats, 0, 0, 0, 0}, {}}, Millis{30000});
-      before.status.throw_if_error();
-      auto t0 = std::chrono::steady_clock::now();
-      for (uint64_t i = 0; i < messages; ++i)
-        t->send(1, Message{{tp::kSeq, 0, 0, 9, seq++}, {payload}}, nullptr);
-      Response after = t->call(1, Message{{tp::kStats, 0, 0, 0, 0}, {}}, Millis{120000});
-      after.status.throw_if_error();
-      double secs = Sec(std::chrono::steady_clock::now() - t0).count();
-      std::string text(after.response.payloads.at(0).view());
-      if (text.find("errors=0") == std::string::npos)
-        throw Error(ErrorCode::kInternal, "peer saw reordered messages: " + text);
-      goodput.push_back(static_cast<double>(messages * size) / secs);
-
-      // Round trips of 64-byte requests, one at a time: all to the default
-      // peer (handler thread), then all to the inline_handlers peer. (Blocks
-      // alternating between the two peers made the default peer's figures
-      // some 40% worse than the same binary measuring it alone.)
-      std::vector<double> us, us_inline;
-      us.reserve(rtt_iters);
-      us_inline.reserve(rtt_iters);
-      for (NodeId p : {1u, 2u})
-        for (int w = 0; w < 200; ++w) t->call(p, Message{{tp::kEcho, 0, 0, 0, 0}, {small}});
-      for (uint64_t i = 0; i < rtt_iters; ++i) {
-        NodeId p = rtt_peers == "default" ? 1 : rtt_peers == "inline" ? 2 : i < rtt_iters / 2 ? 1 : 2;
-        auto s0 = std::chrono::steady_clock::now();
-        Response r = t->call(p, Message{{tp::kEcho, 0, 0, 0, i}, {small}}, Millis{10000});
-        double d = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
-        r.status.throw_if_error();
-        (p == 1 ? us : us_inline).push_back(d);
+      // Goodput (default variant): stream, then one request that queues
+      // behind every message (same ordered connection) and whose answer
+      // counts them.
+      {
+        const size_t vi = 0;
+        Variant& v = vs[vi];
+        Transport& t = *v.client;
+        const NodeId gp = static_cast<NodeId>(vi + 1);
+        Response before = t.call(gp, Message{{tp::kStats, 0, 0, 0, 0}, {}}, Millis{30000});
+        before.status.throw_if_error();
+        auto t0 = std::chrono::steady_clock::now();
+        for (uint64_t i = 0; i < messages; ++i)
+          t.send(gp, Message{{tp::kSeq, 0, 0, 9, v.seq++}, {payload}}, nullptr);
+        Response after = t.call(gp, Message{{tp::kStats, 0, 0, 0, 0}, {}}, Millis{120000});
+        after.status.throw_if_error();
+        double secs = Sec(std::chrono::steady_clock::now() - t0).count();
+        std::string text(after.response.payloads.at(0).view());
+        if (text.find("errors=0") == std::string::npos)
+          throw Error(ErrorCode::kInternal, "peer saw reordered messages: " + text);
+        v.goodput.push_back(static_cast<double>(messages * size) / secs);
+        std::printf("run %d: %-8s goodput %.1f MB/s (%llu x %zu B in %.3f s)\n", run, v.name.c_str(),
+                    v.goodput.back() / 1e6, static_cast<unsigned long long>(messages), size, secs);
       }
-      if (us.empty()) us.push_back(0);
-      if (us_inline.empty()) us_inline.push_back(0);
-      std::sort(us.begin(), us.end());
-      std::sort(us_inline.begin(), us_inline.end());
-      rtt_median.push_back(us[us.size() / 2]);
-      rtt_p99.push_back(us[us.size() * 99 / 100]);
-      rtt_inline_median.push_back(us_inline[us_inline.size() / 2]);
-      rtt_inline_p99.push_back(us_inline[us_inline.size() * 99 / 100]);
-      raw_rtt.push_back(raw_zmq_rtt_median_us(rtt_iters / 2));
-      std::printf("run %d: goodput %.1f MB/s (%llu x %zu B in %.3f s), rtt median %.1f us p99 %.1f us,"
-                  " inline_handlers rtt median %.1f us p99 %.1f us (bare zmq rtt median %.1f us)\n",
-                  run, goodput.back() / 1e6, static_cast<unsigned long long>(messages), size, secs,
-                  rtt_median.back(), rtt_p99.back(), rtt_inline_median.back(), rtt_inline_p99.back(),
-                  raw_rtt.back());
+
+      // Round trips of 64-byte requests, one at a time, one variant after
+      // the other (blocks alternating between peers skewed the figures).
+      for (size_t vi = 0; vi < vs.size(); ++vi) {
+        Variant& v = vs[vi];
+        const NodeId p = static_cast<NodeId>(vi + 1);
+        for (int w = 0; w < 200; ++w) v.client->call(p, Message{{tp::kEcho, 0, 0, 0, 0}, {small}});
+        std::vector<double> us;
+        us.reserve(rtt_iters);
+        double cpu0 = self_cpu_s() + proc_cpu_s(v.peer->pid());
+        for (uint64_t i = 0; i < rtt_iters; ++i) {
+          auto s0 = std::chrono::steady_clock::now();
+          Response r = v.client->call(p, Message{{tp::kEcho, 0, 0, 0, i}, {small}}, Millis{10000});
+          double d = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
+          r.status.throw_if_error();
+          us.push_back(d);
+        }
+        double cpu = self_cpu_s() + proc_cpu_s(v.peer->pid()) - cpu0;
+        std::sort(us.begin(), us.end());
+        v.median.push_back(us[us.size() / 2]);
+        v.p99.push_back(us[us.size() * 99 / 100]);
+        v.cpu_us.push_back(cpu * 1e6 / static_cast<double>(rtt_iters));
+        std::printf("run %d: %-8s rtt median %.1f us p99 %.1f us, cpu %.1f us per round trip (both processes)\n",
+                    run, v.name.c_str(), v.median.back(), v.p99.back(), v.cpu_us.back());
+      }
+      raw_rtt.push_back(raw_zmq_rtt_median_us(rtt_iters));
+      std::printf("run %d: bare zmq rtt median %.1f us\n", run, raw_rtt.back());
       std::fflush(stdout);
     }
     auto list = [](const std::vector<double>& v) {
@@ -200,12 +267,16 @@ int main(int argc, char** argv) {
       s << "]";
       return s.str();
     };
-    std::printf("{\"goodput_bytes_per_s\": %s, \"rtt_us_median\": %s, \"rtt_us_p99\": %s, "
-                "\"rtt_inline_us_median\": %s, \"rtt_inline_us_p99\": %s, "
-                "\"bare_zmq_rtt_us_median\": %s}\n",
-                list(goodput).c_str(), list(rtt_median).c_str(), list(rtt_p99).c_str(),
-                list(rtt_inline_median).c_str(), list(rtt_inline_p99).c_str(), list(raw_rtt).c_str());
-    t->shutdown();
+    std::ostringstream json;
+    json << "{\"goodput_bytes_per_s\": " << list(vs[0].goodput);
+    for (const Variant& v : vs) {
+      std::string key = v.name == "default" ? "rtt" : "rtt_" + v.name;
+      json << ", \"" << key << "_us_median\": " << list(v.median) << ", \"" << key
+           << "_us_p99\": " << list(v.p99) << ", \"" << key << "_cpu_us\": " << list(v.cpu_us);
+    }
+    json << ", \"bare_zmq_rtt_us_median\": " << list(raw_rtt) << "}";
+    std::printf("%s\n", json.str().c_str());
+    for (Variant& v : vs) v.client->shutdown();
   } catch (const std::exception& e) {
     std::cerr << "transport_bench: " << e.what() << "\n";
     rc = 1;

@@ -133,7 +133,8 @@ TEST(TransportConfig, ReadsEveryKey) {
   char sec[41] = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6";
   TransportConfig c = read(std::string() +
                            "  backend: zmq\n  node_id: 7\n  listen: [\"tcp://0.0.0.0:7100\", \"ipc:///run/x.sock\"]\n"
-                           "  io_threads: 4\n  handler_threads: 2\n  inline_handlers: true\n  heartbeat_interval_ms: 250\n"
+                           "  io_threads: 4\n  handler_threads: 2\n  inline_handlers: true\n  wait_spin_us: 35\n"
+                           "  heartbeat_interval_ms: 250\n"
                            "  peer_timeout_ms: 2000\n  default_request_timeout_ms: 1500\n"
                            "  max_frame_bytes: 8MiB\n  max_message_bytes: 2GiB\n  max_payloads: 16\n"
                            "  send_queue_messages: 100\n  send_queue_bytes: 1GiB\n"
@@ -148,6 +149,7 @@ TEST(TransportConfig, ReadsEveryKey) {
   EXPECT_EQ(c.io_threads, 4);
   EXPECT_EQ(c.handler_threads, 2);
   EXPECT_TRUE(c.inline_handlers);
+  EXPECT_EQ(c.wait_spin, std::chrono::microseconds{35});
   EXPECT_EQ(c.heartbeat_interval, Millis{250});
   EXPECT_EQ(c.peer_timeout, Millis{2000});
   EXPECT_EQ(c.default_request_timeout, Millis{1500});
@@ -175,6 +177,11 @@ TEST(TransportConfig, ErrorsNameFileKeyAndAcceptedValues) {
   EXPECT_NE(read_error("  backend: tcp\n").find("t.yaml:3:12: key 'transport.backend'"), std::string::npos)
       << read_error("  backend: tcp\n");
   EXPECT_NE(read_error("  io_threads: 99\n").find("accepted: 1..64"), std::string::npos);
+  EXPECT_NE(read_error("  wait_spin_us: 5000\n").find("wait_spin_us"), std::string::npos)
+      << read_error("  wait_spin_us: 5000\n");
+  TransportConfig spin;
+  spin.wait_spin = std::chrono::microseconds{-1};
+  EXPECT_THROW(spin.validate(), config::ConfigError);
   EXPECT_NE(read_error("  bogus: 1\n").find("bogus"), std::string::npos);
   EXPECT_NE(read_error("  heartbeat_interval_ms: 1000\n  peer_timeout_ms: 1500\n").find("twice"),
             std::string::npos);

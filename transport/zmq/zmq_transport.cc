@@ -95,6 +95,7 @@ class ZmqTransport final : public TransportBase {
 
  protected:
   void backend_wakeup() override;
+  void backend_outgoing() override;
   void backend_add_peer(NodeId id, const std::string& address) override;
   void backend_remove_peer(NodeId id) override;
   void backend_peer_lost(NodeId id, const Status& status) override;
@@ -116,8 +117,10 @@ class ZmqTransport final : public TransportBase {
   void close_route(Route& route);
   void close_socket(void*& s);
   void post_control(std::function<void()> fn);
+  bool loop_has_work(void* socket);
   void loop();
-  void route_outgoing();
+  // Whether there was anything to route.
+  bool route_outgoing();
   void flush(NodeId id, Route& route);
   // 1 sent, 0 would block, -1 failed (status set).
   int send_one(Route& route, NodeId to, const Outgoing& out, Status& status);
@@ -141,7 +144,14 @@ class ZmqTransport final : public TransportBase {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 
-  // Loop-thread state.
+  // Sockets and routes: the loop thread holds io_mu_ except while it
+  // sleeps in poll(2); another thread that finds io_mu_ free may send
+  // (backend_outgoing). ZeroMQ sockets may move between threads with a
+  // full memory barrier, which the mutex provides.
+  std::mutex io_mu_;
+  bool io_closed_ = false;
+  // Sockets whose ZMQ_EVENTS showed nothing and that nobody used since.
+  std::set<void*> quiet_;  // the loop has closed the sockets
   std::map<NodeId, Route> dealers_;
   std::map<NodeId, Route> inbound_;  // peers that connected to our ROUTER
 };
@@ -254,6 +264,7 @@ void* ZmqTransport::make_dealer(const std::string& address, char rid_kind) {
 }
 
 void ZmqTransport::close_socket(void*& s) {
+  quiet_.erase(s);
   if (s) zmq_close(s);
   s = nullptr;
 }
@@ -280,6 +291,56 @@ void ZmqTransport::backend_wakeup() {
   uint64_t one = 1;
   // EAGAIN only when the counter is saturated: the loop is waking anyway.
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof one);
+}
+
+void ZmqTransport::backend_outgoing() {
+  // The loop routes the queue before it sleeps: nothing to do on its own
+  // thread (an inline handler's reply).
+  if (on_io_thread()) return;
+  std::unique_lock io(io_mu_, std::try_to_lock);
+  bool control_waits = false;
+  if (io.owns_lock()) {
+    // add_peer()/remove_peer() not yet carried out: routing now could
+    // overtake them (the loop runs them with io_mu_ held, so none is
+    // half done here).
+    std::lock_guard lock(control_mu_);
+    control_waits = !control_.empty();
+  }
+  if (!io.owns_lock() || io_closed_ || control_waits) {
+    // The loop is awake and may already have looked at the queue: wake it.
+    if (io.owns_lock()) io.unlock();
+    backend_wakeup();
+    return;
+  }
+  // The loop sleeps in poll(2) with the sockets free: do its routing on this
+  // thread, so the message reaches ZeroMQ without a thread hand-off.
+  route_outgoing();
+  bool wake = false;
+  for (auto& [id, r] : dealers_) {
+    if (r.fifo.empty() || r.blocked) continue;  // blocked: the loop waits for POLLOUT
+    flush(id, r);  // marks the socket for the loop to look at again
+    wake |= r.blocked || loop_has_work(r.socket);
+  }
+  bool via_router = false;
+  for (auto& [id, r] : inbound_) {
+    if (r.fifo.empty()) continue;
+    flush(id, r);
+    via_router = true;
+    wake |= r.blocked;  // the loop retries a full ROUTER pipe
+  }
+  if (via_router) wake |= loop_has_work(router_);
+  io.unlock();
+  if (wake) backend_wakeup();
+}
+
+bool ZmqTransport::loop_has_work(void* socket) {
+  // Our send may have taken in the command that should have woken the
+  // loop's poll(2) on this socket's ZMQ_FD (say, a reply arriving): if the
+  // socket has something to read, the loop must be told.
+  int events = 0;
+  size_t len = sizeof events;
+  if (zmq_getsockopt(socket, ZMQ_EVENTS, &events, &len) != 0) return true;
+  return (events & ZMQ_POLLIN) != 0;
 }
 
 void ZmqTransport::post_control(std::function<void()> fn) {
@@ -362,9 +423,11 @@ void ZmqTransport::backend_stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void ZmqTransport::route_outgoing() {
+bool ZmqTransport::route_outgoing() {
   Outgoing out;
+  bool any = false;
   while (pop_outgoing(out)) {
+    any = true;
     NodeId to = out.to;
     if (auto it = dealers_.find(to); it != dealers_.end()) {
       it->second.fifo.push_back(std::move(out));
@@ -376,6 +439,7 @@ void ZmqTransport::route_outgoing() {
                                     " (not added with add_peer and not connected to us)"));
     }
   }
+  return any;
 }
 
 int ZmqTransport::send_one(Route& route, NodeId to, const Outgoing& out, Status& status) {
@@ -425,6 +489,7 @@ int ZmqTransport::send_one(Route& route, NodeId to, const Outgoing& out, Status&
 }
 
 void ZmqTransport::flush(NodeId id, Route& route) {
+  quiet_.erase(route.socket);
   while (!route.fifo.empty()) {
     Status status;
     int r = send_one(route, id, route.fifo.front(), status);
@@ -439,6 +504,9 @@ void ZmqTransport::flush(NodeId id, Route& route) {
 }
 
 bool ZmqTransport::send_heartbeat(NodeId to) {
+  // Sends on our heartbeat DEALER or on the ROUTER: look at both again.
+  quiet_.erase(router_);
+  if (auto it = dealers_.find(to); it != dealers_.end()) quiet_.erase(it->second.heartbeat);
   std::vector<std::byte> head = wire::encode(heartbeat_header(to));
   if (auto it = dealers_.find(to); it != dealers_.end()) {
     // Our own heartbeat connection: never behind data.
@@ -461,6 +529,7 @@ bool ZmqTransport::send_heartbeat(NodeId to) {
 
 void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
                                bool heartbeat_only) {
+  quiet_.erase(socket);
   const std::string origin_dealer = "node " + std::to_string(dealer_peer);
   for (int n = 0; n < kReadBatch && !receive_paused(); ++n) {
     // Collect one whole multipart message (ZeroMQ delivers them atomically).
@@ -615,6 +684,7 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
 void ZmqTransport::handle_zap() {
   // RFC 27 request: version, request id, domain, address, identity,
   // mechanism, credentials...
+  quiet_.erase(zap_);
   std::vector<std::string> frames;
   for (;;) {
     ZmqMsg m;
@@ -650,6 +720,7 @@ void ZmqTransport::handle_zap() {
 }
 
 void ZmqTransport::handle_monitor() {
+  quiet_.erase(monitor_);
   for (;;) {
     ZmqMsg ev;
     if (zmq_msg_recv(&ev.m, monitor_, ZMQ_DONTWAIT) < 0) return;
@@ -676,8 +747,11 @@ void ZmqTransport::handle_monitor() {
 
 void ZmqTransport::loop() {
   set_io_thread();
+  std::unique_lock io(io_mu_);  // released only while this thread sleeps
   std::vector<zmq_pollitem_t> items;
   std::vector<NodeId> owners;  // dealer peer of items[i], kNoNode for others
+  std::vector<pollfd> fds;
+  std::vector<void*> fd_sockets;  // the socket behind fds[i] (nullptr: wake_fd_)
   std::vector<NodeId> heartbeats;
   Clock::time_point next_tick = Clock::now();
   while (!stop_.load()) {
@@ -707,8 +781,6 @@ void ZmqTransport::loop() {
     const bool paused = receive_paused();
     items.clear();
     owners.clear();
-    items.push_back({nullptr, wake_fd_, ZMQ_POLLIN, 0});
-    owners.push_back(kNoNode);
     items.push_back({router_, 0, static_cast<short>(paused ? 0 : ZMQ_POLLIN), 0});
     owners.push_back(kNoNode);
     if (zap_) {
@@ -727,20 +799,64 @@ void ZmqTransport::loop() {
         owners.push_back(id);
       }
     }
-    auto wait = std::chrono::duration_cast<Millis>(next_tick - now) + Millis{1};
-    // A full ROUTER pipe cannot be polled for; look again shortly (sleeping).
-    if (router_blocked) wait = std::min(wait, Millis{1});
-    if (zmq_poll(items.data(), static_cast<int>(items.size()), static_cast<long>(wait.count())) < 0) {
-      if (zmq_errno() == EINTR) continue;
-      BC_LOG(LogZmq(), kError) << "node " << self() << ": " << zmq_error("zmq_poll");
-      std::this_thread::sleep_for(Millis{10});
-      continue;
+    // Look without waiting: ZMQ_EVENTS also takes in every command ZeroMQ
+    // has for a socket, after which its ZMQ_FD stays quiet until something
+    // new happens (what poll(2) below waits for). A socket that was quiet,
+    // whose ZMQ_FD did not fire since and that nobody used since, is
+    // skipped (each look is a system call or two).
+    int ready = 0;
+    for (zmq_pollitem_t& it : items) {
+      it.revents = 0;
+      if (it.events == 0) {
+        quiet_.erase(it.socket);  // not watched: unknown when next looked at
+        continue;
+      }
+      if (quiet_.count(it.socket)) continue;
+      int events = 0;
+      size_t len = sizeof events;
+      if (zmq_getsockopt(it.socket, ZMQ_EVENTS, &events, &len) != 0) {
+        BC_LOG(LogZmq(), kError) << "node " << self() << ": " << zmq_error("ZMQ_EVENTS");
+        continue;
+      }
+      it.revents = static_cast<short>(events & it.events);
+      if (it.revents) ++ready;
+      else quiet_.insert(it.socket);
     }
-    if (items[0].revents & ZMQ_POLLIN) {
-      uint64_t v;
-      [[maybe_unused]] ssize_t n = read(wake_fd_, &v, sizeof v);
+    if (ready == 0) {
+      auto wait = std::chrono::duration_cast<Millis>(next_tick - now) + Millis{1};
+      // A full ROUTER pipe cannot be polled for; look again shortly (sleeping).
+      if (router_blocked) wait = std::min(wait, Millis{1});
+      fds.clear();
+      fd_sockets.clear();
+      fds.push_back({wake_fd_, POLLIN, 0});
+      fd_sockets.push_back(nullptr);
+      for (const zmq_pollitem_t& it : items) {
+        if (it.events == 0) continue;
+        int fd = -1;
+        size_t len = sizeof fd;
+        if (zmq_getsockopt(it.socket, ZMQ_FD, &fd, &len) == 0) {
+          fds.push_back({fd, POLLIN, 0});
+          fd_sockets.push_back(it.socket);
+        }
+      }
+      // Sleep with the sockets free: a thread with a message to send may
+      // write it itself meanwhile (backend_outgoing).
+      io.unlock();
+      int n = ::poll(fds.data(), fds.size(), static_cast<int>(wait.count()));
+      io.lock();
+      if (n > 0 && (fds[0].revents & POLLIN)) {
+        uint64_t v;
+        [[maybe_unused]] ssize_t r = read(wake_fd_, &v, sizeof v);
+      }
+      if (n <= 0) {
+        quiet_.clear();  // timer (or error): look at every socket, a safety net
+      } else {
+        for (size_t i = 1; i < fds.size(); ++i)
+          if (fds[i].revents) quiet_.erase(fd_sockets[i]);
+      }
+      continue;  // route, then look at every socket again
     }
-    for (size_t i = 1; i < items.size(); ++i) {
+    for (size_t i = 0; i < items.size(); ++i) {
       if (!items[i].revents) continue;
       void* s = items[i].socket;
       if (s == router_) {
@@ -778,6 +894,7 @@ void ZmqTransport::loop() {
   close_socket(zap_);
   zmq_ctx_term(ctx_);
   ctx_ = nullptr;
+  io_closed_ = true;
 }
 
 }  // namespace
