@@ -28,7 +28,9 @@
 //     thread, including from inside handlers and callbacks.
 //   * Backend I/O runs on the backend's own threads (ZeroMQ io_threads plus
 //     one poll loop; for RDMA one completion-channel thread). User code never
-//     runs on them.
+//     runs on them (except inline_handlers). With zmq, a thread calling
+//     send()/request()/reply() while the loop sleeps hands its message to
+//     ZeroMQ itself (no thread hand-off); that runs no user code either.
 //   * Incoming messages (send()s and request()s from peers) run on one of
 //     `handler_threads` handler threads. All messages from one sender go to
 //     the same handler thread, so per-sender order is kept.

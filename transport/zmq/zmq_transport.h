@@ -7,10 +7,14 @@
 // enabled) secures both, with a ZAP handler that accepts only the cluster's
 // key(s) and logs every refusal.
 //
-// Threading: one poll loop thread owns every socket (ZeroMQ sockets are not
-// thread-safe); ZeroMQ's io_threads do the socket I/O. The loop sleeps in
-// zmq_poll on the sockets, an eventfd (new sends, control commands) and the
-// core's next timer deadline: no busy polling. Payloads go out zero-copy
+// Threading: ZeroMQ sockets are not thread-safe, so every socket use holds
+// one mutex (io_mu_). One poll loop thread holds it except while it sleeps
+// in poll(2) on the sockets' ZMQ_FDs, an eventfd (new sends, control
+// commands) and the core's next timer deadline: no busy polling. A thread
+// that queues a message while the loop sleeps takes the mutex and writes
+// the message to ZeroMQ itself, sparing the loop a wake-up; when the loop
+// is awake (mutex taken) it wakes it instead. ZeroMQ's io_threads do the
+// socket I/O. Payloads go out zero-copy
 // (zmq_msg_init_data holding a Buffer reference, released by ZeroMQ's I/O
 // thread when sent), split into frames of at most max_frame_bytes; a
 // received payload that came as one frame is handed over without a copy.
