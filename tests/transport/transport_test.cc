@@ -298,6 +298,45 @@ TEST_P(TransportTest, OneWayMessagesArriveInOrder) {
   for (uint64_t i = 0; i < kEchoes; ++i) EXPECT_EQ(echoed[i], i);
 }
 
+// Several threads calling at once, plus a one-way stream: each caller
+// gets exactly its own replies (the zmq backend lets whichever thread finds
+// the sockets free write its message itself), and the stream stays in order.
+TEST_P(TransportTest, ConcurrentCallersEachGetTheirOwnReplies) {
+  Transport& t = parent();
+  auto peer = spawn(1);
+  t.add_peer(1, peer->address());
+  t.start();
+  constexpr int kCallers = 6;
+  constexpr uint64_t kCalls = 250, kStream = 1500;
+  std::atomic<int> wrong{0}, failed{0};
+  std::vector<std::thread> threads;
+  for (int th = 0; th < kCallers; ++th) {
+    threads.emplace_back([&, th] {
+      for (uint64_t i = 0; i < kCalls; ++i) {
+        Buffer b = pattern(64 + static_cast<size_t>(th), i * 131 + static_cast<uint64_t>(th));
+        Response r = t.call(1, msg(tp::kEcho, static_cast<uint64_t>(th), i, {b}), Millis{10000});
+        if (!r.status.ok()) {
+          failed++;
+          continue;
+        }
+        if (r.from != 1 || r.response.header.key != static_cast<uint64_t>(th) ||
+            r.response.header.arg != i || r.response.payloads.size() != 1 ||
+            r.response.payloads[0].view() != b.view())
+          wrong++;
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    for (uint64_t i = 0; i < kStream; ++i) t.send(1, msg(tp::kSeq, 9, i, {pattern(i % 500, i)}), nullptr);
+  });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong.load(), 0);
+  auto s = parse_stats(stats(1));
+  EXPECT_EQ(s["msgs"], std::to_string(kStream));
+  EXPECT_EQ(s["errors"], "0");
+}
+
 TEST_P(TransportTest, PayloadsFromZeroTo256MiB) {
   // Heartbeats travel apart from the data, so a transfer longer than
   // peer_timeout (256 MiB can take over a second on this loaded machine)
