@@ -422,3 +422,52 @@ TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
   EXPECT_TRUE(ea.failures.empty());
   EXPECT_TRUE(eb.failures.empty());
 }
+
+#include <regex>
+
+// Junk sent to a live bytecompd's peer endpoint while an allgather job runs:
+// each message is refused with the reason, the job is not disturbed and the
+// daemon keeps serving.
+TEST_F(TwoNodes, MalformedPeerMessagesToALiveDaemonAreRefused) {
+  start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
+  std::smatch m;
+  const std::string log = nodes_[0]->daemon().output();
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("peer endpoint (tcp://[0-9.:]+)"))) << log;
+  auto x = bt::make_transport(peer_config(102));
+  x->start();
+  x->add_peer(100, m[1]);
+  auto w = workers("junk", 60, "f32:1000,f32:70000");
+  for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
+  auto send = [&](uint32_t uid, std::vector<bt::Buffer> payloads) {
+    bt::Message msg;
+    msg.header.type = bd::kPeerData;
+    msg.header.aux = uid;
+    msg.payloads = std::move(payloads);
+    bt::Response r = x->call(100, std::move(msg), std::chrono::milliseconds(5000));
+    EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+    EXPECT_EQ(r.response.header.type, bd::kPeerError);
+    std::string text;
+    for (const auto& p : r.response.payloads) text.append(p.view());
+    return text;
+  };
+  bd::PeerHeader h;
+  h.sender_rank = 1;
+  h.count = 1000;
+  h.data_bytes = 4000;
+  const bt::Buffer data = floats(1000, 1.0f);
+  EXPECT_NE(send(1, {data}).find("payloads"), std::string::npos);
+  EXPECT_NE(send(1, {bt::Buffer::copy_of(std::string(32, '\x7f')), data}).find("version"),
+            std::string::npos);
+  // The coordinator numbers jobs from 1: uid 1 is the running job, which
+  // node 102 is no part of.
+  for (uint32_t uid = 1; uid <= 3; ++uid) {
+    const std::string why = send(uid, {bd::encode_peer_header(h), data});
+    EXPECT_TRUE(why.find("not a peer") != std::string::npos ||
+                why.find("no job with uid") != std::string::npos)
+        << why;
+  }
+  for (auto& p : w) expect_ok(*p);
+  EXPECT_NE(nodes_[0]->daemon().output().find("refused"), std::string::npos);
+  EXPECT_FALSE(nodes_[0]->daemon().wait(0ms).has_value());
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}
