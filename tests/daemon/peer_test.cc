@@ -471,3 +471,78 @@ TEST_F(TwoNodes, MalformedPeerMessagesToALiveDaemonAreRefused) {
   EXPECT_FALSE(nodes_[0]->daemon().wait(0ms).has_value());
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
+
+#include <barrier>
+
+#include "compress/reduce.h"
+
+// SIGHUP on node 0 switches an allgather tensor from topk keeping every
+// element (exact sums) to fp16 allgather at one iteration on both nodes
+// (announced by the coordinator): from it on each node's sum is cast to fp16
+// and the two are summed in fp32, in node order.
+TEST_F(TwoNodes, AllgatherStrategyChangeAppliesOnBothNodesAtOneIteration) {
+  start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
+  constexpr uint64_t kN = 70000;  // two partitions
+  constexpr int kIters = 12;
+  std::vector<std::vector<float>> got[2];
+  std::barrier sync(4);
+  int64_t switch_at = -1;
+  auto h = [](float v) {
+    return bytecomp::compress::fp16_to_fp32(bytecomp::compress::fp32_to_fp16(v));
+  };
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "agswitch");
+    ASSERT_NE(c, nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 4) {
+        sync.arrive_and_wait();
+        if (grank == 0) {
+          write("strategy.yaml", "version: 1\ndefault: {compressor: fp16, inter: allgather}\n");
+          nodes_[0]->daemon().signal(SIGHUP);
+          EXPECT_TRUE(nodes_[0]->daemon().wait_output("applies on every node from iteration", 10s))
+              << nodes_[0]->daemon().output();
+          std::smatch m;
+          const std::string log = nodes_[0]->daemon().output();
+          if (std::regex_search(log, m, std::regex("from iteration ([0-9]+)"))) {
+            switch_at = std::stoll(m[1]);
+          }
+        }
+        sync.arrive_and_wait();
+      }
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (rank == 0) got[node].emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  std::vector<std::future<void>> others;
+  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
+  run(0, 0);
+  for (auto& f : others) f.get();
+  ASSERT_GE(switch_at, 4);
+  ASSERT_LT(switch_at, kIters);
+  for (uint32_t node = 0; node < 2; ++node) {
+    ASSERT_EQ(got[node].size(), static_cast<size_t>(kIters));
+    for (uint64_t it = 0; it < kIters; ++it) {
+      size_t mismatches = 0;
+      for (uint64_t i = 0; i < kN; ++i) {
+        const float s0 = grad(0, it, i) + grad(1, it, i);
+        const float s1 = grad(2, it, i) + grad(3, it, i);
+        const float expect = static_cast<int64_t>(it) >= switch_at ? h(s0) + h(s1) : s0 + s1;
+        mismatches += got[node][it][i] != expect;
+      }
+      EXPECT_EQ(mismatches, 0u) << "node " << node << " iteration " << it << " (switch at "
+                                << switch_at << ")";
+    }
+  }
+}
