@@ -115,7 +115,7 @@ void PeerJob::close() {
   for (uint32_t r = 0; r < spec_.nodes.size(); ++r) {
     if (r != spec_.rank) peers.push_back(spec_.nodes[r]);
   }
-  hub_.unregister(spec_.uid, peers);
+  hub_.unregister(this, spec_.uid, peers);
 }
 
 void PeerJob::fail(const Status& s) {
@@ -367,9 +367,13 @@ std::shared_ptr<PeerJob> PeerHub::open(PeerJobSpec spec, PeerJob::ReadyFn ready,
   return job;
 }
 
-void PeerHub::unregister(uint32_t uid, const std::vector<NodeId>& peers) {
+void PeerHub::unregister(const PeerJob* job, uint32_t uid, const std::vector<NodeId>& peers) {
   std::lock_guard lock(mu_);
-  jobs_.erase(uid);
+  // Only this job's entry (a restarted coordinator may reuse the uid).
+  if (auto it = jobs_.find(uid); it != jobs_.end()) {
+    auto current = it->second.lock();
+    if (!current || current.get() == job) jobs_.erase(it);
+  }
   for (NodeId id : peers) {
     auto it = peers_.find(id);
     if (it == peers_.end()) continue;

@@ -177,7 +177,7 @@ class PeerHub {
   friend class PeerJob;
   void on_data(transport::Incoming in);
   void on_peer_lost(transport::NodeId id, const Status& s);
-  void unregister(uint32_t uid, const std::vector<transport::NodeId>& peers);
+  void unregister(const PeerJob* job, uint32_t uid, const std::vector<transport::NodeId>& peers);
   void refuse(const transport::Incoming& in, ErrorCode code, const std::string& why);
 
   std::unique_ptr<transport::Transport> tp_;
