@@ -374,10 +374,13 @@ void PeerHub::unregister(const PeerJob* job, uint32_t uid, const std::vector<Nod
     auto current = it->second.lock();
     if (!current || current.get() == job) jobs_.erase(it);
   }
+  // A peer stays connected after its last job ends: removing it would fail
+  // this job's last replies and sends still queued for it, which the peer
+  // may be waiting for. Only a peer that is lost and unused is forgotten.
   for (NodeId id : peers) {
     auto it = peers_.find(id);
     if (it == peers_.end()) continue;
-    if (--it->second.jobs <= 0) {
+    if (--it->second.jobs <= 0 && tp_->peer_state(id) == transport::PeerState::kLost) {
       peers_.erase(it);
       tp_->remove_peer(id);
     }
@@ -445,6 +448,11 @@ void PeerHub::on_peer_lost(NodeId id, const Status& s) {
   std::vector<std::shared_ptr<PeerJob>> hit;
   {
     std::lock_guard lock(mu_);
+    if (auto it = peers_.find(id); it != peers_.end() && it->second.jobs <= 0) {
+      // Unused: stop reconnecting to it (a later job adds it again).
+      peers_.erase(it);
+      tp_->remove_peer(id);
+    }
     for (auto& [uid, weak] : jobs_) {
       auto job = weak.lock();
       if (!job) continue;

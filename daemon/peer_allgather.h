@@ -9,7 +9,8 @@
 // PeerJobs by job uid (the coordinator's cluster-unique job number). Peers
 // are the other daemons of a job, learnt from the coordinator at admission
 // (JobInfo::peer_addresses); the transport's heartbeats watch them, and a
-// peer lost fails every job it is part of.
+// peer lost fails every job it is part of. A peer stays connected after its
+// jobs ended (their last replies may still be queued) until it is lost.
 //
 // Wire format (version 1). One request per (partition, iteration, receiver):
 //   transport header: type kPeerData, aux = job uid, key = partition key
