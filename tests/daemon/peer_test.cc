@@ -546,3 +546,28 @@ TEST_F(TwoNodes, AllgatherStrategyChangeAppliesOnBothNodesAtOneIteration) {
     }
   }
 }
+
+// Node 0's ranks close right after their last wait while node 1's ranks have
+// not read their last results: with allgather, node 1 must still get them
+// (and node 0's daemon must not drop its last queued replies).
+TEST_F(TwoNodes, AllgatherCleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
+  start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
+  // Short jobs back to back, every other one with node 1 lingering: the
+  // node that finishes first must still deliver its last sends and replies.
+  for (int round = 0; round < 6; ++round) {
+    std::vector<std::unique_ptr<Process>> w;
+    for (int n = 0; n < 2; ++n) {
+      for (int r = 0; r < 2; ++r) {
+        std::vector<std::string> extra{"--node", std::to_string(n) + "/2"};
+        if (n == 1 && round % 2 == 1) extra.insert(extra.end(), {"--linger", "300"});
+        w.push_back(nodes_[n]->worker("aglinger" + std::to_string(round), r, 2, 5,
+                                      "f32:1,f32:1000", extra));
+      }
+    }
+    for (auto& p : w) expect_ok(*p);
+  }
+  for (auto& n : nodes_) {
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+    EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+  }
+}
