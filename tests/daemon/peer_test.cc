@@ -571,3 +571,16 @@ TEST_F(TwoNodes, AllgatherCleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
     EXPECT_TRUE(no_shm_left(n->shm_prefix()));
   }
 }
+
+// Without internode.peer_listen a daemon refuses a job that uses allgather
+// at start, saying which key to set.
+TEST_F(TwoNodes, AllgatherWithoutPeerEndpointIsRefusedAtStart) {
+  peer_listen_ = false;
+  start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
+  auto p = nodes_[0]->worker("nopeer", 0, 1, 1, "f32:10", {"--node", "0/2"});
+  auto st = p->wait(30s);
+  ASSERT_TRUE(st.has_value()) << p->output();
+  EXPECT_EQ(*st, 17) << p->output();  // BYTECOMP_ERR_UNAVAILABLE
+  EXPECT_NE(p->output().find("set internode.peer_listen"), std::string::npos) << p->output();
+  EXPECT_TRUE(no_shm_left(nodes_[0]->shm_prefix()));
+}

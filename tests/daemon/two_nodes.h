@@ -52,7 +52,8 @@ class TwoNodes : public ::testing::Test {
       nodes_[n] = std::make_unique<DaemonEnv>("node" + std::to_string(n));
       nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
                               "\n  node_id: " + std::to_string(100 + n) +
-                              "\n  nodes: [100, 101]\n  peer_listen: tcp://127.0.0.1:0\n" + strategy);
+                              "\n  nodes: [100, 101]\n" +
+                              (peer_listen_ ? "  peer_listen: tcp://127.0.0.1:0\n" : "") + strategy);
       nodes_[n]->start();
     }
   }
@@ -110,6 +111,7 @@ class TwoNodes : public ::testing::Test {
   }
 
   static inline int counter_ = 0;
+  bool peer_listen_ = true;  // give the daemons a peer endpoint
   fs::path dir_;
   std::string coordinator_;
   std::vector<std::unique_ptr<Process>> servers_;
