@@ -235,11 +235,11 @@ struct TransportConfig {
   bool inline_handlers = false;
   // Bounded spin of a thread blocked in call() or send_wait(): it looks
   // for its completion this long (yielding the CPU between looks) before
-  // it sleeps on it. Costs at most this much CPU per call; on the 2-core
-  // test machine 20 us cut the 64-byte round trip by about a quarter,
-  // while spinning longer than a round trip made it worse (see
-  // docs/transport.md, Measured). 0 = sleep at once. Key wait_spin_us,
-  // 0..1000.
+  // it sleeps on it. Costs at most this much CPU per call. On the 2-core
+  // test machine 20 us shortened the 64-byte round trip in most same-run
+  // comparisons (by up to a quarter) and lengthened it in some; spinning
+  // longer than a round trip made it clearly worse (docs/transport.md,
+  // Measured). 0 = sleep at once. Key wait_spin_us, 0..1000.
   std::chrono::microseconds wait_spin{20};
 
   Millis heartbeat_interval{500};

@@ -119,8 +119,7 @@ class ZmqTransport final : public TransportBase {
   void post_control(std::function<void()> fn);
   bool loop_has_work(void* socket);
   void loop();
-  // Whether there was anything to route.
-  bool route_outgoing();
+  void route_outgoing();
   void flush(NodeId id, Route& route);
   // 1 sent, 0 would block, -1 failed (status set).
   int send_one(Route& route, NodeId to, const Outgoing& out, Status& status);
@@ -149,9 +148,9 @@ class ZmqTransport final : public TransportBase {
   // (backend_outgoing). ZeroMQ sockets may move between threads with a
   // full memory barrier, which the mutex provides.
   std::mutex io_mu_;
-  bool io_closed_ = false;
+  bool io_closed_ = false;  // the loop has closed the sockets
   // Sockets whose ZMQ_EVENTS showed nothing and that nobody used since.
-  std::set<void*> quiet_;  // the loop has closed the sockets
+  std::set<void*> quiet_;
   std::map<NodeId, Route> dealers_;
   std::map<NodeId, Route> inbound_;  // peers that connected to our ROUTER
 };
@@ -423,11 +422,9 @@ void ZmqTransport::backend_stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-bool ZmqTransport::route_outgoing() {
+void ZmqTransport::route_outgoing() {
   Outgoing out;
-  bool any = false;
   while (pop_outgoing(out)) {
-    any = true;
     NodeId to = out.to;
     if (auto it = dealers_.find(to); it != dealers_.end()) {
       it->second.fifo.push_back(std::move(out));
@@ -439,7 +436,6 @@ bool ZmqTransport::route_outgoing() {
                                     " (not added with add_peer and not connected to us)"));
     }
   }
-  return any;
 }
 
 int ZmqTransport::send_one(Route& route, NodeId to, const Outgoing& out, Status& status) {
