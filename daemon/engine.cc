@@ -31,6 +31,18 @@ void Inbox::deliver(Arrival a) {
   ring();
 }
 
+void Inbox::acked(uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  if (doorbell_ == nullptr) return;
+  acked_ += bytes;
+  ring();
+}
+
+uint64_t Inbox::take_acked() {
+  std::lock_guard lock(mu_);
+  return std::exchange(acked_, 0);
+}
+
 void Inbox::fail(const Status& s) {
   std::lock_guard lock(mu_);
   if (doorbell_ == nullptr) return;
@@ -266,8 +278,12 @@ void Engine::loop() {
         if (ps_ && !process_arrivals()) return;
         if (sched_.empty()) break;
         const uint64_t bound = tunables_.max_inflight_bytes.load();
-        // With partitions on the network, wait for results (the doorbell
-        // rings) before putting more bytes in flight.
+        // With that many bytes pushed and unacknowledged, wait (the doorbell
+        // rings) before pushing more, so that a high-priority tensor arriving
+        // meanwhile does not queue behind them. Only pushes count: a pull is
+        // answered when every node pushed, and the nodes may start their
+        // partitions in different orders (each by its local priority and
+        // readiness), so a bound held until the answers would deadlock them.
         if (inflight_bytes_ >= bound) break;
         run_batch(sched_.next_batch(pool_.concurrency(), bound - inflight_bytes_));
         // New arrivals between batches, so a high-priority tensor overtakes
@@ -469,12 +485,16 @@ void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
     payload = transport::Buffer::copy_of(sum, n * 4);
   }
   std::weak_ptr<Inbox> inbox = inbox_;
-  ps_->push(key, t.iteration, std::move(payload), [inbox, name = spec.name](const Status& s) {
-    if (s.ok()) return;
-    if (auto i = inbox.lock()) {
-      i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
-    }
-  });
+  ps_->push(key, t.iteration, std::move(payload),
+            [inbox, name = spec.name, bytes = t.end - t.begin](const Status& s) {
+              auto i = inbox.lock();
+              if (!i) return;
+              if (s.ok()) {
+                i->acked(bytes);
+              } else {
+                i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
+              }
+            });
   ps_->pull(key, t.iteration, [inbox, t](const Status& s, transport::Buffer result) {
     if (auto i = inbox.lock()) {
       i->deliver({t.tensor, t.iteration, t.begin, t.end, s, std::move(result)});
@@ -483,6 +503,7 @@ void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
 }
 
 bool Engine::process_arrivals() {
+  inflight_bytes_ -= std::min(inflight_bytes_, inbox_->take_acked());
   std::vector<Inbox::Arrival> arrived = inbox_->take();
   if (arrived.empty()) return true;
   for (const auto& a : arrived) {
@@ -538,7 +559,6 @@ bool Engine::process_arrivals() {
     }
   }
   for (const auto& a : arrived) {
-    inflight_bytes_ -= a.end - a.begin;
     if (--rounds_[a.tensor].partitions_left == 0) complete(a.tensor);
   }
   return true;

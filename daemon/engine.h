@@ -56,9 +56,12 @@ class Inbox {
   };
   explicit Inbox(boost::interprocess::interprocess_semaphore* doorbell) : doorbell_(doorbell) {}
   void deliver(Arrival a);
+  // A push of `bytes` (tensor bytes) was acknowledged by its server.
+  void acked(uint64_t bytes);
   void fail(const Status& s);
   void close();
   std::vector<Arrival> take();
+  uint64_t take_acked();
   Status failure();
 
  private:
@@ -66,6 +69,7 @@ class Inbox {
   std::mutex mu_;
   boost::interprocess::interprocess_semaphore* doorbell_;  // null once closed
   std::vector<Arrival> arrivals_;
+  uint64_t acked_ = 0;
   Status failure_;
 };
 
@@ -166,6 +170,9 @@ class Engine {
   std::shared_ptr<server::PsJob> ps_;
   std::shared_ptr<Inbox> inbox_;
   std::vector<std::vector<PsPart>> ps_parts_;
+  // Multi-node: tensor bytes pushed and not yet acknowledged by the servers
+  // (a server acknowledges a push once it summed it, whatever the other
+  // nodes do). Single node: bytes of the batch being reduced.
   uint64_t inflight_bytes_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};

@@ -12,7 +12,8 @@ namespace {
 
 class TwoNodes : public ::testing::Test {
  protected:
-  void start(int servers, const std::string& strategy_yaml = "") {
+  // `scheduler`: extra lines of the daemons' scheduler section.
+  void start(int servers, const std::string& strategy_yaml = "", const std::string& scheduler = "") {
     dir_ = fs::temp_directory_path() / ("bcd-2n-" + std::to_string(::getpid()) + "-" +
                                         std::to_string(counter_++));
     fs::create_directories(dir_);
@@ -51,7 +52,8 @@ class TwoNodes : public ::testing::Test {
       nodes_[n] = std::make_unique<DaemonEnv>("node" + std::to_string(n));
       nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
                               "\n  node_id: " + std::to_string(100 + n) +
-                              "\n  nodes: [100, 101]\n" + strategy);
+                              "\n  nodes: [100, 101]\n" + strategy,
+                              scheduler);
       nodes_[n]->start();
     }
   }
@@ -91,13 +93,14 @@ class TwoNodes : public ::testing::Test {
 
   // A client of `job` as local rank `rank` of 2 on emulated node `node` of 2;
   // nullptr (with a recorded failure) when the daemon refuses.
-  bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job) {
+  bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job,
+                                  uint32_t local_size = 2) {
     bytecomp_connect_options o;
     bytecomp_connect_options_init(&o);
     o.socket_path = nodes_[node]->socket().c_str();
     o.job_id = job;
     o.local_rank = rank;
-    o.local_size = 2;
+    o.local_size = local_size;
     o.node_rank = node;
     o.num_nodes = 2;
     bytecomp_client* c = nullptr;
@@ -493,5 +496,61 @@ TEST_F(TwoNodes, PerJobStrategyMustAgreeAcrossNodes) {
     EXPECT_NE(*st, 0) << p->output();
     EXPECT_NE(p->output().find("allgather between daemons"), std::string::npos) << p->output();
   }
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}
+
+// The nodes start their partitions in different orders (priority order is
+// local: node 0 has only 'b' ready when node 1 has both), with a bytes-in-
+// flight bound of one partition. Every node must still push every partition:
+// a bound that held bytes until their pull answered would leave node 0
+// waiting for 'b' (which needs node 1's push of 'b') and node 1 waiting for
+// 'a' (which needs node 0's push of 'a') until the request deadline.
+TEST_F(TwoNodes, DifferentPartitionOrdersOnTheNodesDoNotDeadlock) {
+  start(1, "", "  partition_bytes: 256KiB\n  max_inflight_bytes: 256KiB\n");
+  constexpr uint64_t kN = 65536;  // one 256 KiB partition per tensor
+  constexpr int kIters = 3;
+  auto run = [&](uint32_t node) {
+    bytecomp_client* c = connect_client(node, 0, "order", 1);
+    ASSERT_NE(c, nullptr);
+    uint32_t ids[2];
+    float* p[2];
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_EQ(bytecomp_declare_tensor(c, k == 0 ? "a" : "b", kN, BYTECOMP_FLOAT32,
+                                        BYTECOMP_DEVICE_CPU, 0, &ids[k]),
+                BYTECOMP_OK);
+    }
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    for (int k = 0; k < 2; ++k) {
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                BYTECOMP_OK);
+    }
+    for (uint64_t it = 0; it < kIters; ++it) {
+      // Iteration 0 in the same order on both nodes (the engines have joined
+      // the servers after it); later ones crossed.
+      const bool crossed = it > 0 && node == 0;
+      bytecomp_handle hs[2];
+      for (int j = 0; j < 2; ++j) {
+        const int k = crossed ? 1 - j : j;
+        for (uint64_t i = 0; i < kN; ++i) p[k][i] = grad(node * 2 + static_cast<uint32_t>(k), it, i);
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hs[k]), BYTECOMP_OK);
+        if (crossed && j == 0) std::this_thread::sleep_for(400ms);  // 'b' alone for a while
+      }
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK)
+            << "node " << node << " tensor " << k << " iteration " << it << ": "
+            << bytecomp_last_error();
+        size_t mismatches = 0;
+        for (uint64_t i = 0; i < kN; ++i) {
+          mismatches += p[k][i] != grad(static_cast<uint32_t>(k), it, i) + grad(2 + static_cast<uint32_t>(k), it, i);
+        }
+        EXPECT_EQ(mismatches, 0u) << "node " << node << " tensor " << k << " iteration " << it;
+      }
+    }
+    bytecomp_close(c);
+  };
+  auto other = std::async(std::launch::async, run, 1);
+  run(0);
+  other.get();
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
