@@ -69,7 +69,7 @@ Status Inbox::failure() {
 Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
                std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans,
                uint32_t node_rank, ThreadPool& pool, const Tunables& tunables,
-               FailureFn on_failure, JoinFn join)
+               FailureFn on_failure, JoinFn join, std::shared_ptr<const void> keep_mapped)
     : job_(std::move(job_name)),
       base_(static_cast<char*>(segment)),
       layout_(layout),
@@ -97,6 +97,7 @@ Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
   }
   for (Round& r : rounds_) r.from.assign(layout.local_size, false);
   join_ = std::move(join);
+  keep_mapped_ = std::move(keep_mapped);
   inbox_ = std::make_shared<Inbox>(&header_->doorbell);
   thread_ = std::thread([this] { loop(); });
 }
@@ -479,9 +480,14 @@ void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
         part.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state, ctx);
     out.resize(len);
     payload = transport::Buffer::take(std::move(out));
+  } else if (keep_mapped_) {
+    // Zero-copy from rank 0's buffer; the release keeps the segment mapped
+    // while the transport holds the bytes (a job may end meanwhile). The
+    // range is next written when this partition's pull answers, which the
+    // server does only after it received every byte of this push.
+    payload = transport::Buffer::wrap(sum, n * 4, [keep = keep_mapped_] {});
   } else {
-    // A copy: the shared memory may be unmapped (job aborted) while the
-    // transport still holds the buffer.
+    // No keep-alive given (the segment's owner cannot share it): copy.
     payload = transport::Buffer::copy_of(sum, n * 4);
   }
   std::weak_ptr<Inbox> inbox = inbox_;

@@ -79,11 +79,13 @@ class Engine {
   // Multi-node jobs: joins the PS job (blocking; called on the engine thread).
   using JoinFn = std::function<std::shared_ptr<server::PsJob>()>;
 
-  // `segment` must stay mapped until the engine is destroyed.
+  // `segment` must stay mapped until the engine is destroyed. `keep_mapped`,
+  // when given, owns that mapping: multi-node pushes then send straight from
+  // shared memory, holding it past the engine's end until the bytes left.
   Engine(std::string job_name, void* segment, const ipc::Layout& layout,
          std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans, uint32_t node_rank,
          ThreadPool& pool, const Tunables& tunables, FailureFn on_failure,
-         JoinFn join = nullptr);
+         JoinFn join = nullptr, std::shared_ptr<const void> keep_mapped = nullptr);
   ~Engine();  // stops and joins
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -167,6 +169,9 @@ class Engine {
   std::atomic<int64_t> switch_published_{-1};
   Scheduler sched_;
   JoinFn join_;
+  // Keeps the segment mapped while the transport sends from it (zero-copy
+  // pushes hold a copy until sent).
+  std::shared_ptr<const void> keep_mapped_;
   std::shared_ptr<server::PsJob> ps_;
   std::shared_ptr<Inbox> inbox_;
   std::vector<std::vector<PsPart>> ps_parts_;
