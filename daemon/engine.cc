@@ -117,17 +117,25 @@ void Engine::stop() {
   if (ps_) {
     // Tells the coordinator and fails what is still pending. An aborted job
     // is aborted for every node at once (a job the coordinator already
-    // aborted is unknown to it by now: that refusal is harmless).
+    // aborted is unknown to it by now: that refusal is harmless). Without
+    // waiting for the answer: stop() runs on the daemon's control thread,
+    // which serves every other job meanwhile (the PsClient's close waits for
+    // outstanding answers when the daemon exits).
     std::string reason;
     {
       std::lock_guard lock(abort_mu_);
       reason = abort_reason_;
     }
-    const Status s = reason.empty() ? ps_->leave(std::chrono::milliseconds(2000))
-                                    : ps_->abort(reason, std::chrono::milliseconds(2000));
-    if (!s.ok())
-      BC_LOG(LogEngine(), kDebug) << "job " << job_ << (reason.empty() ? ": leave: " : ": abort: ")
-                                  << s.to_string();
+    auto log = [job = job_, aborting = !reason.empty()](const Status& s) {
+      if (!s.ok())
+        BC_LOG(LogEngine(), kDebug) << "job " << job << (aborting ? ": abort: " : ": leave: ")
+                                    << s.to_string();
+    };
+    if (reason.empty()) {
+      ps_->leave_async(log, std::chrono::milliseconds(2000));
+    } else {
+      ps_->abort_async(reason, log, std::chrono::milliseconds(2000));
+    }
     ps_.reset();
   }
 }
