@@ -133,7 +133,7 @@ Report run_plan(Problem& p, Assignment* out_assignment, Timeline* tl) {
   r.cluster = p.cluster().name;
   r.compressor = p.compressor().text();
   r.tensors = p.tensors();
-  r.options = p.options().size();
+  r.options = static_cast<size_t>(p.tree_options());
   Assignment a = plan(p, {}, &r.stats);
   Evaluator ev(p);
   r.ours = ev.evaluate(a, tl);

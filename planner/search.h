@@ -25,6 +25,7 @@ struct PlanStats {
   uint64_t simulations = 0;
   int tensors_examined = 0;     // by Algorithm 1 before the bubbles were gone
   int offload_groups = 0;       // Algorithm 2 groups
+  int split_tensors = 0;        // Algorithm 2: tensors split between CPU and GPU
 };
 
 struct PlanOptions {

@@ -66,6 +66,7 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
   }
   if (options_.empty())
     throw Error(ErrorCode::kInvalidArgument, "no option satisfies the constraints");
+  tree_options_ = static_cast<int>(options_.size());
   const uint64_t part_elems = cluster_.partition_bytes / 4;
   for (int i = 0; i < tensors(); ++i) {
     chunk_begin_.push_back(static_cast<int>(chunks_.size()));
@@ -91,6 +92,32 @@ int Problem::find_option(const Option& o) const {
   return -1;
 }
 
+int Problem::split_option(int base, double share) {
+  Option o = options_[base];
+  if (!(share > 0.0 && share < 1.0) || !o.compressed() || o.cpu_share > 0.0) return -1;
+  if (o.comp_device == Device::kCpu && o.decomp_device == Device::kCpu) return -1;
+  const CompressorCost* c = costs_.find(o.compressor);
+  if (!constraints_.allow_cpu || constraints_.cpu_runtime_only || !c || !c->cpu) return -1;
+  o.cpu_share = share;
+  if (int idx = find_option(o); idx >= 0) return idx;
+  options_.push_back(std::move(o));
+  for (auto& v : by_size_) v.emplace_back();
+  return static_cast<int>(options_.size()) - 1;
+}
+
+double chain_latency(const std::vector<Op>& ops) {
+  double longest = 0, t = 0;
+  for (const Op& op : ops) {
+    if (op.fork()) {
+      t = 0;
+      continue;
+    }
+    t += op.duration_us;
+    longest = std::max(longest, t);
+  }
+  return longest;
+}
+
 Problem Problem::zero_cost_copy() const {
   CostTable t = costs_;
   for (auto& [name, c] : t.compressors) {
@@ -105,7 +132,7 @@ Problem Problem::zero_cost_copy() const {
 
 const std::vector<Op>& Problem::chain(uint64_t elements, int opt) {
   auto& v = cache_[elements];
-  if (v.empty()) v.resize(options_.size());
+  if (v.size() < options_.size()) v.resize(options_.size());
   auto& c = v[opt];
   if (c.empty()) {
     c = build_chain(elements, options_[opt]);
@@ -127,6 +154,22 @@ void Problem::chain_into(uint64_t elements, int opt, std::vector<Op>& out) const
 }
 
 void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (o.cpu_share > 0.0) {
+    // The CPU part and the GPU part are separate messages: two chains from
+    // the same ready time, each with its own latencies. The CPU part goes
+    // first (the runtime hands its partitions out first): its chain is the
+    // longer one, and the parts share the links in this order.
+    const auto cpu_elems = static_cast<uint64_t>(std::llround(o.cpu_share * elements));
+    Option gpu = o, cpu = o;
+    gpu.cpu_share = cpu.cpu_share = 0.0;
+    cpu.comp_device = cpu.decomp_device = Device::kCpu;
+    if (cpu_elems > 0) build_chain_into(cpu_elems, cpu, ops);
+    if (cpu_elems < elements) {
+      if (!ops.empty()) ops.push_back({Resource::kCpu, -1.0, "fork"});
+      build_chain_into(elements - cpu_elems, gpu, ops);
+    }
+    return;
+  }
   const double n = static_cast<double>(elements);
   const double S = 4.0 * n;
   const int k = cluster_.gpus_per_machine, M = cluster_.machines;
@@ -343,10 +386,7 @@ double Evaluator::lower_bound() {
   for (size_t o = 0; o < p_.options().size(); ++o) {
     double t = 0;
     for (int c = p_.first_chunk(last); c < p_.first_chunk(last + 1); ++c) {
-      double s = 0;
-      for (const Op& op : p_.chain(p_.chunks()[c].elements, static_cast<int>(o)))
-        s += op.duration_us;
-      t = std::max(t, s);
+      t = std::max(t, chain_latency(p_.chain(p_.chunks()[c].elements, static_cast<int>(o))));
     }
     tail = std::min(tail, t);
   }
@@ -448,6 +488,11 @@ double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
   for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
     double t = ready;
     for (const Op& op : p_.chunk_chain(c, opt)) {
+      if (op.fork()) {
+        done = std::max(done, t);
+        t = ready;
+        continue;
+      }
       if (op.duration_us <= 0) continue;
       const double s = place(op.resource, t, op.duration_us, i);
       t = s + op.duration_us;
