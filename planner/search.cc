@@ -329,8 +329,8 @@ int offload_pass(Problem& p, Evaluator& ev, double& f, int rounds, bool all_spli
 // tensors): a large tensor whose GPU compression stretches the backward pass
 // can move a share of its elements to the CPU pool (Option::cpu_share) where
 // moving all of it would finish too late. The tensors with the most GPU
-// compression time are tried, each over shares on a grid of 1/8 refined
-// three times around the best (1/16, 1/32, 1/64). Returns the tensors split.
+// compression time are tried, each over shares in steps of 1/16, refined
+// around the best to 1/64. Returns the tensors split.
 int split_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
   std::vector<std::pair<double, int>> heavy;
   for (int i = 0; i < p.tensors(); ++i) {
@@ -353,18 +353,22 @@ int split_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
     double best = f, best_share = -1;
     auto try_share = [&](double share) {
       const int opt = p.split_option(whole, share);
-      if (opt < 0 || opt == ev.base()[i]) return;
+      if (opt < 0 || opt == ev.base()[i]) return false;
       const double v = ev.try_option(i, opt, best - kEps);
-      if (v < best - kEps) {
-        best = v;
-        best_share = share;
-      }
+      if (v >= best - kEps) return false;
+      best = v;
+      best_share = share;
+      return true;
     };
-    for (int j = 1; j < 8; ++j) try_share(j / 8.0);
-    const double centre = best_share > 0 ? best_share : p.options()[ev.base()[i]].cpu_share;
-    if (centre <= 0) continue;  // no share helps and the tensor is not split
-    for (double step : {1.0 / 16, 1.0 / 32, 1.0 / 64}) {
-      const double c = best_share > 0 ? best_share : centre;
+    // F falls while the CPU part finishes in time and rises once it is the
+    // latest chain (GPU time moves to the CPU pool linearly in the share):
+    // scan upwards from the smallest share while it improves, then refine.
+    // A tensor no small share helps costs one simulation.
+    for (int j = 1; j < 16 && try_share(j / 16.0); ++j) {
+    }
+    if (best_share < 0) continue;
+    for (double step : {1.0 / 32, 1.0 / 64}) {
+      const double c = best_share;
       try_share(c - step);
       try_share(c + step);
     }
@@ -376,10 +380,6 @@ int split_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
   }
   return split;
 }
-
-// Tensors Algorithm 2 tries to split (the heaviest GPU users): a handful
-// carries nearly all the GPU compression time of the paper's models.
-constexpr size_t kSplitTensors = 4;
 
 }  // namespace
 
@@ -431,7 +431,8 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   // sender), one round; the refinement repeats it with every device split.
   const auto t1 = Clock::now();
   st.offload_groups = offload_pass(p, ev, f, 1, false);
-  st.split_tensors = split_pass(p, ev, f, kSplitTensors);
+  const Assignment unsplit = ev.base();
+  const double f_unsplit = f;
   st.algorithm2_ms = ms_since(t1);
   st.decision_ms = ms_since(t0);
   st.decision_cpu_ms = thread_cpu_ms() - c0;
@@ -440,19 +441,41 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   // Refinement over the whole option set (the published code restricts
   // itself to a handful of options; we sweep all non-dominated ones): single
   // tensors, then whole size groups at once (a group often only pays off
-  // when all its members move, e.g. to the CPU pool).
-  for (int r = 0; r < opts.refine_rounds; ++r) {
-    const double before = f;
-    offload_pass(p, ev, f, 2, true);
-    split_pass(p, ev, f, kSplitTensors);
-    bool improved = f < before - kEps;
-    improved |= sweep(ev, order, cand.all, f, lb);
-    improved |= group_sweep(p, ev, cand.all, f, lb);
-    improved |= swap_sweep(p, ev, order, f, lb);
-    if (!improved) break;
-  }
+  // when all its members move, e.g. to the CPU pool), and the partial
+  // offloading of the heaviest GPU users (split_pass).
+  auto refine = [&](double& fr, size_t splits) {
+    for (int r = 0; r < opts.refine_rounds; ++r) {
+      const double before = fr;
+      offload_pass(p, ev, fr, 2, true);
+      split_pass(p, ev, fr, splits);
+      bool improved = fr < before - kEps;
+      improved |= sweep(ev, order, cand.all, fr, lb);
+      improved |= group_sweep(p, ev, cand.all, fr, lb);
+      improved |= swap_sweep(p, ev, order, fr, lb);
+      if (!improved) break;
+    }
+  };
+  refine(f, opts.split_tensors);
 
   Assignment result = ev.base();
+  auto splits_in = [&](const Assignment& a) {
+    int n_split = 0;
+    for (int o : a) n_split += p.options()[o].cpu_share > 0.0;
+    return n_split;
+  };
+  if (splits_in(result) > 0) {
+    // A split taken greedily can steer the sweeps into a worse local
+    // optimum: refine Algorithm 2's unsplit result without splits as well,
+    // then split that.
+    ev.set_base(unsplit);
+    double fu = f_unsplit;
+    refine(fu, 0);
+    split_pass(p, ev, fu, opts.split_tensors);
+    if (fu < f - kEps) {
+      f = fu;
+      result = ev.base();
+    }
+  }
   if (opts.consider_baselines) {
     for (Baseline b : kBaselines) {
       Assignment a = baseline(p, b);
@@ -473,6 +496,7 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
       }
     }
   }
+  st.split_tensors = splits_in(result);
   st.total_ms = ms_since(t0);
   st.total_cpu_ms = thread_cpu_ms() - c0;
   st.simulations = ev.simulations();

@@ -184,13 +184,24 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
   };
   // (De)compression of `pieces` pieces of x elements on each of `par` GPUs'
   // data; on the CPU the machine's pool does all of it.
-  auto comp = [&](double x, int par) {
+  //
+  // CPU (de)compression moves raw data between the GPUs and the host (the
+  // copies queue with the pool's work): the gradient goes in before the
+  // first compression and the result comes out after the last
+  // decompression, at its full size (pieces that are different shards come
+  // out side by side). A decompress-sum-recompress in the middle of a chain
+  // (remix) works on data that came over a link and leaves over one: raw
+  // data crosses only when its two operations sit on different devices.
+  // Compressed bytes crossing are small and not counted.
+  auto copy = [&](double elems, int par) {
+    return copy_bpu > 0 ? par * 4.0 * elems / copy_bpu : 0.0;
+  };
+  auto comp = [&](double x, int par, bool raw_on_gpu = true) {
     if (o.comp_device == Device::kGpu) {
       add(Resource::kGpu, cc->gpu->compress.at(x), "compress");
     } else {
-      double t = par * cc->cpu->compress.at(x) / cores;
-      if (copy_bpu > 0) t += par * 4.0 * x / copy_bpu;
-      add(Resource::kCpu, t, "compress");
+      add(Resource::kCpu, par * cc->cpu->compress.at(x) / cores + (raw_on_gpu ? copy(x, par) : 0.0),
+          "compress");
     }
   };
   // On the GPU the pieces one collective delivers are decoded by one batched
@@ -200,14 +211,21 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
   // not one per piece): the fixed cost is paid once per stage, the linear
   // part grows with all the elements decoded. A CPU core decodes piece by
   // piece, as compress_bench measures it.
-  auto decomp = [&](double x, double pieces, int par) {
+  // `out`: elements per holder that go to the GPU afterwards (0: none).
+  auto decomp = [&](double x, double pieces, int par, double out) {
     if (o.decomp_device == Device::kGpu) {
       add(Resource::kGpu, cc->gpu->decompress.at(pieces * x), "decompress");
     } else {
-      double t = par * pieces * cc->cpu->decompress.at(x) / cores;
-      if (copy_bpu > 0) t += par * 4.0 * x / copy_bpu;
-      add(Resource::kCpu, t, "decompress");
+      add(Resource::kCpu, par * pieces * cc->cpu->decompress.at(x) / cores + copy(out, par),
+          "decompress");
     }
+  };
+  // Decompress `pieces` pieces of x, sum, recompress the sum (y elements).
+  auto remix = [&](double x, double pieces, double y, int par) {
+    const bool cpu_dec = o.decomp_device == Device::kCpu;
+    const bool cpu_comp = o.comp_device == Device::kCpu;
+    decomp(x, pieces, par, cpu_dec && !cpu_comp ? y : 0.0);
+    comp(y, par, !cpu_dec);
   };
   // Ring / tree step costs for P participants on a port of B bytes/us.
   auto steps = [](int P) { return static_cast<double>(std::max(0, P - 1)); };
@@ -218,7 +236,7 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
     if (N <= 1) {
       if (cc) {
         comp(n, 1);
-        decomp(n, 1, 1);
+        decomp(n, 1, 1, n);
       }
       return;
     }
@@ -239,26 +257,24 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
         break;
       case Collective::kAllgather:
         add(Resource::kInter, steps(N) * ae + steps(N) * c / Be, "allgather");
-        decomp(n, N, 1);
+        decomp(n, N, 1, n);
         return;
       case Collective::kAlltoallAllgather: {
         const double shard = n / N;
         add(Resource::kInter, steps(N) * ae + k * frac(M) * c / Be, "alltoall");
-        decomp(shard, N, 1);
-        comp(shard, 1);
+        remix(shard, N, shard, 1);
         add(Resource::kInter, steps(N) * ae + steps(N) * wire(shard) / Be, "allgather");
-        decomp(shard, N, 1);
+        decomp(shard, N, 1, n);
         return;
       }
       case Collective::kGatherBroadcast:
         add(Resource::kInter, steps(N) * ae + (N - k) * c / Be, "gather");
-        decomp(n, N, 1);
-        comp(n, 1);
+        remix(n, N, n, 1);
         add(Resource::kInter, steps(N) * ae + c / Be, "broadcast");
-        decomp(n, 1, 1);
+        decomp(n, 1, 1, n);
         return;
     }
-    if (cc) decomp(n, 1, 1);
+    if (cc) decomp(n, 1, 1, n);
     return;
   }
 
@@ -278,12 +294,10 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
           scatter ? "intra_reduce_scatter" : "intra_reduce");
     } else if (scatter) {  // alltoall of compressed data
       add(Resource::kIntra, steps(k) * ai + frac(k) * bytes / Bi, "intra_alltoall");
-      decomp(m, k, par);
-      comp(m, par);
+      remix(m, k, m, par);
     } else {  // gather
       add(Resource::kIntra, steps(k) * ai + steps(k) * bytes / Bi, "intra_gather");
-      decomp(n, k, 1);
-      comp(n, 1);
+      remix(n, k, n, 1);
     }
   }
   if (cc && !s1) comp(m, par);
@@ -320,42 +334,43 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
         break;
       case Collective::kAllgather:
         add(Resource::kInter, steps(M) * ae + steps(M) * bytes / Bp, "allgather");
-        decomp(m, M, par);
-        raw_after_inter = true;
+        if (s3) {
+          remix(m, M, m, par);  // the gathered sum travels compressed
+        } else {
+          decomp(m, M, par, m);
+          raw_after_inter = true;
+        }
         break;
       case Collective::kAlltoallAllgather: {
         const double shard = m / M;
         add(Resource::kInter, ps_lat + frac(M) * bytes / B1, "alltoall");
-        decomp(shard, M, par);
-        comp(shard, par);
+        remix(shard, M, shard, par);
         add(Resource::kInter, ps_lat + steps(M) * wire(shard) / B2, "allgather");
         if (!s3) {
-          decomp(shard, M, par);
+          decomp(shard, M, par, m);
           raw_after_inter = true;
         }
         break;
       }
       case Collective::kGatherBroadcast:
         add(Resource::kInter, ps_lat + steps(M) * bytes / B1, "gather");
-        decomp(m, M, par);
-        comp(m, par);
+        remix(m, M, m, par);
         add(Resource::kInter, ps_lat + bytes / B2, "broadcast");
         if (!s3) {
-          decomp(m, 1, par);
+          decomp(m, 1, par, m);
           raw_after_inter = true;
         }
         break;
     }
   }
-  if (cc && !s3 && !raw_after_inter) decomp(m, 1, par);
-  if (cc && s3 && raw_after_inter) comp(m, par);  // the gathered sum travels compressed
+  if (cc && !s3 && !raw_after_inter) decomp(m, 1, par, m);
   if (k > 1) {
     const double bytes = s3 ? wire(n) : S;
     add(Resource::kIntra,
         scatter ? steps(k) * ai + frac(k) * bytes / Bi : steps(k) * ai + bytes / Bi,
         scatter ? "intra_allgather" : "intra_broadcast");
   }
-  if (s3) decomp(n / par, par, k);
+  if (s3) decomp(n / par, par, k, n);
   return;
 }
 

@@ -128,6 +128,44 @@ TEST(Simulator, GpuCompressionDelaysBackward) {
   EXPECT_NEAR(find_event(tl, "a", "decompress")->start_us, 130.125, 1e-9);
 }
 
+TEST(Simulator, HostCopiesOnlyWhereRawDataCrosses) {
+  // The tiny cluster with GPU<->host copies at 8 Gb/s (1000 bytes/us). a
+  // (1000 elements, ready 100) with CPU onebit and a PS alltoall+allgather
+  // between the two machines: compress 30 + copy in 4000 bytes 4 =
+  // [100,134]; alltoall 10 + 1/2 x 125/1000 [134,144.0625]; the server's
+  // decompress (2 pieces x 5) and recompress (30) work on host data, no
+  // copies: [144.0625,184.0625]; allgather 10 + 62.5/1000
+  // [184.0625,194.125]; decompress 2 x 5 and copy the whole result out
+  // (4000 bytes, not one shard's 2000) [194.125,208.125].
+  Cluster cl = Cluster::parse("version: 1\nname: tiny\nmachines: 2\ngpus_per_machine: 1\n"
+                              "inter: {gbps: 8, latency_us: 10}\nintra: {gbps: 8, latency_us: 10}\n"
+                              "cpu_cores: 1\nhost_copy_gbps: 8\n",
+                              "tiny.yaml");
+  Problem p(two_tensors(100, 50), cl, tiny_costs(), CompressorSpec::parse("onebit"));
+  Option o;
+  o.compressor = "onebit";
+  o.intra = Collective::kReduceScatterAllgather;
+  o.inter = Collective::kAlltoallAllgather;
+  Evaluator ev(p);
+  Timeline tl;
+  EXPECT_NEAR(ev.evaluate({index_of(p, o), index_of(p, fp32())}, &tl), 208.125, 1e-9);
+  std::vector<std::pair<double, double>> cpu;
+  for (const TraceEvent& e : tl.events)
+    if (e.name == "a" && e.resource == Resource::kCpu) cpu.push_back({e.start_us, e.end_us});
+  using Span = std::vector<std::pair<double, double>>;
+  EXPECT_EQ(cpu, (Span{{100, 134}, {144.0625, 154.0625}, {154.0625, 184.0625},
+                       {194.125, 208.125}}));
+  // Mixed devices: a GPU decompress feeding a CPU recompress copies the
+  // shard's sum in (500 elements: 2 us): 30 + 2.
+  o.decomp_device = Device::kGpu;
+  Timeline t2;
+  ev.evaluate({index_of(p, o), index_of(p, fp32())}, &t2);
+  std::vector<double> cpu_durations;
+  for (const TraceEvent& e : t2.events)
+    if (e.name == "a" && e.resource == Resource::kCpu) cpu_durations.push_back(e.end_us - e.start_us);
+  EXPECT_EQ(cpu_durations, (std::vector<double>{34, 32}));
+}
+
 TEST(Simulator, CpuShareRunsTwoChainsFromTheReadyTime) {
   // a (1000 elements, ready 100) with half its elements on the CPU pool
   // (one core, host copies free) and half on the GPU; onebit costs do not
@@ -388,7 +426,7 @@ TEST(Search, PaperWorkloadsBeatEveryBaselineAndRespectTheUpperBound) {
   }
 }
 
-TEST(Search, Algorithm2SplitsALargeTensorBetweenCpuAndGpu) {
+TEST(Search, RefinementSplitsALargeTensorBetweenCpuAndGpu) {
   // UGATIT + DGC (docs/planner.md): the two 1 GiB FC weights' GPU
   // compression stretches the backward pass; moving all of one to the CPU
   // pool finishes too late, a share of it does not.
