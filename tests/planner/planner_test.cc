@@ -421,6 +421,13 @@ TEST(Search, PaperWorkloadsBeatEveryBaselineAndRespectTheUpperBound) {
       EXPECT_LE(ours, ev.evaluate(ba) + 1e-6) << model << " " << to_string(b);
     }
     EXPECT_GE(ours, ev.lower_bound() - 1e-6);
+    // LSTM's last gradient (the 50M-element embedding) is ready when the
+    // backward pass ends, so its shortest chain is exposed whatever the
+    // plan: the plan meets that bound, and its gap to the Upper Bound is the
+    // cost of compressing that tensor (docs/planner.md).
+    if (std::string(model) == "lstm") {
+      EXPECT_NEAR(ours, ev.lower_bound(), 1e-6);
+    }
     EXPECT_LE(upper_bound_us(p), ours + 1e-6) << model;
     EXPECT_GT(st.simulations, 0u);
   }
