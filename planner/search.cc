@@ -131,7 +131,7 @@ Candidates candidates(Problem& p, int fp32_option, int max_gpu) {
   for (int o = 0; o < p.tree_options(); ++o) {
     const Option& op = p.options()[o];
     if (op.compressed() && op.comp_device == Device::kGpu && op.decomp_device == Device::kGpu)
-      gpu_set.push_back(static_cast<int>(o));
+      gpu_set.push_back(o);
   }
   Candidates c;
   c.gpu.resize(p.tensors());
@@ -372,11 +372,9 @@ int split_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
       try_share(c - step);
       try_share(c + step);
     }
-    if (best_share > 0) {
-      ev.commit(i, p.split_option(whole, best_share));
-      f = best;
-      ++split;
-    }
+    ev.commit(i, p.split_option(whole, best_share));
+    f = best;
+    ++split;
   }
   return split;
 }
@@ -431,11 +429,11 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   // sender), one round; the refinement repeats it with every device split.
   const auto t1 = Clock::now();
   st.offload_groups = offload_pass(p, ev, f, 1, false);
-  const Assignment unsplit = ev.base();
-  const double f_unsplit = f;
   st.algorithm2_ms = ms_since(t1);
   st.decision_ms = ms_since(t0);
   st.decision_cpu_ms = thread_cpu_ms() - c0;
+  const Assignment unsplit = ev.base();
+  const double f_unsplit = f;
 
   all_candidates(p, cand);
   // Refinement over the whole option set (the published code restricts

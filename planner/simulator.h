@@ -17,8 +17,8 @@
 // decompression has passed.
 //
 // Thread-safety: Problem is immutable after construction except for its
-// chain cache (not thread-safe: one Problem per thread). Evaluator is
-// thread-bound.
+// chain cache and the split options it adds on demand (split_option); not
+// thread-safe: one Problem per thread. Evaluator is thread-bound.
 #pragma once
 
 #include <cstdint>
