@@ -54,7 +54,8 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   std::vector<std::string> nodes;
   inter.get("cluster_file", c.cluster_file)
       .get("node_id", c.node_id, Range<uint32_t>{0, 0xFFFFFFFEu})
-      .get("nodes", nodes);
+      .get("nodes", nodes)
+      .get("peer_listen", c.peer_listen);
   for (const std::string& n : nodes) {
     try {
       size_t used = 0;
@@ -68,6 +69,20 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   if (!c.cluster_file.empty() && c.nodes.empty()) {
     inter.fail("nodes", "empty while cluster_file is set",
                "the daemons' node ids in node-rank order, this daemon's node_id among them");
+  }
+  if (!c.peer_listen.empty()) {
+    const bool scheme = c.peer_listen.rfind("tcp://", 0) == 0 ||
+                        c.peer_listen.rfind("ipc://", 0) == 0 ||
+                        c.peer_listen.rfind("rdma://", 0) == 0;
+    if (!scheme || c.peer_listen.size() > 1024) {
+      inter.fail("peer_listen", "'" + c.peer_listen + "' is not an endpoint",
+                 "tcp://HOST:PORT (port 0: ephemeral), ipc:///PATH, or rdma://HOST:PORT with the "
+                 "rdma backend; empty: no peer allgather");
+    }
+    if (c.cluster_file.empty()) {
+      inter.fail("peer_listen", "set while cluster_file is empty",
+                 "a cluster_file too (peers are found through its coordinator)");
+    }
   }
   inter.finish();
 

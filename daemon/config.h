@@ -37,6 +37,10 @@ struct DaemonConfig {
   std::string cluster_file;
   uint32_t node_id = 0;
   std::vector<uint32_t> nodes;
+  // Endpoint the other nodes' daemons reach this one on for peer allgather
+  // (tcp://host:port, port 0 = ephemeral; ipc:///path); sent to them through
+  // the coordinator at each job's admission. Empty: no peer allgather.
+  std::string peer_listen;
 
   // Throws config::ConfigError naming file, line, key and accepted values.
   // Applies the `logging:` section (and BYTECOMP_LOG) as a side effect.

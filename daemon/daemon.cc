@@ -114,7 +114,19 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
     tc.node_id = config_.node_id;
     tc.listen = {};
     admission_timeout_ = cluster.admission_timeout;
+    request_timeout_ = cluster.request_timeout;
     ps_client_ = server::PsClient::create(cluster, tc);
+    if (!config_.peer_listen.empty()) {
+      transport::TransportConfig pc = cluster.transport;
+      pc.node_id = config_.node_id;
+      pc.listen = {config_.peer_listen};
+      try {
+        peer_hub_ = std::make_unique<PeerHub>(pc);
+      } catch (const Error& e) {
+        throw Error(ErrorCode::kConfig,
+                    "internode.peer_listen '" + config_.peer_listen + "': " + e.what());
+      }
+    }
     BC_LOG(LogDaemon(), kInfo) << "inter-node: node " << config_.node_id << " of cluster "
                                << config_.cluster_file;
   }
@@ -500,9 +512,9 @@ void Daemon::maybe_start(Job& j) {
     if (problem.empty()) {
       try {
         for (const auto& plan : server::plan_job(spec.tensors, spec.strategy_yaml)) {
-          if (plan.placement == server::Placement::kPeer) {
-            problem = "a tensor's strategy uses inter: allgather between daemons, which this "
-                      "release does not implement (use a ps or ps_single collective)";
+          if (plan.placement == server::Placement::kPeer && !peer_hub_) {
+            problem = "a tensor's strategy uses inter: allgather between daemons, but this "
+                      "bytecompd has no peer endpoint (set internode.peer_listen)";
             break;
           }
         }
@@ -510,6 +522,7 @@ void Daemon::maybe_start(Job& j) {
         problem = e.what();
       }
     }
+    if (peer_hub_) spec.peer_address = peer_hub_->address();
     if (!problem.empty()) {
       abort_job(j, ErrorCode::kUnavailable,
                 "job '" + j.id + "' spans " + std::to_string(j.num_nodes) + " nodes: " + problem);
@@ -562,7 +575,7 @@ void Daemon::maybe_start(Job& j) {
           const uint64_t one = 1;
           (void)::write(wake, &one, sizeof one);
         },
-        std::move(join));
+        std::move(join), PeerOptions{peer_hub_.get(), request_timeout_});
     for (Conn* m : j.members) {
       m->state = Conn::State::kRunning;
       send_msg(m->fd, ipc::encode(ipc::Ready{name, layout.total_bytes}));

@@ -30,6 +30,7 @@
 #include "common/error.h"
 #include "common/thread_pool.h"
 #include "daemon/config.h"
+#include "daemon/peer_allgather.h"
 #include "planner/strategy.h"
 #include "server/ps_client.h"
 
@@ -76,7 +77,9 @@ class Daemon {
   std::shared_ptr<const planner::Strategy> strategy_;
   std::string strategy_text_;  // the file's text, sent to the coordinator
   std::unique_ptr<server::PsClient> ps_client_;  // null: single-node only
+  std::unique_ptr<PeerHub> peer_hub_;  // null: no internode.peer_listen
   std::chrono::milliseconds admission_timeout_{30000};
+  std::chrono::milliseconds request_timeout_{30000};
   ThreadPool pool_;
   int listen_fd_ = -1;
   int wake_fd_ = -1;

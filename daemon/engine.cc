@@ -57,7 +57,7 @@ Status Inbox::failure() {
 Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
                std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans,
                uint32_t node_rank, ThreadPool& pool, const Tunables& tunables,
-               FailureFn on_failure, JoinFn join)
+               FailureFn on_failure, JoinFn join, PeerOptions peers)
     : job_(std::move(job_name)),
       base_(static_cast<char*>(segment)),
       layout_(layout),
@@ -85,6 +85,7 @@ Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
   }
   for (Round& r : rounds_) r.from.assign(layout.local_size, false);
   join_ = std::move(join);
+  peer_opts_ = peers;
   inbox_ = std::make_shared<Inbox>(&header_->doorbell);
   thread_ = std::thread([this] { loop(); });
 }
@@ -101,6 +102,7 @@ void Engine::stop() {
   if (thread_.joinable()) thread_.join();
   // Late PS callbacks must not touch the segment once it is unmapped.
   inbox_->close();
+  if (peer_) peer_->close();
   if (ps_) {
     // Tells the coordinator and fails what is still pending. An aborted job
     // is aborted for every node at once (a job the coordinator already
@@ -251,6 +253,7 @@ void Engine::loop() {
       });
       BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                                  << ps_->info().rank << " of " << ps_->info().nodes.size();
+      if (!open_peers()) return;
     }
     while (!stop_.load()) {
       ipc::timed_wait(header_->doorbell, kIdleWait);
@@ -259,6 +262,13 @@ void Engine::loop() {
         fail(f.code() == ErrorCode::kOk ? ErrorCode::kAborted : f.code(),
              "inter-node: " + f.message());
         break;
+      }
+      if (peer_) {
+        if (const Status late = peer_->check_deadlines(std::chrono::steady_clock::now());
+            !late.ok()) {
+          fail(late.code(), "inter-node: " + late.message());
+          break;
+        }
       }
       adopt_pending();
       if (!drain() || !check_left()) break;
@@ -376,7 +386,13 @@ void Engine::run_batch(const std::vector<Task>& batch) {
     pool_.parallel_for(
         batch.size(), 1,
         [&](size_t b, size_t e) {
-          for (size_t i = b; i < e; ++i) start_ps_task(batch[i], bufs[i]);
+          for (size_t i = b; i < e; ++i) {
+            if (is_peer(batch[i].tensor)) {
+              start_peer_task(batch[i], bufs[i]);
+            } else {
+              start_ps_task(batch[i], bufs[i]);
+            }
+          }
         },
         batch.size());
     return;  // completed by process_arrivals()
@@ -498,6 +514,10 @@ bool Engine::process_arrivals() {
       [&](size_t b, size_t e) {
         for (size_t i = b; i < e; ++i) {
           const auto& a = arrived[i];
+          if (a.peer) {
+            errors[i] = finish_peer(a);
+            continue;
+          }
           const ipc::TensorSlot& slot = layout_.tensors[a.tensor];
           std::vector<char*> bufs;
           for (uint32_t r = 0; r < layout_.local_size; ++r) {

@@ -35,6 +35,7 @@
 #include "common/thread_pool.h"
 #include "daemon/config.h"
 #include "daemon/engine_types.h"
+#include "daemon/peer_allgather.h"
 #include "daemon/plan.h"
 #include "daemon/scheduler.h"
 #include "server/ps_client.h"
@@ -53,6 +54,7 @@ class Inbox {
     uint64_t begin, end;
     Status status;
     transport::Buffer result;
+    bool peer = false;  // a complete allgather round: PeerJob::take() has it
   };
   explicit Inbox(boost::interprocess::interprocess_semaphore* doorbell) : doorbell_(doorbell) {}
   void deliver(Arrival a);
@@ -69,6 +71,14 @@ class Inbox {
   Status failure_;
 };
 
+// Multi-node jobs with allgather tensors: the daemon's peer endpoint (null:
+// none configured; such jobs fail at join) and the bound on a peer's answer
+// and on waiting for the other nodes' payloads of a round.
+struct PeerOptions {
+  PeerHub* hub = nullptr;
+  std::chrono::milliseconds timeout{30000};
+};
+
 class Engine {
  public:
   using FailureFn = std::function<void(ErrorCode, const std::string&)>;
@@ -79,7 +89,7 @@ class Engine {
   Engine(std::string job_name, void* segment, const ipc::Layout& layout,
          std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans, uint32_t node_rank,
          ThreadPool& pool, const Tunables& tunables, FailureFn on_failure,
-         JoinFn join = nullptr);
+         JoinFn join = nullptr, PeerOptions peers = {});
   ~Engine();  // stops and joins
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -133,6 +143,13 @@ class Engine {
     std::unique_ptr<compress::TensorState> state;
   };
   PsPart& ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration);
+  // Peer allgather (daemon/engine_peer.cc). open_peers() runs after the
+  // join; false after failing the job.
+  bool open_peers();
+  bool is_peer(uint32_t tensor) const { return peer_ && peer_tensor_[tensor]; }
+  void start_peer_task(const Task& t, std::span<char* const> bufs);
+  // Sums a complete round into every local rank's buffer; the problem, or "".
+  std::string finish_peer(const Inbox::Arrival& a);
   // Returns false (after failing the job) on a protocol violation.
   bool drain();
   bool check_left();
@@ -167,6 +184,22 @@ class Engine {
   std::shared_ptr<Inbox> inbox_;
   std::vector<std::vector<PsPart>> ps_parts_;
   uint64_t inflight_bytes_ = 0;
+  // Allgather tensors: their plans by first iteration (strategy changes
+  // arrive on the transport's thread), per-partition error-feedback state.
+  struct PeerPlans {
+    std::mutex mu;
+    std::vector<std::pair<uint64_t, std::vector<TensorPlan>>> by_iteration;
+    TensorPlan at(uint32_t tensor, uint64_t iteration);
+  };
+  struct PeerPart {
+    uint64_t digest = 0;
+    std::unique_ptr<compress::TensorState> state;
+  };
+  PeerOptions peer_opts_;
+  std::shared_ptr<PeerJob> peer_;
+  std::shared_ptr<PeerPlans> peer_plans_;
+  std::vector<bool> peer_tensor_;
+  std::vector<std::vector<PeerPart>> peer_parts_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   std::mutex abort_mu_;  // serialises publish_abort between the two threads

@@ -44,6 +44,10 @@ struct JobSpec {
   std::string strategy_yaml;    // planner format; empty = all tensors uncompressed, ps
   bool deterministic = false;   // sum in rank order (bitwise reproducible)
   uint64_t start_iteration = 0; // first iteration pushed
+  // This node's endpoint for the other nodes' daemons (peer allgather);
+  // empty when it has none. Per node, so never compared between nodes: the
+  // coordinator hands every node the list at admission.
+  std::string peer_address;
 };
 
 // How the parameter servers handle one tensor (derived from its strategy

@@ -119,6 +119,7 @@ void write_spec(Writer& w, const JobSpec& spec) {
   w.str(spec.strategy_yaml);
   w.u8(spec.deterministic ? 1 : 0);
   w.u64(spec.start_iteration);
+  w.str(spec.peer_address);
 }
 
 JobSpec read_spec(Reader& r) {
@@ -129,6 +130,7 @@ JobSpec read_spec(Reader& r) {
   s.strategy_yaml = r.str("job.strategy");
   s.deterministic = r.u8("job.deterministic") != 0;
   s.start_iteration = r.u64("job.start_iteration");
+  s.peer_address = r.str("job.peer_address", 4096);
   return s;
 }
 
@@ -146,6 +148,8 @@ transport::Buffer encode(const Admission& a) {
   for (const ServerInfo& s : a.servers) write_server(w, s);
   w.str(a.strategy_yaml);
   w.u64(a.digest);
+  w.u32(static_cast<uint32_t>(a.peer_addresses.size()));
+  for (const std::string& p : a.peer_addresses) w.str(p);
   return w.take();
 }
 
@@ -164,6 +168,8 @@ Admission decode_admission(std::string_view bytes) {
   for (uint32_t i = 0; i < ns; ++i) a.servers.push_back(read_server(r));
   a.strategy_yaml = r.str("strategy");
   a.digest = r.u64("digest");
+  const uint32_t np = r.count("peer_addresses", 4);
+  for (uint32_t i = 0; i < np; ++i) a.peer_addresses.push_back(r.str("peer_address", 4096));
   r.end();
   return a;
 }

@@ -113,6 +113,7 @@ struct Admission {
   std::vector<ServerInfo> servers;
   std::string strategy_yaml;
   uint64_t digest = 0;  // the coordinator's assignment digest
+  std::vector<std::string> peer_addresses;  // JobSpec::peer_address by rank
 };
 
 void write_spec(Writer& w, const JobSpec& spec);

@@ -364,6 +364,7 @@ class ClientImpl final : public PsClient {
     info.partition_bytes = a.partition_bytes;
     info.servers = a.servers;
     info.strategy_yaml = a.strategy_yaml;
+    info.peer_addresses = a.peer_addresses;
     info.plans = plan_job(info.tensors, info.strategy_yaml);
     info.assignment = assign_partitions(info.tensors, info.plans, info.servers, info.partition_bytes);
     if (info.assignment.digest != a.digest)

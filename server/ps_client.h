@@ -116,6 +116,8 @@ struct JobInfo {
   std::string strategy_yaml;         // in force from start_iteration
   std::vector<TensorPlan> plans;     // per tensor, from strategy_yaml
   Assignment assignment;
+  // Every node's JobSpec::peer_address, by rank ("" where a node has none).
+  std::vector<std::string> peer_addresses;
 };
 
 struct ServerStats {

@@ -646,6 +646,7 @@ void Coordinator::try_admit_locked(Pending& p, std::vector<std::function<void()>
   adm.partition_bytes = srv_.cfg.cluster.partition_bytes;
   for (const ServerInfo& s : srv_.cfg.cluster.servers) adm.servers.push_back(servers_.at(s.id));
   adm.strategy_yaml = p.regs.at(0).spec.strategy_yaml;
+  for (const auto& [rank, reg] : p.regs) adm.peer_addresses.push_back(reg.spec.peer_address);
   p.setting_up = true;
   std::string name = p.name;
   after.push_back([this, adm = std::move(adm), name]() mutable { admit(std::move(adm), name); });

@@ -79,4 +79,15 @@ TEST(DaemonConfig, ErrorsNameTheKey) {
                 .find("scheduler.max_inflight_bytes"),
             std::string::npos);
   EXPECT_NE(err("version: 1\nscheduler: {thread: 2}\n").find("unknown key"), std::string::npos);
+  // The peer endpoint: an endpoint, and only with a cluster to learn peers from.
+  const std::string bad_endpoint =
+      err("version: 1\ninternode: {cluster_file: c.yaml, nodes: [1], peer_listen: 'localhost:9'}\n");
+  EXPECT_NE(bad_endpoint.find("internode.peer_listen"), std::string::npos) << bad_endpoint;
+  EXPECT_NE(bad_endpoint.find("tcp://HOST:PORT"), std::string::npos) << bad_endpoint;
+  EXPECT_NE(err("version: 1\ninternode: {peer_listen: 'tcp://127.0.0.1:0'}\n").find("cluster_file"),
+            std::string::npos);
+  const DaemonConfig ok = DaemonConfig::parse(config::Document::parse(
+      "version: 1\ninternode: {cluster_file: c.yaml, nodes: [1], peer_listen: 'tcp://127.0.0.1:0'}\n",
+      "d.yaml"));
+  EXPECT_EQ(ok.peer_listen, "tcp://127.0.0.1:0");
 }

@@ -160,6 +160,7 @@ TEST(ProtocolTest, AdmissionRoundTripAndTruncation) {
   a.servers = servers(2, 3);
   a.strategy_yaml = "version: 1\n";
   a.digest = 99;
+  a.peer_addresses = {"tcp://127.0.0.1:9300", ""};
   transport::Buffer b = proto::encode(a);
   proto::Admission d = proto::decode_admission(b.view());
   EXPECT_EQ(d.name, a.name);
@@ -167,6 +168,7 @@ TEST(ProtocolTest, AdmissionRoundTripAndTruncation) {
   EXPECT_EQ(d.tensors, a.tensors);
   EXPECT_EQ(d.servers, a.servers);
   EXPECT_EQ(d.digest, a.digest);
+  EXPECT_EQ(d.peer_addresses, a.peer_addresses);
   // Every truncation is refused with a message naming the field.
   for (size_t n = 0; n < b.size(); ++n) {
     try {

@@ -1,0 +1,242 @@
+// The engine's side of peer allgather (daemon/peer_allgather.h): opening the
+// job's PeerJob after the join, this node's payload of a partition, and the
+// decompress-and-sum of a complete round in node-rank order.
+#include <cstring>
+
+#include "common/log.h"
+#include "compress/reduce.h"
+#include "daemon/engine.h"
+#include "daemon/local_reduce.h"
+
+namespace bytecomp::daemon {
+
+BC_LOG_CATEGORY(LogEnginePeer, "daemon.engine");
+
+namespace {
+
+uint64_t digest_of(const TensorPlan& plan) {
+  return plan_digest(plan.compressor ? compress::to_string(plan.compressor->spec()) : "");
+}
+
+std::vector<TensorPlan> peer_plans_from(const std::string& yaml,
+                                        const std::vector<TensorSpec>& tensors) {
+  planner::Strategy strategy;
+  if (!yaml.empty()) strategy = planner::Strategy::parse(yaml, "the job's strategy");
+  return make_plans(strategy, "the job's strategy", tensors);
+}
+
+}  // namespace
+
+TensorPlan Engine::PeerPlans::at(uint32_t tensor, uint64_t iteration) {
+  std::lock_guard lock(mu);
+  const std::vector<TensorPlan>* plans = &by_iteration.front().second;
+  for (const auto& [from, p] : by_iteration) {
+    if (from <= iteration) plans = &p;
+  }
+  return plans->at(tensor);
+}
+
+bool Engine::open_peers() {
+  const server::JobInfo& info = ps_->info();
+  peer_tensor_.assign(tensors_.size(), false);
+  bool any = false;
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    if (ps_->plan_at(t, info.start_iteration).placement == server::Placement::kPeer) {
+      peer_tensor_[t] = true;
+      any = true;
+    }
+  }
+  if (!any) return true;
+  if (peer_opts_.hub == nullptr) {
+    fail(ErrorCode::kUnavailable,
+         "the job uses inter: allgather between daemons, but this bytecompd has no peer "
+         "endpoint (set internode.peer_listen in its configuration)");
+    return false;
+  }
+  try {
+    peer_plans_ = std::make_shared<PeerPlans>();
+    peer_plans_->by_iteration.emplace_back(info.start_iteration,
+                                           peer_plans_from(info.strategy_yaml, tensors_));
+  } catch (const std::exception& e) {
+    fail(ErrorCode::kInvalidArgument, std::string("the job's strategy: ") + e.what());
+    return false;
+  }
+  std::weak_ptr<PeerPlans> plans = peer_plans_;
+  std::weak_ptr<Inbox> inbox = inbox_;
+  const std::vector<TensorSpec> tensors = tensors_;
+  ps_->on_strategy_change([plans, inbox, tensors](const server::StrategyChange& c) {
+    auto p = plans.lock();
+    if (!p) return;
+    try {
+      auto next = peer_plans_from(c.strategy_yaml, tensors);
+      std::lock_guard lock(p->mu);
+      p->by_iteration.emplace_back(c.iteration, std::move(next));
+      std::stable_sort(p->by_iteration.begin(), p->by_iteration.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+    } catch (const std::exception& e) {
+      if (auto i = inbox.lock()) {
+        i->fail(Status(ErrorCode::kAborted,
+                       std::string("announced strategy cannot be run by peer allgather: ") +
+                           e.what()));
+      }
+    }
+  });
+
+  const uint64_t pb = partition_bytes_;
+  PeerJobSpec spec;
+  spec.name = info.name;
+  spec.uid = info.uid;
+  spec.rank = info.rank;
+  spec.nodes = info.nodes;
+  spec.addresses = info.peer_addresses;
+  spec.timeout = peer_opts_.timeout;
+  std::vector<uint64_t> bytes;
+  peer_parts_.resize(tensors_.size());
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    spec.tensor_names.push_back(tensors_[t].name);
+    bytes.push_back(tensors_[t].bytes);
+    const auto parts = peer_tensor_[t] ? static_cast<uint32_t>((tensors_[t].bytes + pb - 1) / pb)
+                                       : 0u;
+    spec.partitions.push_back(parts);
+    peer_parts_[t].resize(parts);
+  }
+  spec.partition_count = [bytes, pb](uint32_t tensor, uint32_t index) -> uint64_t {
+    const uint64_t begin = uint64_t{index} * pb;
+    return (std::min(bytes.at(tensor), begin + pb) - begin) / 4;
+  };
+  auto ready = [inbox, bytes, pb](uint32_t tensor, uint32_t index, uint64_t iteration) {
+    if (auto i = inbox.lock()) {
+      const uint64_t begin = uint64_t{index} * pb;
+      i->deliver({tensor, iteration, begin, std::min(bytes[tensor], begin + pb), Status::Ok(),
+                  {}, true});
+    }
+  };
+  auto failed = [inbox](const Status& s) {
+    if (auto i = inbox.lock()) i->fail(s);
+  };
+  try {
+    peer_ = peer_opts_.hub->open(std::move(spec), ready, failed);
+  } catch (const Error& e) {
+    fail(e.code(), e.what());
+    return false;
+  }
+  // Every node registered its job with its hub before any payload is sent,
+  // so none is refused as belonging to an unknown job.
+  if (const Status s = ps_->barrier(peer_opts_.timeout); !s.ok()) {
+    fail(s.code() == ErrorCode::kOk ? ErrorCode::kUnavailable : s.code(),
+         "peer allgather: waiting for every node to open the job failed: " + s.message());
+    return false;
+  }
+  BC_LOG(LogEnginePeer(), kInfo) << "job " << job_ << ": allgather with "
+                                 << info.nodes.size() - 1 << " peer daemon(s)";
+  return true;
+}
+
+void Engine::start_peer_task(const Task& t, std::span<char* const> bufs) {
+  const TensorSpec& spec = tensors_[t.tensor];
+  const auto index = static_cast<uint32_t>(t.begin / partition_bytes_);
+  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
+  sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
+  const TensorPlan plan = peer_plans_->at(t.tensor, t.iteration);
+  PeerHeader h;
+  h.count = n;
+  h.plan_digest = digest_of(plan);
+  transport::Buffer data;
+  if (plan.compressor) {
+    PeerPart& part = peer_parts_[t.tensor][index];
+    // A new plan starts with fresh error feedback, on every node alike.
+    if (!part.state || part.digest != h.plan_digest) {
+      part.state = plan.compressor->make_state(n);
+      part.digest = h.plan_digest;
+    }
+    compress::CompressContext ctx;
+    ctx.iteration = t.iteration;
+    ctx.shared_seed = server::partition_seed(ps_->info().name, server::partition_key(t.tensor, index));
+    ctx.private_seed = ctx.shared_seed ^ (0x9e3779b97f4a7c15ull * (ps_->info().rank + 1));
+    std::vector<std::byte> out(plan.compressor->max_compressed_bytes(n));
+    out.resize(plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state,
+                                         ctx));
+    h.format = PeerFormat::kCompressed;
+    data = transport::Buffer::take(std::move(out));
+  } else {
+    h.format = PeerFormat::kRawFp32;
+    data = transport::Buffer::copy_of(sum, n * 4);  // the segment may go away first
+  }
+  peer_->contribute(t.tensor, index, t.iteration, h, std::move(data));
+}
+
+std::string Engine::finish_peer(const Inbox::Arrival& a) {
+  const ipc::TensorSlot& slot = layout_.tensors[a.tensor];
+  std::vector<char*> bufs;
+  for (uint32_t r = 0; r < layout_.local_size; ++r) {
+    bufs.push_back(base_ + slot.offset + slot.stride * r);
+  }
+  const auto index = static_cast<uint32_t>(a.begin / partition_bytes_);
+  const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
+  float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
+  const uint32_t self = ps_->info().rank;
+  const auto& nodes = ps_->info().nodes;
+  auto who = [&](uint32_t r) {
+    return "node " + std::to_string(nodes.at(r)) + " (rank " + std::to_string(r) + ")";
+  };
+  try {
+    std::vector<PeerPayload> payloads = peer_->take(a.tensor, index, a.iteration);
+    const PeerHeader& own = payloads.at(self).header;
+    for (uint32_t r = 0; r < payloads.size(); ++r) {
+      const PeerHeader& h = payloads[r].header;
+      if (h.format != own.format || h.plan_digest != own.plan_digest) {
+        return who(r) + " sent partition " + std::to_string(index) + " (iteration " +
+               std::to_string(a.iteration) + ") " +
+               (h.format == PeerFormat::kRawFp32 ? "uncompressed" : "compressed") +
+               " under plan digest " + std::to_string(h.plan_digest) + ", this node ran " +
+               (own.format == PeerFormat::kRawFp32 ? "uncompressed" : "compressed") +
+               " under " + std::to_string(own.plan_digest) +
+               " (the nodes disagree on the tensor's strategy at this iteration)";
+      }
+    }
+    if (own.format == PeerFormat::kRawFp32) {
+      // Summed exactly as received, in rank order, so every node computes
+      // the same bits.
+      std::vector<float> aligned;
+      for (uint32_t r = 0; r < payloads.size(); ++r) {
+        const transport::Buffer& d = payloads[r].data;
+        const float* src = reinterpret_cast<const float*>(d.data());
+        if (reinterpret_cast<uintptr_t>(d.data()) % alignof(float) != 0) {
+          aligned.resize(n);
+          std::memcpy(aligned.data(), d.data(), n * 4);
+          src = aligned.data();
+        }
+        if (r == 0) {
+          std::memcpy(out, src, n * 4);
+        } else {
+          compress::sum_into(out, src, n);
+        }
+      }
+    } else {
+      const TensorPlan plan = peer_plans_->at(a.tensor, a.iteration);
+      if (!plan.compressor || digest_of(plan) != own.plan_digest) {
+        return "the plan of partition " + std::to_string(index) + " changed under it";
+      }
+      compress::CompressContext ctx;
+      ctx.iteration = a.iteration;
+      ctx.shared_seed =
+          server::partition_seed(ps_->info().name, server::partition_key(a.tensor, index));
+      for (uint32_t r = 0; r < payloads.size(); ++r) {
+        try {
+          plan.compressor->decompress(payloads[r].data.span(), compress::TensorView::cpu(out, n),
+                                      r > 0, ctx);
+        } catch (const std::exception& e) {
+          return "the payload of " + who(r) + " for partition " + std::to_string(index) +
+                 " (iteration " + std::to_string(a.iteration) + ") does not decode: " + e.what();
+        }
+      }
+    }
+    copy_from_first(bufs, a.begin, a.end);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace bytecomp::daemon

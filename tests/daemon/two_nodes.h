@@ -1,0 +1,128 @@
+// The two-node fixture of the inter-node tests: real bytecomp-server(s) on
+// loopback (server 0 coordinates) and two bytecompd, each with its own
+// socket, shm instance and peer endpoint (internode.peer_listen on an
+// ephemeral loopback port).
+#pragma once
+
+#include <bytecomp/bytecomp.h>
+#include <gtest/gtest.h>
+
+#include "tests/daemon/harness.h"
+
+namespace bctest {
+
+class TwoNodes : public ::testing::Test {
+ protected:
+  void start(int servers, const std::string& strategy_yaml = "") {
+    dir_ = fs::temp_directory_path() / ("bcd-2n-" + std::to_string(::getpid()) + "-" +
+                                        std::to_string(counter_++));
+    fs::create_directories(dir_);
+    // Servers on ephemeral ports; server 0 coordinates and reports its address.
+    std::string addrs;
+    for (int s = 0; s < servers; ++s) {
+      write("server-cluster.yaml", cluster("tcp://127.0.0.1:0", servers, {}));
+      const std::string ready = (dir_ / ("ready" + std::to_string(s))).string();
+      if (s > 0) write("server-cluster.yaml", cluster(coordinator_, servers, {}));
+      write("server" + std::to_string(s) + ".yaml",
+            "version: 1\nserver: {node_id: " + std::to_string(s) +
+                ", cluster_file: server-cluster.yaml, engine_threads: 1}\n"
+                "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n");
+      servers_.push_back(std::make_unique<Process>(
+          std::vector<std::string>{build_root() + "/server/bytecomp-server", "--config",
+                                   (dir_ / ("server" + std::to_string(s) + ".yaml")).string(),
+                                   "--ready-file", ready},
+          dir_ / ("server" + std::to_string(s) + ".log")));
+      const auto deadline = std::chrono::steady_clock::now() + 15s;
+      while (!fs::exists(ready) || read_file(ready).find('\n') == std::string::npos) {
+        ASSERT_LT(std::chrono::steady_clock::now(), deadline) << servers_.back()->output();
+        ASSERT_FALSE(servers_.back()->wait(0ms).has_value()) << servers_.back()->output();
+        std::this_thread::sleep_for(10ms);
+      }
+      std::string a = read_file(ready);
+      a.erase(a.find_last_not_of('\n') + 1);
+      if (s == 0) coordinator_ = a;
+    }
+    write("cluster.yaml", cluster(coordinator_, servers, {}));
+    std::string strategy;
+    if (!strategy_yaml.empty()) {
+      write("strategy.yaml", strategy_yaml);
+      strategy = "strategy:\n  file: " + (dir_ / "strategy.yaml").string() + "\n";
+    }
+    for (int n = 0; n < 2; ++n) {
+      nodes_[n] = std::make_unique<DaemonEnv>("node" + std::to_string(n));
+      nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
+                              "\n  node_id: " + std::to_string(100 + n) +
+                              "\n  nodes: [100, 101]\n" +
+                              (peer_listen_ ? "  peer_listen: tcp://127.0.0.1:0\n" : "") + strategy);
+      nodes_[n]->start();
+    }
+  }
+  void TearDown() override {
+    for (auto& n : nodes_) n.reset();
+    for (auto& s : servers_) {
+      s->signal(SIGTERM);
+      (void)s->wait(10s);
+    }
+    servers_.clear();
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
+  std::string cluster(const std::string& coordinator, int servers, const std::string&) {
+    std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n";
+    for (int i = 0; i < servers; ++i) {
+      s += "    - {id: " + std::to_string(i) + ", address: \"" +
+           (i == 0 ? coordinator : std::string("tcp://127.0.0.1:0")) + "\"}\n";
+    }
+    s += "  daemons:\n    - {id: 100}\n    - {id: 101}\n"
+         "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n"
+         "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n";
+    return s;
+  }
+  // Runs 2 x 2 workers; returns them after they were started.
+  std::vector<std::unique_ptr<Process>> workers(const std::string& job, int iters,
+                                                const std::string& spec) {
+    std::vector<std::unique_ptr<Process>> w;
+    for (int n = 0; n < 2; ++n) {
+      for (int r = 0; r < 2; ++r) {
+        w.push_back(nodes_[n]->worker(job, r, 2, iters, spec, {"--node", std::to_string(n) + "/2"}));
+      }
+    }
+    return w;
+  }
+
+  // A client of `job` as local rank `rank` of 2 on emulated node `node` of 2;
+  // nullptr (with a recorded failure) when the daemon refuses.
+  bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = job;
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = 2;
+    bytecomp_client* c = nullptr;
+    if (bytecomp_connect(&o, &c) != BYTECOMP_OK) {
+      ADD_FAILURE() << "connect to node " << node << ": " << bytecomp_last_error();
+      return nullptr;
+    }
+    return c;
+  }
+
+  static inline int counter_ = 0;
+  bool peer_listen_ = true;  // give the daemons a peer endpoint
+  fs::path dir_;
+  std::string coordinator_;
+  std::vector<std::unique_ptr<Process>> servers_;
+  std::unique_ptr<DaemonEnv> nodes_[2];
+};
+
+inline void expect_ok(Process& p) {
+  auto st = p.wait(std::chrono::seconds(90));
+  ASSERT_TRUE(st.has_value()) << "still running: " << p.output();
+  EXPECT_EQ(*st, 0) << p.output();
+}
+
+
+}  // namespace bctest
