@@ -66,7 +66,9 @@ struct Daemon::Job {
   uint32_t reference_rank = 0;
   uint32_t started = 0;
   Clock::time_point setup_deadline;
-  std::unique_ptr<Segment> segment;
+  // Shared with the transport's zero-copy pushes, which keep it mapped
+  // (not named) until they are sent.
+  std::shared_ptr<Segment> segment;
   std::vector<TensorSpec> specs;
   std::unique_ptr<Engine> engine;
   // Set by the engine thread; read by run().
@@ -561,7 +563,7 @@ void Daemon::maybe_start(Job& j) {
                                         ? make_plans(*strategy, strategy_source, specs)
                                         : uncompressed_plans(specs.size());
     if (strategy && join) (void)make_plans(*strategy, strategy_source, specs);
-    j.segment = std::make_unique<Segment>(name, layout.total_bytes, j.uid, j.gid);
+    j.segment = std::make_shared<Segment>(name, layout.total_bytes, j.uid, j.gid);
     j.engine = std::make_unique<Engine>(
         j.id, j.segment->data(), layout, std::move(specs), std::move(plans), j.node_rank, pool_,
         tunables_,
@@ -575,7 +577,7 @@ void Daemon::maybe_start(Job& j) {
           const uint64_t one = 1;
           (void)::write(wake, &one, sizeof one);
         },
-        std::move(join), PeerOptions{peer_hub_.get(), request_timeout_});
+        std::move(join), PeerOptions{peer_hub_.get(), request_timeout_}, j.segment);
     for (Conn* m : j.members) {
       m->state = Conn::State::kRunning;
       send_msg(m->fd, ipc::encode(ipc::Ready{name, layout.total_bytes}));
@@ -610,6 +612,7 @@ void Daemon::finish_job(Job& j) {
     if (m != nullptr) m->job = nullptr;
   }
   j.engine.reset();
+  if (j.segment) j.segment->unlink();
   j.segment.reset();
   BC_LOG(LogDaemon(), kInfo) << "job " << j.id << " ended";
   jobs_.erase(j.key);

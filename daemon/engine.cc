@@ -31,6 +31,18 @@ void Inbox::deliver(Arrival a) {
   ring();
 }
 
+void Inbox::acked(uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  if (doorbell_ == nullptr) return;
+  acked_ += bytes;
+  ring();
+}
+
+uint64_t Inbox::take_acked() {
+  std::lock_guard lock(mu_);
+  return std::exchange(acked_, 0);
+}
+
 void Inbox::fail(const Status& s) {
   std::lock_guard lock(mu_);
   if (doorbell_ == nullptr) return;
@@ -57,7 +69,8 @@ Status Inbox::failure() {
 Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
                std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans,
                uint32_t node_rank, ThreadPool& pool, const Tunables& tunables,
-               FailureFn on_failure, JoinFn join, PeerOptions peers)
+               FailureFn on_failure, JoinFn join, PeerOptions peers,
+               std::shared_ptr<const void> keep_mapped)
     : job_(std::move(job_name)),
       base_(static_cast<char*>(segment)),
       layout_(layout),
@@ -85,6 +98,7 @@ Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
   }
   for (Round& r : rounds_) r.from.assign(layout.local_size, false);
   join_ = std::move(join);
+  keep_mapped_ = std::move(keep_mapped);
   peer_opts_ = peers;
   inbox_ = std::make_shared<Inbox>(&header_->doorbell);
   thread_ = std::thread([this] { loop(); });
@@ -106,17 +120,25 @@ void Engine::stop() {
   if (ps_) {
     // Tells the coordinator and fails what is still pending. An aborted job
     // is aborted for every node at once (a job the coordinator already
-    // aborted is unknown to it by now: that refusal is harmless).
+    // aborted is unknown to it by now: that refusal is harmless). Without
+    // waiting for the answer: stop() runs on the daemon's control thread,
+    // which serves every other job meanwhile (the PsClient's close waits for
+    // outstanding answers when the daemon exits).
     std::string reason;
     {
       std::lock_guard lock(abort_mu_);
       reason = abort_reason_;
     }
-    const Status s = reason.empty() ? ps_->leave(std::chrono::milliseconds(2000))
-                                    : ps_->abort(reason, std::chrono::milliseconds(2000));
-    if (!s.ok())
-      BC_LOG(LogEngine(), kDebug) << "job " << job_ << (reason.empty() ? ": leave: " : ": abort: ")
-                                  << s.to_string();
+    auto log = [job = job_, aborting = !reason.empty()](const Status& s) {
+      if (!s.ok())
+        BC_LOG(LogEngine(), kDebug) << "job " << job << (aborting ? ": abort: " : ": leave: ")
+                                    << s.to_string();
+    };
+    if (reason.empty()) {
+      ps_->leave_async(log, std::chrono::milliseconds(2000));
+    } else {
+      ps_->abort_async(reason, log, std::chrono::milliseconds(2000));
+    }
     ps_.reset();
   }
 }
@@ -276,8 +298,12 @@ void Engine::loop() {
         if (ps_ && !process_arrivals()) return;
         if (sched_.empty()) break;
         const uint64_t bound = tunables_.max_inflight_bytes.load();
-        // With partitions on the network, wait for results (the doorbell
-        // rings) before putting more bytes in flight.
+        // With that many bytes pushed and unacknowledged, wait (the doorbell
+        // rings) before pushing more, so that a high-priority tensor arriving
+        // meanwhile does not queue behind them. Only pushes count: a pull is
+        // answered when every node pushed, and the nodes may start their
+        // partitions in different orders (each by its local priority and
+        // readiness), so a bound held until the answers would deadlock them.
         if (inflight_bytes_ >= bound) break;
         run_batch(sched_.next_batch(pool_.concurrency(), bound - inflight_bytes_));
         // New arrivals between batches, so a high-priority tensor overtakes
@@ -479,18 +505,27 @@ void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
         part.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state, ctx);
     out.resize(len);
     payload = transport::Buffer::take(std::move(out));
+  } else if (keep_mapped_) {
+    // Zero-copy from rank 0's buffer; the release keeps the segment mapped
+    // while the transport holds the bytes (a job may end meanwhile). The
+    // range is next written when this partition's pull answers, which the
+    // server does only after it received every byte of this push.
+    payload = transport::Buffer::wrap(sum, n * 4, [keep = keep_mapped_] {});
   } else {
-    // A copy: the shared memory may be unmapped (job aborted) while the
-    // transport still holds the buffer.
+    // No keep-alive given (the segment's owner cannot share it): copy.
     payload = transport::Buffer::copy_of(sum, n * 4);
   }
   std::weak_ptr<Inbox> inbox = inbox_;
-  ps_->push(key, t.iteration, std::move(payload), [inbox, name = spec.name](const Status& s) {
-    if (s.ok()) return;
-    if (auto i = inbox.lock()) {
-      i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
-    }
-  });
+  ps_->push(key, t.iteration, std::move(payload),
+            [inbox, name = spec.name, bytes = t.end - t.begin](const Status& s) {
+              auto i = inbox.lock();
+              if (!i) return;
+              if (s.ok()) {
+                i->acked(bytes);
+              } else {
+                i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
+              }
+            });
   ps_->pull(key, t.iteration, [inbox, t](const Status& s, transport::Buffer result) {
     if (auto i = inbox.lock()) {
       i->deliver({t.tensor, t.iteration, t.begin, t.end, s, std::move(result)});
@@ -499,6 +534,7 @@ void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
 }
 
 bool Engine::process_arrivals() {
+  inflight_bytes_ -= std::min(inflight_bytes_, inbox_->take_acked());
   std::vector<Inbox::Arrival> arrived = inbox_->take();
   if (arrived.empty()) return true;
   for (const auto& a : arrived) {
@@ -558,7 +594,10 @@ bool Engine::process_arrivals() {
     }
   }
   for (const auto& a : arrived) {
-    inflight_bytes_ -= a.end - a.begin;
+    // Peer allgather holds its bytes until the round is complete (its sends'
+    // acknowledgements are not reported to the engine); PS pushes were
+    // released by their acknowledgements.
+    if (a.peer) inflight_bytes_ -= std::min(inflight_bytes_, a.end - a.begin);
     if (--rounds_[a.tensor].partitions_left == 0) complete(a.tensor);
   }
   return true;

@@ -58,9 +58,12 @@ class Inbox {
   };
   explicit Inbox(boost::interprocess::interprocess_semaphore* doorbell) : doorbell_(doorbell) {}
   void deliver(Arrival a);
+  // A push of `bytes` (tensor bytes) was acknowledged by its server.
+  void acked(uint64_t bytes);
   void fail(const Status& s);
   void close();
   std::vector<Arrival> take();
+  uint64_t take_acked();
   Status failure();
 
  private:
@@ -68,6 +71,7 @@ class Inbox {
   std::mutex mu_;
   boost::interprocess::interprocess_semaphore* doorbell_;  // null once closed
   std::vector<Arrival> arrivals_;
+  uint64_t acked_ = 0;
   Status failure_;
 };
 
@@ -85,11 +89,14 @@ class Engine {
   // Multi-node jobs: joins the PS job (blocking; called on the engine thread).
   using JoinFn = std::function<std::shared_ptr<server::PsJob>()>;
 
-  // `segment` must stay mapped until the engine is destroyed.
+  // `segment` must stay mapped until the engine is destroyed. `keep_mapped`,
+  // when given, owns that mapping: multi-node pushes then send straight from
+  // shared memory, holding it past the engine's end until the bytes left.
   Engine(std::string job_name, void* segment, const ipc::Layout& layout,
          std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans, uint32_t node_rank,
          ThreadPool& pool, const Tunables& tunables, FailureFn on_failure,
-         JoinFn join = nullptr, PeerOptions peers = {});
+         JoinFn join = nullptr, PeerOptions peers = {},
+         std::shared_ptr<const void> keep_mapped = nullptr);
   ~Engine();  // stops and joins
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -180,9 +187,16 @@ class Engine {
   std::atomic<int64_t> switch_published_{-1};
   Scheduler sched_;
   JoinFn join_;
+  // Keeps the segment mapped while the transport sends from it (zero-copy
+  // pushes hold a copy until sent).
+  std::shared_ptr<const void> keep_mapped_;
   std::shared_ptr<server::PsJob> ps_;
   std::shared_ptr<Inbox> inbox_;
   std::vector<std::vector<PsPart>> ps_parts_;
+  // Multi-node: tensor bytes pushed and not yet acknowledged by the servers
+  // (a server acknowledges a push once it summed it, whatever the other
+  // nodes do), plus peer-allgather partitions until their round completes.
+  // Single node: bytes of the batch being reduced.
   uint64_t inflight_bytes_ = 0;
   // Allgather tensors: their plans by first iteration (strategy changes
   // arrive on the transport's thread), per-partition error-feedback state.

@@ -55,6 +55,12 @@ Segment::Segment(std::string name, uint64_t bytes, uid_t owner_uid, gid_t owner_
 
 Segment::~Segment() {
   bi::mapped_region().swap(region_);
+  unlink();
+}
+
+void Segment::unlink() noexcept {
+  if (unlinked_) return;
+  unlinked_ = true;
   if (!bi::shared_memory_object::remove(name_.c_str())) {
     BC_LOG(LogShm(), kWarn) << "could not remove shared memory " << name_;
   }

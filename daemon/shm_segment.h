@@ -28,6 +28,9 @@ class Segment {
   Segment(std::string name, uint64_t bytes, uid_t owner_uid, gid_t owner_gid);
   // Unmaps and unlinks. Clients keep their own mappings until they close.
   ~Segment();
+  // Removes the name from /dev/shm now; the mapping stays valid until the
+  // object goes (the transport may still be sending from it). Idempotent.
+  void unlink() noexcept;
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
 
@@ -38,6 +41,7 @@ class Segment {
  private:
   std::string name_;
   boost::interprocess::mapped_region region_;
+  bool unlinked_ = false;
 };
 
 // Segment name prefix of an instance: "bytecomp.<instance>.".

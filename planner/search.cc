@@ -42,13 +42,10 @@ Summary summarize(Problem& p, int tensor, int opt) {
   s.latency = 0;
   thread_local std::vector<Op> scratch;
   for (int c = p.first_chunk(tensor); c < p.first_chunk(tensor + 1); ++c) {
-    double lat = 0;
     p.chain_into(p.chunks()[c].elements, opt, scratch);
-    for (const Op& op : scratch) {
-      s.r[static_cast<int>(op.resource)] += op.duration_us;
-      lat += op.duration_us;
-    }
-    s.latency = std::max(s.latency, lat);
+    for (const Op& op : scratch)
+      if (!op.fork()) s.r[static_cast<int>(op.resource)] += op.duration_us;
+    s.latency = std::max(s.latency, chain_latency(scratch));
   }
   return s;
 }
@@ -131,10 +128,10 @@ Candidates candidates(Problem& p, int fp32_option, int max_gpu) {
   // refinement sweep (whose lists are built by all_candidates()).
   std::vector<int> gpu_set;
   if (fp32_option >= 0) gpu_set.push_back(fp32_option);
-  for (size_t o = 0; o < p.options().size(); ++o) {
+  for (int o = 0; o < p.tree_options(); ++o) {
     const Option& op = p.options()[o];
     if (op.compressed() && op.comp_device == Device::kGpu && op.decomp_device == Device::kGpu)
-      gpu_set.push_back(static_cast<int>(o));
+      gpu_set.push_back(o);
   }
   Candidates c;
   c.gpu.resize(p.tensors());
@@ -168,7 +165,7 @@ Candidates candidates(Problem& p, int fp32_option, int max_gpu) {
 
 void all_candidates(Problem& p, Candidates& c) {
   if (!c.all.empty()) return;
-  std::vector<int> all_set(p.options().size());
+  std::vector<int> all_set(p.tree_options());
   std::iota(all_set.begin(), all_set.end(), 0);
   c.all.resize(p.tensors());
   std::map<uint64_t, int> seen;
@@ -280,7 +277,8 @@ int offload_pass(Problem& p, Evaluator& ev, double& f, int rounds, bool all_spli
   std::map<std::pair<uint64_t, int>, std::vector<int>> groups;
   for (int i = 0; i < n; ++i) {
     const Option& o = p.options()[ev.base()[i]];
-    if (o.compressed() && (o.comp_device == Device::kGpu || o.decomp_device == Device::kGpu))
+    if (o.compressed() && o.cpu_share == 0.0 &&
+        (o.comp_device == Device::kGpu || o.decomp_device == Device::kGpu))
       groups[{p.profile().tensors[i].elements, ev.base()[i]}].push_back(i);
   }
   std::vector<std::pair<std::pair<uint64_t, int>, std::vector<int>>> glist(groups.begin(),
@@ -325,6 +323,60 @@ int offload_pass(Problem& p, Evaluator& ev, double& f, int rounds, bool all_spli
     if (!changed) break;
   }
   return static_cast<int>(glist.size());
+}
+
+// Partial offloading (our extension of Algorithm 2, which moves whole
+// tensors): a large tensor whose GPU compression stretches the backward pass
+// can move a share of its elements to the CPU pool (Option::cpu_share) where
+// moving all of it would finish too late. The tensors with the most GPU
+// compression time are tried, each over shares in steps of 1/16, refined
+// around the best to 1/64. Returns the tensors split.
+int split_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
+  std::vector<std::pair<double, int>> heavy;
+  for (int i = 0; i < p.tensors(); ++i) {
+    Option o = p.options()[ev.base()[i]];
+    if (!o.compressed() || (o.comp_device == Device::kCpu && o.decomp_device == Device::kCpu))
+      continue;
+    o.cpu_share = 0.0;
+    const int whole = p.find_option(o);
+    if (whole < 0) continue;
+    const double gpu = summarize(p, i, whole).r[static_cast<int>(Resource::kGpu)];
+    if (gpu > 0) heavy.push_back({-gpu, i});
+  }
+  std::sort(heavy.begin(), heavy.end());
+  if (heavy.size() > max_tensors) heavy.resize(max_tensors);
+  int split = 0;
+  for (const auto& [neg_gpu, i] : heavy) {
+    Option o = p.options()[ev.base()[i]];
+    o.cpu_share = 0.0;
+    const int whole = p.find_option(o);
+    double best = f, best_share = -1;
+    auto try_share = [&](double share) {
+      const int opt = p.split_option(whole, share);
+      if (opt < 0 || opt == ev.base()[i]) return false;
+      const double v = ev.try_option(i, opt, best - kEps);
+      if (v >= best - kEps) return false;
+      best = v;
+      best_share = share;
+      return true;
+    };
+    // F falls while the CPU part finishes in time and rises once it is the
+    // latest chain (GPU time moves to the CPU pool linearly in the share):
+    // scan upwards from the smallest share while it improves, then refine.
+    // A tensor no small share helps costs one simulation.
+    for (int j = 1; j < 16 && try_share(j / 16.0); ++j) {
+    }
+    if (best_share < 0) continue;
+    for (double step : {1.0 / 32, 1.0 / 64}) {
+      const double c = best_share;
+      try_share(c - step);
+      try_share(c + step);
+    }
+    ev.commit(i, p.split_option(whole, best_share));
+    f = best;
+    ++split;
+  }
+  return split;
 }
 
 }  // namespace
@@ -380,23 +432,48 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
   st.algorithm2_ms = ms_since(t1);
   st.decision_ms = ms_since(t0);
   st.decision_cpu_ms = thread_cpu_ms() - c0;
+  const Assignment unsplit = ev.base();
+  const double f_unsplit = f;
 
   all_candidates(p, cand);
   // Refinement over the whole option set (the published code restricts
   // itself to a handful of options; we sweep all non-dominated ones): single
   // tensors, then whole size groups at once (a group often only pays off
-  // when all its members move, e.g. to the CPU pool).
-  for (int r = 0; r < opts.refine_rounds; ++r) {
-    const double before = f;
-    offload_pass(p, ev, f, 2, true);
-    bool improved = f < before - kEps;
-    improved |= sweep(ev, order, cand.all, f, lb);
-    improved |= group_sweep(p, ev, cand.all, f, lb);
-    improved |= swap_sweep(p, ev, order, f, lb);
-    if (!improved) break;
-  }
+  // when all its members move, e.g. to the CPU pool), and the partial
+  // offloading of the heaviest GPU users (split_pass).
+  auto refine = [&](double& fr, size_t splits) {
+    for (int r = 0; r < opts.refine_rounds; ++r) {
+      const double before = fr;
+      offload_pass(p, ev, fr, 2, true);
+      split_pass(p, ev, fr, splits);
+      bool improved = fr < before - kEps;
+      improved |= sweep(ev, order, cand.all, fr, lb);
+      improved |= group_sweep(p, ev, cand.all, fr, lb);
+      improved |= swap_sweep(p, ev, order, fr, lb);
+      if (!improved) break;
+    }
+  };
+  refine(f, opts.split_tensors);
 
   Assignment result = ev.base();
+  auto splits_in = [&](const Assignment& a) {
+    int n_split = 0;
+    for (int o : a) n_split += p.options()[o].cpu_share > 0.0;
+    return n_split;
+  };
+  if (splits_in(result) > 0) {
+    // A split taken greedily can steer the sweeps into a worse local
+    // optimum: refine Algorithm 2's unsplit result without splits as well,
+    // then split that.
+    ev.set_base(unsplit);
+    double fu = f_unsplit;
+    refine(fu, 0);
+    split_pass(p, ev, fu, opts.split_tensors);
+    if (fu < f - kEps) {
+      f = fu;
+      result = ev.base();
+    }
+  }
   if (opts.consider_baselines) {
     for (Baseline b : kBaselines) {
       Assignment a = baseline(p, b);
@@ -417,6 +494,7 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
       }
     }
   }
+  st.split_tensors = splits_in(result);
   st.total_ms = ms_since(t0);
   st.total_cpu_ms = thread_cpu_ms() - c0;
   st.simulations = ev.simulations();
@@ -494,15 +572,13 @@ Assignment exact(Problem& p, double* best_value, uint64_t max_leaves) {
   std::vector<std::vector<int>> order(n);
   for (int i = 0; i < n; ++i) {
     std::vector<std::pair<double, int>> v;
-    for (size_t o = 0; o < p.options().size(); ++o) {
+    // The decision tree only: split variants the planner added are reached
+    // through the incumbent, not searched.
+    for (int o = 0; o < p.tree_options(); ++o) {
       double lat = 0;
-      for (int c = p.first_chunk(i); c < p.first_chunk(i + 1); ++c) {
-        double l = 0;
-        for (const Op& op : p.chain(p.chunks()[c].elements, static_cast<int>(o)))
-          l += op.duration_us;
-        lat = std::max(lat, l);
-      }
-      v.push_back({lat, static_cast<int>(o)});
+      for (int c = p.first_chunk(i); c < p.first_chunk(i + 1); ++c)
+        lat = std::max(lat, chain_latency(p.chain(p.chunks()[c].elements, o)));
+      v.push_back({lat, o});
     }
     std::stable_sort(v.begin(), v.end());
     for (auto& x : v) order[i].push_back(x.second);

@@ -25,6 +25,7 @@ struct PlanStats {
   uint64_t simulations = 0;
   int tensors_examined = 0;     // by Algorithm 1 before the bubbles were gone
   int offload_groups = 0;       // Algorithm 2 groups
+  int split_tensors = 0;        // tensors of the plan split between CPU and GPU
 };
 
 struct PlanOptions {
@@ -36,6 +37,12 @@ struct PlanOptions {
   int max_gpu_candidates = 0;
   // Start from the best baseline as well and keep the better plan.
   bool consider_baselines = true;
+  // Each refinement round tries splitting this many of the tensors with the
+  // most GPU compression time between CPU and GPU (Option::cpu_share,
+  // partial offloading: our extension of Algorithm 2, run after it and not
+  // counted in the decision time); 0 = never split. A handful carries nearly
+  // all the GPU compression time of the paper's models.
+  size_t split_tensors = 4;
 };
 
 // The planner: Algorithm 1 (GPU options, bubble elimination, size groups

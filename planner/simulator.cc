@@ -66,6 +66,7 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
   }
   if (options_.empty())
     throw Error(ErrorCode::kInvalidArgument, "no option satisfies the constraints");
+  tree_options_ = static_cast<int>(options_.size());
   const uint64_t part_elems = cluster_.partition_bytes / 4;
   for (int i = 0; i < tensors(); ++i) {
     chunk_begin_.push_back(static_cast<int>(chunks_.size()));
@@ -91,6 +92,32 @@ int Problem::find_option(const Option& o) const {
   return -1;
 }
 
+int Problem::split_option(int base, double share) {
+  Option o = options_[base];
+  if (!(share > 0.0 && share < 1.0) || !o.compressed() || o.cpu_share > 0.0) return -1;
+  if (o.comp_device == Device::kCpu && o.decomp_device == Device::kCpu) return -1;
+  const CompressorCost* c = costs_.find(o.compressor);
+  if (!constraints_.allow_cpu || constraints_.cpu_runtime_only || !c || !c->cpu) return -1;
+  o.cpu_share = share;
+  if (int idx = find_option(o); idx >= 0) return idx;
+  options_.push_back(std::move(o));
+  for (auto& v : by_size_) v.emplace_back();
+  return static_cast<int>(options_.size()) - 1;
+}
+
+double chain_latency(const std::vector<Op>& ops) {
+  double longest = 0, t = 0;
+  for (const Op& op : ops) {
+    if (op.fork()) {
+      t = 0;
+      continue;
+    }
+    t += op.duration_us;
+    longest = std::max(longest, t);
+  }
+  return longest;
+}
+
 Problem Problem::zero_cost_copy() const {
   CostTable t = costs_;
   for (auto& [name, c] : t.compressors) {
@@ -105,7 +132,7 @@ Problem Problem::zero_cost_copy() const {
 
 const std::vector<Op>& Problem::chain(uint64_t elements, int opt) {
   auto& v = cache_[elements];
-  if (v.empty()) v.resize(options_.size());
+  if (v.size() < options_.size()) v.resize(options_.size());
   auto& c = v[opt];
   if (c.empty()) {
     c = build_chain(elements, options_[opt]);
@@ -127,6 +154,22 @@ void Problem::chain_into(uint64_t elements, int opt, std::vector<Op>& out) const
 }
 
 void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (o.cpu_share > 0.0) {
+    // The CPU part and the GPU part are separate messages: two chains from
+    // the same ready time, each with its own latencies. The CPU part goes
+    // first (the runtime hands its partitions out first): its chain is the
+    // longer one, and the parts share the links in this order.
+    const auto cpu_elems = static_cast<uint64_t>(std::llround(o.cpu_share * elements));
+    Option gpu = o, cpu = o;
+    gpu.cpu_share = cpu.cpu_share = 0.0;
+    cpu.comp_device = cpu.decomp_device = Device::kCpu;
+    if (cpu_elems > 0) build_chain_into(cpu_elems, cpu, ops);
+    if (cpu_elems < elements) {
+      if (!ops.empty()) ops.push_back({Resource::kCpu, -1.0, "fork"});
+      build_chain_into(elements - cpu_elems, gpu, ops);
+    }
+    return;
+  }
   const double n = static_cast<double>(elements);
   const double S = 4.0 * n;
   const int k = cluster_.gpus_per_machine, M = cluster_.machines;
@@ -141,13 +184,24 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
   };
   // (De)compression of `pieces` pieces of x elements on each of `par` GPUs'
   // data; on the CPU the machine's pool does all of it.
-  auto comp = [&](double x, int par) {
+  //
+  // CPU (de)compression moves raw data between the GPUs and the host (the
+  // copies queue with the pool's work): the gradient goes in before the
+  // first compression and the result comes out after the last
+  // decompression, at its full size (pieces that are different shards come
+  // out side by side). A decompress-sum-recompress in the middle of a chain
+  // (remix) works on data that came over a link and leaves over one: raw
+  // data crosses only when its two operations sit on different devices.
+  // Compressed bytes crossing are small and not counted.
+  auto copy = [&](double elems, int par) {
+    return copy_bpu > 0 ? par * 4.0 * elems / copy_bpu : 0.0;
+  };
+  auto comp = [&](double x, int par, bool raw_on_gpu = true) {
     if (o.comp_device == Device::kGpu) {
       add(Resource::kGpu, cc->gpu->compress.at(x), "compress");
     } else {
-      double t = par * cc->cpu->compress.at(x) / cores;
-      if (copy_bpu > 0) t += par * 4.0 * x / copy_bpu;
-      add(Resource::kCpu, t, "compress");
+      add(Resource::kCpu, par * cc->cpu->compress.at(x) / cores + (raw_on_gpu ? copy(x, par) : 0.0),
+          "compress");
     }
   };
   // On the GPU the pieces one collective delivers are decoded by one batched
@@ -157,14 +211,21 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
   // not one per piece): the fixed cost is paid once per stage, the linear
   // part grows with all the elements decoded. A CPU core decodes piece by
   // piece, as compress_bench measures it.
-  auto decomp = [&](double x, double pieces, int par) {
+  // `out`: elements per holder that go to the GPU afterwards (0: none).
+  auto decomp = [&](double x, double pieces, int par, double out) {
     if (o.decomp_device == Device::kGpu) {
       add(Resource::kGpu, cc->gpu->decompress.at(pieces * x), "decompress");
     } else {
-      double t = par * pieces * cc->cpu->decompress.at(x) / cores;
-      if (copy_bpu > 0) t += par * 4.0 * x / copy_bpu;
-      add(Resource::kCpu, t, "decompress");
+      add(Resource::kCpu, par * pieces * cc->cpu->decompress.at(x) / cores + copy(out, par),
+          "decompress");
     }
+  };
+  // Decompress `pieces` pieces of x, sum, recompress the sum (y elements).
+  auto remix = [&](double x, double pieces, double y, int par) {
+    const bool cpu_dec = o.decomp_device == Device::kCpu;
+    const bool cpu_comp = o.comp_device == Device::kCpu;
+    decomp(x, pieces, par, cpu_dec && !cpu_comp ? y : 0.0);
+    comp(y, par, !cpu_dec);
   };
   // Ring / tree step costs for P participants on a port of B bytes/us.
   auto steps = [](int P) { return static_cast<double>(std::max(0, P - 1)); };
@@ -175,7 +236,7 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
     if (N <= 1) {
       if (cc) {
         comp(n, 1);
-        decomp(n, 1, 1);
+        decomp(n, 1, 1, n);
       }
       return;
     }
@@ -196,26 +257,24 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
         break;
       case Collective::kAllgather:
         add(Resource::kInter, steps(N) * ae + steps(N) * c / Be, "allgather");
-        decomp(n, N, 1);
+        decomp(n, N, 1, n);
         return;
       case Collective::kAlltoallAllgather: {
         const double shard = n / N;
         add(Resource::kInter, steps(N) * ae + k * frac(M) * c / Be, "alltoall");
-        decomp(shard, N, 1);
-        comp(shard, 1);
+        remix(shard, N, shard, 1);
         add(Resource::kInter, steps(N) * ae + steps(N) * wire(shard) / Be, "allgather");
-        decomp(shard, N, 1);
+        decomp(shard, N, 1, n);
         return;
       }
       case Collective::kGatherBroadcast:
         add(Resource::kInter, steps(N) * ae + (N - k) * c / Be, "gather");
-        decomp(n, N, 1);
-        comp(n, 1);
+        remix(n, N, n, 1);
         add(Resource::kInter, steps(N) * ae + c / Be, "broadcast");
-        decomp(n, 1, 1);
+        decomp(n, 1, 1, n);
         return;
     }
-    if (cc) decomp(n, 1, 1);
+    if (cc) decomp(n, 1, 1, n);
     return;
   }
 
@@ -235,12 +294,10 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
           scatter ? "intra_reduce_scatter" : "intra_reduce");
     } else if (scatter) {  // alltoall of compressed data
       add(Resource::kIntra, steps(k) * ai + frac(k) * bytes / Bi, "intra_alltoall");
-      decomp(m, k, par);
-      comp(m, par);
+      remix(m, k, m, par);
     } else {  // gather
       add(Resource::kIntra, steps(k) * ai + steps(k) * bytes / Bi, "intra_gather");
-      decomp(n, k, 1);
-      comp(n, 1);
+      remix(n, k, n, 1);
     }
   }
   if (cc && !s1) comp(m, par);
@@ -277,42 +334,43 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
         break;
       case Collective::kAllgather:
         add(Resource::kInter, steps(M) * ae + steps(M) * bytes / Bp, "allgather");
-        decomp(m, M, par);
-        raw_after_inter = true;
+        if (s3) {
+          remix(m, M, m, par);  // the gathered sum travels compressed
+        } else {
+          decomp(m, M, par, m);
+          raw_after_inter = true;
+        }
         break;
       case Collective::kAlltoallAllgather: {
         const double shard = m / M;
         add(Resource::kInter, ps_lat + frac(M) * bytes / B1, "alltoall");
-        decomp(shard, M, par);
-        comp(shard, par);
+        remix(shard, M, shard, par);
         add(Resource::kInter, ps_lat + steps(M) * wire(shard) / B2, "allgather");
         if (!s3) {
-          decomp(shard, M, par);
+          decomp(shard, M, par, m);
           raw_after_inter = true;
         }
         break;
       }
       case Collective::kGatherBroadcast:
         add(Resource::kInter, ps_lat + steps(M) * bytes / B1, "gather");
-        decomp(m, M, par);
-        comp(m, par);
+        remix(m, M, m, par);
         add(Resource::kInter, ps_lat + bytes / B2, "broadcast");
         if (!s3) {
-          decomp(m, 1, par);
+          decomp(m, 1, par, m);
           raw_after_inter = true;
         }
         break;
     }
   }
-  if (cc && !s3 && !raw_after_inter) decomp(m, 1, par);
-  if (cc && s3 && raw_after_inter) comp(m, par);  // the gathered sum travels compressed
+  if (cc && !s3 && !raw_after_inter) decomp(m, 1, par, m);
   if (k > 1) {
     const double bytes = s3 ? wire(n) : S;
     add(Resource::kIntra,
         scatter ? steps(k) * ai + frac(k) * bytes / Bi : steps(k) * ai + bytes / Bi,
         scatter ? "intra_allgather" : "intra_broadcast");
   }
-  if (s3) decomp(n / par, par, k);
+  if (s3) decomp(n / par, par, k, n);
   return;
 }
 
@@ -343,10 +401,7 @@ double Evaluator::lower_bound() {
   for (size_t o = 0; o < p_.options().size(); ++o) {
     double t = 0;
     for (int c = p_.first_chunk(last); c < p_.first_chunk(last + 1); ++c) {
-      double s = 0;
-      for (const Op& op : p_.chain(p_.chunks()[c].elements, static_cast<int>(o)))
-        s += op.duration_us;
-      t = std::max(t, s);
+      t = std::max(t, chain_latency(p_.chain(p_.chunks()[c].elements, static_cast<int>(o))));
     }
     tail = std::min(tail, t);
   }
@@ -448,6 +503,11 @@ double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
   for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
     double t = ready;
     for (const Op& op : p_.chunk_chain(c, opt)) {
+      if (op.fork()) {
+        done = std::max(done, t);
+        t = ready;
+        continue;
+      }
       if (op.duration_us <= 0) continue;
       const double s = place(op.resource, t, op.duration_us, i);
       t = s + op.duration_us;

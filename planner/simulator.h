@@ -17,8 +17,8 @@
 // decompression has passed.
 //
 // Thread-safety: Problem is immutable after construction except for its
-// chain cache (not thread-safe: one Problem per thread). Evaluator is
-// thread-bound.
+// chain cache and the split options it adds on demand (split_option); not
+// thread-safe: one Problem per thread. Evaluator is thread-bound.
 #pragma once
 
 #include <cstdint>
@@ -37,11 +37,19 @@ enum class Resource : uint8_t { kGpu = 0, kCpu = 1, kIntra = 2, kInter = 3 };
 constexpr int kResources = 4;
 const char* to_string(Resource r);
 
+// A chain is a sequence of operations, each starting when the previous one
+// ends. A fork (duration < 0) ends one sequence and starts another from the
+// chunk's ready time: an option with Option::cpu_share runs its CPU part and
+// its GPU part as two such sequences.
 struct Op {
   Resource resource;
   double duration_us;
   const char* what;  // static string: "compress", "reduce_scatter", ...
+  bool fork() const { return duration_us < 0; }
 };
+// Time from the chain's start to its last operation's end on idle resources
+// (the longest of its forked sequences).
+double chain_latency(const std::vector<Op>& ops);
 
 // One tensor partition (or the whole tensor) of the simulation.
 struct Chunk {
@@ -77,6 +85,13 @@ class Problem {
   void chain_into(uint64_t elements, int opt, std::vector<Op>& out) const;
   // Option index of an option equal to `o`, or -1.
   int find_option(const Option& o) const;
+  // The decision tree's options are indices [0, tree_options()); options
+  // added later (split variants) follow them.
+  int tree_options() const { return tree_options_; }
+  // Index of option `base` with cpu_share = share (0 < share < 1), added to
+  // the option set on first use; -1 when the split is not a valid option
+  // (uncompressed, no GPU device, CPU forbidden or no CPU cost figures).
+  int split_option(int base, double share);
   // A copy where compression costs nothing and causes no contention (the
   // paper's Upper Bound setting).
   Problem zero_cost_copy() const;
@@ -91,6 +106,7 @@ class Problem {
   CompressorSpec spec_;
   Constraints constraints_;
   std::vector<Option> options_;
+  int tree_options_ = 0;
   std::vector<Chunk> chunks_;
   std::vector<int> chunk_begin_;
   std::map<uint64_t, std::vector<std::vector<Op>>> cache_;

@@ -79,6 +79,14 @@ std::string Option::problem() const {
   const bool comp = compressed();
   if (!comp && !params.empty()) return "compressor 'none' takes no params";
   if (!comp && error_feedback) return "compressor 'none' cannot use error_feedback";
+  if (!(cpu_share >= 0.0 && cpu_share < 1.0))
+    return "cpu_share must be at least 0 and below 1 (a share of 1 is comp_device and "
+           "decomp_device 'cpu')";
+  if (cpu_share > 0.0 && !comp)
+    return "cpu_share splits compression between devices; compressor 'none' has none";
+  if (cpu_share > 0.0 && comp_device == Device::kCpu && decomp_device == Device::kCpu)
+    return "cpu_share needs comp_device or decomp_device 'gpu' (with both on the CPU there "
+           "is nothing to split)";
   const bool additive = is_additive_compressor(compressor);
   // Data on the wire during a step is compressed or raw; reducing
   // collectives need raw or additive data, gathering ones need compressed.
@@ -121,6 +129,7 @@ std::string Option::describe() const {
   }
   if (error_feedback) os << " ef";
   if (compressed()) os << ' ' << to_string(comp_device) << '/' << to_string(decomp_device);
+  if (cpu_share > 0.0) os << " cpu_share=" << cpu_share;
   if (scheme == Scheme::kFlat) {
     os << " flat " << to_string(inter);
   } else {
@@ -150,6 +159,9 @@ std::string runtime_inter_mode(const Option& o) {
 
 std::string cpu_runtime_unsupported(const Option& o) {
   if (std::string p = o.problem(); !p.empty()) return p;
+  if (o.cpu_share > 0.0)
+    return "splitting a tensor between CPU and GPU compression (cpu_share) needs the GPU "
+           "runtime: the CPU runtime compresses every partition on the CPU";
   if (o.scheme != Scheme::kHierarchical)
     return "the CPU runtime always reduces within the node first: scheme must be 'hierarchical'";
   if (o.intra != Collective::kReduceBroadcast)
@@ -233,6 +245,8 @@ Option read_option(Reader r, const YAML::Node& raw) {
   text = to_string(o.decompress_after);
   r.get_enum("decompress_after", text, {"intra", "inter"});
   o.decompress_after = *parse_stage(text);
+  // Checked with its message by problem() below (the range reads [0, 1)).
+  r.get("cpu_share", o.cpu_share);
   r.finish();
   if (std::string p = o.problem(); !p.empty()) r.fail("", p);
   return o;
@@ -260,6 +274,8 @@ void emit_option(YAML::Emitter& out, const Option& o) {
     out << YAML::Key << "compress_before" << YAML::Value << to_string(o.compress_before);
     out << YAML::Key << "decompress_after" << YAML::Value << to_string(o.decompress_after);
   }
+  // Written only when set, so files without a split stay as they were.
+  if (o.cpu_share > 0.0) out << YAML::Key << "cpu_share" << YAML::Value << o.cpu_share;
   out << YAML::EndMap;
 }
 

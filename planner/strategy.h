@@ -86,6 +86,14 @@ struct Option {
   Collective inter = Collective::kReduceScatterAllgather;  // flat: the one phase
   Stage compress_before = Stage::kInter;
   Stage decompress_after = Stage::kInter;
+  // Share of the tensor's elements, in [0, 1), whose compression and
+  // decompression run on the CPU pool instead of comp_device/decomp_device
+  // (the runtime rounds it to whole partitions, the first ones in partition
+  // order; the rest keep the option's devices). 0 = no split. Only for a
+  // compressed option with at least one GPU device: it lets one large tensor
+  // use spare CPU cores for part of its data while the GPU handles the rest.
+  // (Added after version 1 shipped; absent from a file means 0.)
+  double cpu_share = 0.0;
 
   bool compressed() const { return compressor != "none"; }
   // Empty when consistent; otherwise the problem, in words.

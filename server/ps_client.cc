@@ -1,5 +1,6 @@
 #include "server/ps_client.h"
 
+#include <condition_variable>
 #include <future>
 #include <map>
 #include <mutex>
@@ -31,6 +32,10 @@ struct Core {
   bool closed = false;
   std::map<uint32_t, std::shared_ptr<JobImpl>> jobs;
   std::map<uint32_t, Status> early_aborts;  // aborted before join() returned
+  // leave_async()/abort_async() requests not answered yet (guarded by mu).
+  uint32_t leaves_in_flight = 0;
+  std::chrono::steady_clock::time_point leaves_deadline{};  // latest answer due
+  std::condition_variable leaves_done;
 
   Millis or_default(Millis t) const { return t.count() > 0 ? t : cluster.request_timeout; }
 };
@@ -142,26 +147,34 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
   Status abort(const std::string& reason, Millis timeout) override {
     return leave_or_abort(&reason, timeout);
   }
+  void leave_async(DoneCallback done, Millis timeout) override {
+    start_leave(nullptr, std::move(done), timeout);
+  }
+  void abort_async(const std::string& reason, DoneCallback done, Millis timeout) override {
+    start_leave(&reason, std::move(done), timeout);
+  }
 
   Status leave_or_abort(const std::string* abort_reason, Millis timeout) {
+    auto p = std::make_shared<std::promise<Status>>();
+    auto f = p->get_future();
+    start_leave(abort_reason, [p](const Status& s) { p->set_value(s); }, timeout);
+    // The transport answers within `timeout`; the margin covers scheduling.
+    if (f.wait_for(timeout + Millis{2000}) != std::future_status::ready)
+      return Status(ErrorCode::kTimeout, "job '" + info_.name + "': no answer to " +
+                                             (abort_reason ? "abort" : "leave") + " within " +
+                                             std::to_string(timeout.count()) + " ms");
+    return f.get();
+  }
+
+  // Closes the handle now, then tells the coordinator; `done` gets its answer.
+  void start_leave(const std::string* abort_reason, DoneCallback done, Millis timeout) {
+    timeout = core_->or_default(timeout);
     {
       std::lock_guard lk(mu_);
-      if (closed_) return Status::Ok();
-    }
-    Status st;
-    {
-      std::lock_guard lk(core_->mu);
-      if (core_->closed) st = Status(ErrorCode::kUnavailable, "client closed");
-    }
-    if (st.ok()) {
-      Message m;
-      m.header.type = proto::kLeave;
-      m.header.aux = info_.uid;
-      if (abort_reason) {
-        m.header.flags = proto::kLeaveAbort;
-        m.payloads.push_back(transport::Buffer::copy_of(*abort_reason));
+      if (closed_) {
+        if (done) done(Status::Ok());
+        return;
       }
-      st = to_status(core_->tp->call(core_->cluster.coordinator, std::move(m), timeout));
     }
     if (abort_reason) {
       // status() tells the reason; no failure callbacks: this node asked for it.
@@ -172,11 +185,48 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     close(abort_reason ? Status(ErrorCode::kAborted, "job '" + info_.name + "' aborted here: " + *abort_reason)
                        : Status(ErrorCode::kUnavailable, "job '" + info_.name + "' left"),
           false);
+    const std::shared_ptr<Core> core = core_;
+    const uint32_t uid = info_.uid;
     {
-      std::lock_guard lk(core_->mu);
-      core_->jobs.erase(info_.uid);
+      std::lock_guard lk(core->mu);
+      if (core->closed) {
+        core->jobs.erase(uid);
+        if (done) done(Status(ErrorCode::kUnavailable, "client closed"));
+        return;
+      }
+      ++core->leaves_in_flight;
+      // The transport answers by the request's deadline; a second covers
+      // the completion thread's scheduling.
+      core->leaves_deadline = std::max(core->leaves_deadline,
+                                       std::chrono::steady_clock::now() + timeout + Millis{1000});
     }
-    return st;
+    Message m;
+    m.header.type = proto::kLeave;
+    m.header.aux = uid;
+    if (abort_reason) {
+      m.header.flags = proto::kLeaveAbort;
+      m.payloads.push_back(transport::Buffer::copy_of(*abort_reason));
+    }
+    // The job stays in the client's table until the answer, so a kJobAborted
+    // crossing the leave finds it (and finds it closed).
+    auto finish = [core, uid, done = std::move(done)](const Status& st) {
+      {
+        std::lock_guard lk(core->mu);
+        core->jobs.erase(uid);
+      }
+      if (done) done(st);
+      {
+        std::lock_guard lk(core->mu);
+        --core->leaves_in_flight;
+      }
+      core->leaves_done.notify_all();
+    };
+    try {
+      core->tp->request(core->cluster.coordinator, std::move(m), timeout,
+                        [finish](Response r) { finish(to_status(r)); });
+    } catch (const Error& e) {
+      finish(Status::FromError(e));
+    }
   }
 
   // Fails the job (first reason wins) and every pending operation.
@@ -412,8 +462,10 @@ class ClientImpl final : public PsClient {
   void close() override {
     std::map<uint32_t, std::shared_ptr<JobImpl>> jobs;
     {
-      std::lock_guard lk(core_->mu);
+      std::unique_lock lk(core_->mu);
       if (core_->closed) return;
+      core_->leaves_done.wait_until(lk, core_->leaves_deadline,
+                                    [&] { return core_->leaves_in_flight == 0; });
       core_->closed = true;
       jobs.swap(core_->jobs);
     }

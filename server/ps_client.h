@@ -185,6 +185,18 @@ class PsJob {
   // timeout. Closes the handle like leave(). Blocks at most `timeout`.
   virtual Status abort(const std::string& reason, Millis timeout = Millis{2000}) = 0;
 
+  // Non-blocking leave() / abort(): the handle closes at once (pending
+  // operations fail as with the blocking forms) and the coordinator is told
+  // in the background; `done` (may be empty) runs once with its answer, on
+  // the completion thread (inline when the handle was already closed: kOk,
+  // or the client was closed: kUnavailable). The client's close() waits for
+  // these answers (each bounded by its `timeout`) before it shuts the
+  // transport down, so a client destroyed right after still tells the
+  // coordinator.
+  virtual void leave_async(DoneCallback done, Millis timeout = Millis{5000}) = 0;
+  virtual void abort_async(const std::string& reason, DoneCallback done,
+                           Millis timeout = Millis{2000}) = 0;
+
  protected:
   PsJob() = default;
 };
@@ -216,7 +228,9 @@ class PsClient {
   // servers learnt at a join(). Throws Error on failure.
   virtual ServerStats stats(NodeId server, Millis timeout = Millis{5000}) = 0;
 
-  // Closes every job (kUnavailable) and the transport; idempotent.
+  // Waits for the answers to leave_async()/abort_async() still in flight
+  // (each bounded by its timeout), then closes every job (kUnavailable) and
+  // the transport; idempotent.
   virtual void close() = 0;
 
  protected:

@@ -1212,6 +1212,16 @@ void ParameterServer::Impl::end_job(uint32_t uid, ErrorCode code, const std::str
 void ParameterServer::Impl::release_part(PartState& ps, const Status& why) {
   if (ps.released) return;
   ps.released = true;
+  if (why.code() != ErrorCode::kOk && (ps.n_pushed > 0 || !ps.waiting.empty())) {
+    std::string ranks, pulls;
+    for (size_t r = 0; r < ps.pushed.size(); ++r)
+      if (ps.pushed[r]) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+    for (const Incoming& in : ps.waiting)
+      pulls += (pulls.empty() ? "" : ",") + std::to_string(in.from);
+    BC_LOG(LogServer(), kDebug) << ps.label << " released unfinished: collecting iteration "
+                                << ps.collecting << ", pushes from ranks {" << ranks
+                                << "}, pulls waiting from nodes {" << pulls << "}";
+  }
   for (Incoming& in : ps.waiting) reply(in, proto::error_reply(why.code(), why.message()));
   ps.waiting.clear();
   ps.waiting.shrink_to_fit();

@@ -386,3 +386,115 @@ TEST_F(TwoNodes, PerJobStrategyMustAgreeAcrossNodes) {
   }
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
+
+// The nodes start their partitions in different orders (priority order is
+// local: node 0 has only 'b' ready when node 1 has both), with a bytes-in-
+// flight bound of one partition. Every node must still push every partition:
+// a bound that held bytes until their pull answered would leave node 0
+// waiting for 'b' (which needs node 1's push of 'b') and node 1 waiting for
+// 'a' (which needs node 0's push of 'a') until the request deadline.
+TEST_F(TwoNodes, DifferentPartitionOrdersOnTheNodesDoNotDeadlock) {
+  start(1, "", "  partition_bytes: 256KiB\n  max_inflight_bytes: 256KiB\n");
+  constexpr uint64_t kN = 65536;  // one 256 KiB partition per tensor
+  constexpr int kIters = 3;
+  auto run = [&](uint32_t node) {
+    bytecomp_client* c = connect_client(node, 0, "order", 1);
+    ASSERT_NE(c, nullptr);
+    uint32_t ids[2];
+    float* p[2];
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_EQ(bytecomp_declare_tensor(c, k == 0 ? "a" : "b", kN, BYTECOMP_FLOAT32,
+                                        BYTECOMP_DEVICE_CPU, 0, &ids[k]),
+                BYTECOMP_OK);
+    }
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    for (int k = 0; k < 2; ++k) {
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                BYTECOMP_OK);
+    }
+    for (uint64_t it = 0; it < kIters; ++it) {
+      // Iteration 0 in the same order on both nodes (the engines have joined
+      // the servers after it); later ones crossed.
+      const bool crossed = it > 0 && node == 0;
+      bytecomp_handle hs[2];
+      for (int j = 0; j < 2; ++j) {
+        const int k = crossed ? 1 - j : j;
+        for (uint64_t i = 0; i < kN; ++i) p[k][i] = grad(node * 2 + static_cast<uint32_t>(k), it, i);
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hs[k]), BYTECOMP_OK);
+        if (crossed && j == 0) std::this_thread::sleep_for(400ms);  // 'b' alone for a while
+      }
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK)
+            << "node " << node << " tensor " << k << " iteration " << it << ": "
+            << bytecomp_last_error();
+        size_t mismatches = 0;
+        for (uint64_t i = 0; i < kN; ++i) {
+          mismatches += p[k][i] != grad(static_cast<uint32_t>(k), it, i) + grad(2 + static_cast<uint32_t>(k), it, i);
+        }
+        EXPECT_EQ(mismatches, 0u) << "node " << node << " tensor " << k << " iteration " << it;
+      }
+    }
+    bytecomp_close(c);
+  };
+  auto other = std::async(std::launch::async, run, 1);
+  run(0);
+  other.get();
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}
+
+// Ending a multi-node job tells the coordinator without waiting for its
+// answer on the daemon's control thread: with the coordinator stopped
+// (SIGSTOP), a single-node job on the same daemon is served at once. (The
+// leave used to block the control thread until the coordinator answered,
+// the peer was declared lost — 1 s here — or 2 s passed.)
+TEST_F(TwoNodes, JobEndDoesNotStallTheDaemonWhenTheCoordinatorIsUnresponsive) {
+  start(1);
+  constexpr uint64_t kN = 1000;
+  bytecomp_client* c[2] = {nullptr, nullptr};
+  auto join = [&](uint32_t node) {
+    c[node] = connect_client(node, 0, "stall", 1);
+    ASSERT_NE(c[node], nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c[node], "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c[node], 30000), BYTECOMP_OK) << bytecomp_last_error();
+    bytecomp_handle h = 0;
+    ASSERT_EQ(bytecomp_push_pull(c[node], id, 0, &h), BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_wait(c[node], h, 30000), BYTECOMP_OK) << bytecomp_last_error();
+  };
+  auto other = std::async(std::launch::async, join, 1);
+  join(0);
+  other.get();
+  ASSERT_NE(c[0], nullptr);
+  ASSERT_NE(c[1], nullptr);
+  servers_[0]->signal(SIGSTOP);
+  bytecomp_close(c[0]);  // node 0's job ends: its leave goes to a stopped coordinator
+  const auto t0 = std::chrono::steady_clock::now();
+  bytecomp_connect_options o;
+  bytecomp_connect_options_init(&o);
+  o.socket_path = nodes_[0]->socket().c_str();
+  o.job_id = "local";
+  o.local_size = 1;
+  bytecomp_client* local = nullptr;
+  bool served = false;
+  if (bytecomp_connect(&o, &local) == BYTECOMP_OK) {
+    uint32_t id = 0;
+    bytecomp_handle h = 0;
+    served = bytecomp_declare_tensor(local, "x", 4, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id) ==
+                 BYTECOMP_OK &&
+             bytecomp_start(local, 10000) == BYTECOMP_OK &&
+             bytecomp_push_pull(local, id, 0, &h) == BYTECOMP_OK &&
+             bytecomp_wait(local, h, 10000) == BYTECOMP_OK;
+    if (!served) ADD_FAILURE() << bytecomp_last_error();
+    bytecomp_close(local);
+  }
+  const auto took = std::chrono::steady_clock::now() - t0;
+  servers_[0]->signal(SIGCONT);
+  bytecomp_close(c[1]);
+  EXPECT_TRUE(served);
+  EXPECT_LT(took, 500ms) << "a single-node job waited "
+                         << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                         << " ms behind the leave of another job";
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}

@@ -13,7 +13,8 @@ namespace bctest {
 
 class TwoNodes : public ::testing::Test {
  protected:
-  void start(int servers, const std::string& strategy_yaml = "") {
+  // `scheduler`: extra lines of the daemons' scheduler section.
+  void start(int servers, const std::string& strategy_yaml = "", const std::string& scheduler = "") {
     dir_ = fs::temp_directory_path() / ("bcd-2n-" + std::to_string(::getpid()) + "-" +
                                         std::to_string(counter_++));
     fs::create_directories(dir_);
@@ -53,7 +54,8 @@ class TwoNodes : public ::testing::Test {
       nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
                               "\n  node_id: " + std::to_string(100 + n) +
                               "\n  nodes: [100, 101]\n" +
-                              (peer_listen_ ? "  peer_listen: tcp://127.0.0.1:0\n" : "") + strategy);
+                              (peer_listen_ ? "  peer_listen: tcp://127.0.0.1:0\n" : "") + strategy,
+                              scheduler);
       nodes_[n]->start();
     }
   }
@@ -91,15 +93,16 @@ class TwoNodes : public ::testing::Test {
     return w;
   }
 
-  // A client of `job` as local rank `rank` of 2 on emulated node `node` of 2;
+  // A client of `job` as local rank `rank` of `local_size` on emulated node `node` of 2;
   // nullptr (with a recorded failure) when the daemon refuses.
-  bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job) {
+  bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job,
+                                  uint32_t local_size = 2) {
     bytecomp_connect_options o;
     bytecomp_connect_options_init(&o);
     o.socket_path = nodes_[node]->socket().c_str();
     o.job_id = job;
     o.local_rank = rank;
-    o.local_size = 2;
+    o.local_size = local_size;
     o.node_rank = node;
     o.num_nodes = 2;
     bytecomp_client* c = nullptr;

@@ -192,3 +192,53 @@ TEST(Strategy, GlobRules) {
   EXPECT_FALSE(r.matches("bert.layer.0.weight", 8));
   EXPECT_FALSE(r.matches("gpt.bias", 8));
 }
+
+TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeRefusesIt) {
+  // An older file (no cpu_share) reads as no split; a split is written and
+  // read back exactly.
+  Strategy s = Strategy::parse(kSample, "s.yaml");
+  EXPECT_EQ(s.resolve("fc.weight", 400).cpu_share, 0.0);
+  EXPECT_EQ(s.to_yaml().find("cpu_share"), std::string::npos);
+  Option split;
+  split.compressor = "dgc";
+  split.params = {{"ratio", "0.01"}};
+  split.error_feedback = true;
+  split.comp_device = split.decomp_device = Device::kGpu;
+  split.intra = Collective::kReduceScatterAllgather;
+  split.inter = Collective::kAlltoallAllgather;
+  split.cpu_share = 0.234375;
+  ASSERT_EQ(split.problem(), "");
+  s.add_entry({"fc.weight", split});
+  const Strategy back = Strategy::parse(s.to_yaml(), "back.yaml");
+  EXPECT_EQ(back.resolve("fc.weight", 400), split);
+  EXPECT_NE(split.describe().find("cpu_share=0.234375"), std::string::npos) << split.describe();
+
+  // Bad values name the key and the reason.
+  const std::string base =
+      "version: 1\ndefault: {compressor: dgc, params: {ratio: 0.01}, comp_device: gpu, "
+      "decomp_device: gpu, inter: allgather, cpu_share: ";
+  EXPECT_EQ(error_of(base + "0.5}\n"), "");
+  EXPECT_NE(error_of(base + "1}\n").find("cpu_share must be at least 0 and below 1"),
+            std::string::npos);
+  EXPECT_NE(error_of(base + "-0.1}\n").find("cpu_share"), std::string::npos);
+  EXPECT_NE(error_of(base + "half}\n").find("cpu_share"), std::string::npos);
+  EXPECT_NE(error_of("version: 1\ndefault: {compressor: none, cpu_share: 0.5}\n")
+                .find("compressor 'none' has none"),
+            std::string::npos);
+  EXPECT_NE(error_of("version: 1\ndefault: {compressor: dgc, comp_device: cpu, "
+                     "decomp_device: cpu, inter: allgather, cpu_share: 0.5}\n")
+                .find("needs comp_device or decomp_device 'gpu'"),
+            std::string::npos);
+
+  // The CPU runtime (the daemon's check) refuses a split with its reason.
+  Option cpu_split = split;
+  cpu_split.intra = Collective::kReduceBroadcast;
+  s.add_entry({"fc.weight", cpu_split});
+  try {
+    s.check_cpu_runtime({{"fc.weight", 400}});
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'fc.weight'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cpu_share"), std::string::npos) << e.what();
+  }
+}

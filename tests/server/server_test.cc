@@ -548,6 +548,46 @@ TEST_F(ServerTest, NodeAbortReachesTheOtherNodesAtOnce) {
   expect_released();
 }
 
+// abort_async() returns at once; destroying the client right after still
+// tells the coordinator (close() waits for the answer), so the other node
+// learns the reason instead of waiting for its request deadline.
+TEST_F(ServerTest, AsyncAbortReachesTheCoordinatorWhenTheClientGoesAtOnce) {
+  start_server();
+  auto a = client(100), b = client(101);
+  JobSpec spec;
+  spec.name = "async-abort";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"w", 1000}};
+  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
+  auto jb = b->join(spec);
+  auto ja = fa.get();
+  std::promise<Status> pulled;
+  jb->pull(partition_key(0, 0), 0,
+           [&](const Status& s, transport::Buffer) { pulled.set_value(s); });
+  auto result = pulled.get_future();
+  EXPECT_EQ(result.wait_for(200ms), std::future_status::timeout);  // waits for node 100
+  std::promise<Status> answered;
+  const auto t0 = std::chrono::steady_clock::now();
+  ja->abort_async("local rank 0 died", [&](const Status& s) { answered.set_value(s); });
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 100ms) << "abort_async blocked";
+  EXPECT_EQ(ja->status().code(), ErrorCode::kAborted);  // the handle is closed at once
+  std::promise<Status> late;
+  ja->push(partition_key(0, 0), 0, transport::Buffer::copy_of("x"),
+           [&](const Status& s) { late.set_value(s); });
+  EXPECT_EQ(late.get_future().get().code(), ErrorCode::kAborted);
+  ja.reset();
+  a.reset();  // close(): waits for the coordinator's answer
+  auto answer = answered.get_future();
+  ASSERT_EQ(answer.wait_for(0ms), std::future_status::ready) << "client closed before the answer";
+  EXPECT_TRUE(answer.get().ok());
+  ASSERT_EQ(result.wait_for(3s), std::future_status::ready) << "the other node was not told";
+  Status st = result.get();
+  EXPECT_EQ(st.code(), ErrorCode::kAborted) << st.to_string();
+  EXPECT_NE(st.message().find("local rank 0 died"), std::string::npos) << st.to_string();
+  jb->leave();
+  expect_released();
+}
+
 TEST_F(ServerTest, GarbageFramesAndUnknownJobsAreRefusedAndTheServerSurvives) {
   start_server();
   // Raw ZeroMQ garbage: not even a transport header.
