@@ -380,8 +380,11 @@ TEST_P(TransportTest, PeerStoppedMidLargeTransferIsReportedWithinBound) {
   t.add_peer(1, victim->address());
   t.start();
   ASSERT_TRUE(t.call(1, msg(tp::kEcho), Millis{5000}).status.ok());
-  // The victim streams 4 x 256 MiB to us (node 0), back to back.
-  constexpr int kCount = 4;
+  // The victim streams 12 x 256 MiB to us (node 0), back to back: long
+  // enough (seconds) that it cannot finish before the stop even when this
+  // thread is descheduled for a while (with 4, a full parallel `meson
+  // test` once let the whole stream and the reply arrive first).
+  constexpr int kCount = 12;
   auto blast = std::make_shared<std::promise<Response>>();
   Message m = msg(tp::kBlast, 0, kCount);
   m.header.aux = 256u << 20;
