@@ -576,6 +576,24 @@ TEST_P(TransportTest, PeerKilledMidTransferIsReportedWithinBound) {
   EXPECT_FALSE(lost_at(2).has_value());
 }
 
+TEST_P(TransportTest, SendRightAfterAddPeerOnAStartedTransportIsDelivered) {
+  // transport.h: sends to a peer added a moment ago queue until its route
+  // exists. A started loop may have looked at its control queue just before
+  // add_peer() and at the send queue just after the send: the send must
+  // still not overtake the add_peer() (it used to fail with "no connection
+  // to node 1" now and then, e.g. a client asking a server for its stats).
+  auto peer = spawn(1);
+  for (NodeId id = 100; id < 300; ++id) {
+    TransportConfig c = config("parent");
+    c.node_id = id;
+    std::unique_ptr<Transport> t = make_transport(c);
+    t->start();
+    t->add_peer(1, peer->address());
+    Response r = t->call(1, msg(tp::kEcho, id), Millis{5000});
+    ASSERT_TRUE(r.status.ok()) << "node " << id << ": " << r.status.to_string();
+  }
+}
+
 TEST_P(TransportTest, UnreachablePeerIsReported) {
   Transport& t = parent();
   t.start();

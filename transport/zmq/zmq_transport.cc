@@ -119,7 +119,12 @@ class ZmqTransport final : public TransportBase {
   void post_control(std::function<void()> fn);
   bool loop_has_work(void* socket);
   void loop();
-  void route_outgoing();
+  // Carries out queued add_peer()/remove_peer(); true if there were any.
+  // Loop thread, or a thread holding io_mu_.
+  bool run_control();
+  // Moves queued messages to their routes' FIFOs. False when it stopped at
+  // a pending peer change that only the loop thread may carry out.
+  bool route_outgoing();
   void flush(NodeId id, Route& route);
   // 1 sent, 0 would block, -1 failed (status set).
   int send_one(Route& route, NodeId to, const Outgoing& out, Status& status);
@@ -313,8 +318,7 @@ void ZmqTransport::backend_outgoing() {
   }
   // The loop sleeps in poll(2) with the sockets free: do its routing on this
   // thread, so the message reaches ZeroMQ without a thread hand-off.
-  route_outgoing();
-  bool wake = false;
+  bool wake = !route_outgoing();
   for (auto& [id, r] : dealers_) {
     if (r.fifo.empty() || r.blocked) continue;  // blocked: the loop waits for POLLOUT
     flush(id, r);  // marks the socket for the loop to look at again
@@ -422,14 +426,40 @@ void ZmqTransport::backend_stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void ZmqTransport::route_outgoing() {
+bool ZmqTransport::run_control() {
+  std::deque<std::function<void()>> control;
+  {
+    std::lock_guard lock(control_mu_);
+    control.swap(control_);
+  }
+  for (auto& fn : control) fn();
+  return !control.empty();
+}
+
+bool ZmqTransport::route_outgoing() {
   Outgoing out;
-  while (pop_outgoing(out)) {
+  for (;;) {
+    bool control_waits = false;
+    {
+      // Popped under control_mu_: an add_peer()/remove_peer() posted before
+      // this message was queued is then either visible here or already
+      // carried out, so a send never overtakes the peer change before it.
+      std::lock_guard lock(control_mu_);
+      control_waits = !control_.empty();
+      if (!control_waits && !pop_outgoing(out)) return true;
+    }
+    if (control_waits) {
+      // Only the loop thread may change routes: it polls their sockets.
+      if (!on_io_thread()) return false;
+      run_control();
+      continue;
+    }
     NodeId to = out.to;
-    if (auto it = dealers_.find(to); it != dealers_.end()) {
-      it->second.fifo.push_back(std::move(out));
-    } else if (auto in = inbound_.find(to); in != inbound_.end()) {
-      in->second.fifo.push_back(std::move(out));
+    Route* r = nullptr;
+    if (auto it = dealers_.find(to); it != dealers_.end()) r = &it->second;
+    else if (auto in = inbound_.find(to); in != inbound_.end()) r = &in->second;
+    if (r != nullptr) {
+      r->fifo.push_back(std::move(out));
     } else {
       complete_send(out, Status(ErrorCode::kUnavailable,
                                 "no connection to node " + std::to_string(to) +
@@ -751,12 +781,7 @@ void ZmqTransport::loop() {
   std::vector<NodeId> heartbeats;
   Clock::time_point next_tick = Clock::now();
   while (!stop_.load()) {
-    std::deque<std::function<void()>> control;
-    {
-      std::lock_guard lock(control_mu_);
-      control.swap(control_);
-    }
-    for (auto& fn : control) fn();
+    run_control();
     route_outgoing();
     bool router_blocked = false;
     for (auto& [id, r] : dealers_)
