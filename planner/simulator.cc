@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <sstream>
 
 #include "common/error.h"
@@ -105,17 +106,124 @@ int Problem::split_option(int base, double share) {
   return static_cast<int>(options_.size()) - 1;
 }
 
-double chain_latency(const std::vector<Op>& ops) {
-  double longest = 0, t = 0;
-  for (const Op& op : ops) {
-    if (op.fork()) {
-      t = 0;
-      continue;
+int Problem::pieces_option(int base, int pieces) {
+  Option o = options_[base];
+  if (constraints_.cpu_runtime_only) return -1;
+  if (std::find(std::begin(Option::kAllowedPieces), std::end(Option::kAllowedPieces), pieces) ==
+      std::end(Option::kAllowedPieces))
+    return -1;
+  if (o.pieces == pieces) return base;
+  o.pieces = pieces;
+  if (int idx = find_option(o); idx >= 0) return idx;
+  options_.push_back(std::move(o));
+  for (auto& v : by_size_) v.emplace_back();
+  return static_cast<int>(options_.size()) - 1;
+}
+
+namespace {
+
+constexpr size_t kMaxSlices = 8;
+static_assert(std::size(Option::kAllowedPieces) > 0 &&
+              Option::kAllowedPieces[std::size(Option::kAllowedPieces) - 1] <= kMaxSlices);
+
+// Places a chain's operations from `ready` and returns the end of the last
+// one. place(resource, t, duration) returns the start it got; emit(op,
+// start, end) reports it. Groups (split by forks) are placed one after the
+// other; the slices of a group are interleaved: the next operation placed
+// is the one whose input is ready first (ties: the earlier slice).
+template <class Place, class Emit>
+double run_chain(const std::vector<Op>& ops, double ready, Place&& place, Emit&& emit) {
+  double done = ready;
+  const size_t n = ops.size();
+  size_t g = 0;
+  while (g < n) {
+    size_t ge = g, slices = 1;
+    while (ge < n && !(ops[ge].fork() && !ops[ge].slice())) {
+      if (ops[ge].slice()) ++slices;
+      ++ge;
     }
-    t += op.duration_us;
-    longest = std::max(longest, t);
+    if (slices == 1) {
+      double t = ready;
+      for (size_t k = g; k < ge; ++k) {
+        const Op& op = ops[k];
+        if (op.duration_us <= 0) continue;
+        const double s = place(op.resource, t, op.duration_us);
+        t = s + op.duration_us;
+        emit(op, s, t);
+      }
+      done = std::max(done, t);
+    } else {
+      if (slices > kMaxSlices)
+        throw Error(ErrorCode::kInternal, "a chain group has more slices than allowed");
+      size_t pos[kMaxSlices], end[kMaxSlices];
+      double t[kMaxSlices];
+      size_t m = 0;
+      pos[0] = g;
+      for (size_t k = g; k < ge; ++k)
+        if (ops[k].slice()) {
+          end[m++] = k;
+          pos[m] = k + 1;
+        }
+      end[m++] = ge;
+      for (size_t i = 0; i < m; ++i) t[i] = ready;
+      for (;;) {
+        size_t best = m;
+        for (size_t i = 0; i < m; ++i) {
+          while (pos[i] < end[i] && ops[pos[i]].duration_us <= 0) ++pos[i];
+          if (pos[i] < end[i] && (best == m || t[i] < t[best])) best = i;
+        }
+        if (best == m) break;
+        const Op& op = ops[pos[best]++];
+        const double s = place(op.resource, t[best], op.duration_us);
+        t[best] = s + op.duration_us;
+        emit(op, s, t[best]);
+      }
+      for (size_t i = 0; i < m; ++i) done = std::max(done, t[i]);
+    }
+    g = ge + 1;
   }
-  return longest;
+  return done;
+}
+
+}  // namespace
+
+double chain_latency(const std::vector<Op>& ops) {
+  const bool sliced = std::any_of(ops.begin(), ops.end(), [](const Op& op) { return op.slice(); });
+  if (!sliced) {
+    double longest = 0, t = 0;
+    for (const Op& op : ops) {
+      if (op.fork()) {
+        t = 0;
+        continue;
+      }
+      t += op.duration_us;
+      longest = std::max(longest, t);
+    }
+    return longest;
+  }
+  // Slices contend with each other: schedule them on idle resources as the
+  // evaluator does (first fit into idle gaps, else after the last end).
+  struct Local {
+    std::vector<std::pair<double, double>> gaps;
+    double last_end = 0;
+  } res[kResources];
+  auto place = [&](Resource r, double ready, double dur) {
+    Local& l = res[static_cast<int>(r)];
+    for (size_t k = 0; k < l.gaps.size(); ++k) {
+      auto [gs, ge] = l.gaps[k];
+      const double s = std::max(gs, ready);
+      if (s + dur > ge + 1e-9) continue;
+      l.gaps.erase(l.gaps.begin() + static_cast<long>(k));
+      if (s + dur < ge - 1e-9) l.gaps.insert(l.gaps.begin() + static_cast<long>(k), {s + dur, ge});
+      if (s > gs + 1e-9) l.gaps.insert(l.gaps.begin() + static_cast<long>(k), {gs, s});
+      return s;
+    }
+    const double s = std::max(ready, l.last_end);
+    if (s > l.last_end + 1e-9) l.gaps.push_back({l.last_end, s});
+    l.last_end = s + dur;
+    return s;
+  };
+  return run_chain(ops, 0.0, place, [](const Op&, double, double) {});
 }
 
 Problem Problem::zero_cost_copy() const {
@@ -154,6 +262,22 @@ void Problem::chain_into(uint64_t elements, int opt, std::vector<Op>& out) const
 }
 
 void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (o.pieces > 1 && o.cpu_share == 0.0) {
+    // Pipelining: `pieces` slices, each the option's whole chain from the
+    // tensor's ready time with its own fixed costs. The simulator places
+    // them in order (first come, first served), so slice 1's compression
+    // takes the GPU while slice 0 is on the links.
+    Option one = o;
+    one.pieces = 1;
+    const auto q = static_cast<uint64_t>(o.pieces);
+    for (uint64_t s = 0; s < q; ++s) {
+      const uint64_t x = elements / q + (s < elements % q ? 1 : 0);
+      if (x == 0) continue;
+      if (s > 0) ops.push_back({Resource::kCpu, kSliceMark, "slice"});
+      build_chain_into(x, one, ops);
+    }
+    return;
+  }
   if (o.cpu_share > 0.0) {
     // The CPU part and the GPU part are separate messages: two chains from
     // the same ready time, each with its own latencies. The CPU part goes
@@ -165,7 +289,7 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
     cpu.comp_device = cpu.decomp_device = Device::kCpu;
     if (cpu_elems > 0) build_chain_into(cpu_elems, cpu, ops);
     if (cpu_elems < elements) {
-      if (!ops.empty()) ops.push_back({Resource::kCpu, -1.0, "fork"});
+      if (!ops.empty()) ops.push_back({Resource::kCpu, kForkMark, "fork"});
       build_chain_into(elements - cpu_elems, gpu, ops);
     }
     return;
@@ -500,19 +624,12 @@ double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
   const std::string* name = tl ? &p_.profile().tensors[i].name : nullptr;
   if (tl) tl->events.push_back({*name, "backward", Resource::kGpu, true, prev, ready});
   double done = ready;
+  auto put = [&](Resource r, double t, double dur) { return place(r, t, dur, i); };
   for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
-    double t = ready;
-    for (const Op& op : p_.chunk_chain(c, opt)) {
-      if (op.fork()) {
-        done = std::max(done, t);
-        t = ready;
-        continue;
-      }
-      if (op.duration_us <= 0) continue;
-      const double s = place(op.resource, t, op.duration_us, i);
-      t = s + op.duration_us;
-      if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, t});
-    }
+    const double t = run_chain(p_.chunk_chain(c, opt), ready, put,
+                               [&](const Op& op, double s, double e) {
+                                 if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, e});
+                               });
     done = std::max(done, t);
   }
   prefix_done_[i + 1] = std::max(prefix_done_[i], done);
