@@ -68,6 +68,7 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
   if (options_.empty())
     throw Error(ErrorCode::kInvalidArgument, "no option satisfies the constraints");
   tree_options_ = static_cast<int>(options_.size());
+  pieced_.assign(options_.size(), 0);
   const uint64_t part_elems = cluster_.partition_bytes / 4;
   for (int i = 0; i < tensors(); ++i) {
     chunk_begin_.push_back(static_cast<int>(chunks_.size()));
@@ -85,6 +86,7 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
     chunk_size_id_.push_back(it->second);
   }
   by_size_.assign(ids.size(), std::vector<std::vector<Op>>(options_.size()));
+
 }
 
 int Problem::find_option(const Option& o) const {
@@ -101,6 +103,7 @@ int Problem::split_option(int base, double share) {
   if (!constraints_.allow_cpu || constraints_.cpu_runtime_only || !c || !c->cpu) return -1;
   o.cpu_share = share;
   if (int idx = find_option(o); idx >= 0) return idx;
+  pieced_.push_back(o.pieces > 1);
   options_.push_back(std::move(o));
   for (auto& v : by_size_) v.emplace_back();
   return static_cast<int>(options_.size()) - 1;
@@ -115,6 +118,7 @@ int Problem::pieces_option(int base, int pieces) {
   if (o.pieces == pieces) return base;
   o.pieces = pieces;
   if (int idx = find_option(o); idx >= 0) return idx;
+  pieced_.push_back(o.pieces > 1);
   options_.push_back(std::move(o));
   for (auto& v : by_size_) v.emplace_back();
   return static_cast<int>(options_.size()) - 1;
@@ -188,18 +192,21 @@ double run_chain(const std::vector<Op>& ops, double ready, Place&& place, Emit&&
 }  // namespace
 
 double chain_latency(const std::vector<Op>& ops) {
-  const bool sliced = std::any_of(ops.begin(), ops.end(), [](const Op& op) { return op.slice(); });
-  if (!sliced) {
+  {
+    // Without slices (the common case, on the planner's hot path): the
+    // longest sequence.
     double longest = 0, t = 0;
+    bool sliced = false;
     for (const Op& op : ops) {
       if (op.fork()) {
+        if ((sliced = op.slice())) break;
         t = 0;
         continue;
       }
       t += op.duration_us;
       longest = std::max(longest, t);
     }
-    return longest;
+    if (!sliced) return longest;
   }
   // Slices contend with each other: schedule them on idle resources as the
   // evaluator does (first fit into idle gaps, else after the last end).
@@ -261,12 +268,12 @@ void Problem::chain_into(uint64_t elements, int opt, std::vector<Op>& out) const
   build_chain_into(elements, options_[opt], out);
 }
 
-void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
-  if (o.pieces > 1 && o.cpu_share == 0.0) {
+void Problem::build_composite(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (o.cpu_share == 0.0) {
     // Pipelining: `pieces` slices, each the option's whole chain from the
-    // tensor's ready time with its own fixed costs. The simulator places
-    // them in order (first come, first served), so slice 1's compression
-    // takes the GPU while slice 0 is on the links.
+    // tensor's ready time with its own fixed costs. The simulator
+    // interleaves them (run_chain), so slice 1's compression takes the GPU
+    // while slice 0 is on the links.
     Option one = o;
     one.pieces = 1;
     const auto q = static_cast<uint64_t>(o.pieces);
@@ -278,11 +285,12 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
     }
     return;
   }
-  if (o.cpu_share > 0.0) {
+  {
     // The CPU part and the GPU part are separate messages: two chains from
     // the same ready time, each with its own latencies. The CPU part goes
     // first (the runtime hands its partitions out first): its chain is the
-    // longer one, and the parts share the links in this order.
+    // longer one, and the parts share the links in this order. With pieces,
+    // each part is cut into that many slices.
     const auto cpu_elems = static_cast<uint64_t>(std::llround(o.cpu_share * elements));
     Option gpu = o, cpu = o;
     gpu.cpu_share = cpu.cpu_share = 0.0;
@@ -292,6 +300,12 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
       if (!ops.empty()) ops.push_back({Resource::kCpu, kForkMark, "fork"});
       build_chain_into(elements - cpu_elems, gpu, ops);
     }
+  }
+}
+
+void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (o.cpu_share > 0.0 || o.pieces > 1) {
+    build_composite(elements, o, ops);
     return;
   }
   const double n = static_cast<double>(elements);
@@ -612,6 +626,18 @@ double Evaluator::run_compute(double start, double gap) const {
   return std::max(t, r.last_end) + left;
 }
 
+double Evaluator::simulate_slices(int i, int opt, double ready, Timeline* tl) {
+  const std::string* name = tl ? &p_.profile().tensors[i].name : nullptr;
+  auto put = [&](Resource r, double t, double dur) { return place(r, t, dur, i); };
+  auto emit = [&](const Op& op, double s, double e) {
+    if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, e});
+  };
+  double done = ready;
+  for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c)
+    done = std::max(done, run_chain(p_.chunk_chain(c, opt), ready, put, emit));
+  return done;
+}
+
 double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
   Snapshot& sn = snap_[i];
   for (int r = 0; r < kResources; ++r) {
@@ -624,13 +650,25 @@ double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
   const std::string* name = tl ? &p_.profile().tensors[i].name : nullptr;
   if (tl) tl->events.push_back({*name, "backward", Resource::kGpu, true, prev, ready});
   double done = ready;
-  auto put = [&](Resource r, double t, double dur) { return place(r, t, dur, i); };
-  for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
-    const double t = run_chain(p_.chunk_chain(c, opt), ready, put,
-                               [&](const Op& op, double s, double e) {
-                                 if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, e});
-                               });
-    done = std::max(done, t);
+  if (p_.pieced(opt)) {
+    done = simulate_slices(i, opt, ready, tl);
+  } else {
+    // No slices (the hot path): sequences placed one after the other.
+    for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
+      double t = ready;
+      for (const Op& op : p_.chunk_chain(c, opt)) {
+        if (op.fork()) {
+          done = std::max(done, t);
+          t = ready;
+          continue;
+        }
+        if (op.duration_us <= 0) continue;
+        const double s = place(op.resource, t, op.duration_us, i);
+        t = s + op.duration_us;
+        if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, t});
+      }
+      done = std::max(done, t);
+    }
   }
   prefix_done_[i + 1] = std::max(prefix_done_[i], done);
   prefix_ = i + 1;

@@ -107,6 +107,9 @@ class Problem {
   // -1 when `pieces` is not allowed or the search is restricted to the CPU
   // runtime (which pipelines by its own partitions).
   int pieces_option(int base, int pieces);
+  // Whether option `opt` has pieces > 1 (a compact copy for the
+  // simulator's hot path).
+  bool pieced(int opt) const { return pieced_[opt] != 0; }
   // A copy where compression costs nothing and causes no contention (the
   // paper's Upper Bound setting).
   Problem zero_cost_copy() const;
@@ -115,6 +118,10 @@ class Problem {
  private:
   std::vector<Op> build_chain(uint64_t elements, const Option& o) const;
   void build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const;
+  // Split (cpu_share) and pipelined (pieces) options: several sequences
+  // (kept out of build_chain_into, the hot path of the search).
+  [[gnu::noinline]] void build_composite(uint64_t elements, const Option& o,
+                                         std::vector<Op>& ops) const;
   Profile profile_;
   Cluster cluster_;
   CostTable costs_;
@@ -122,6 +129,7 @@ class Problem {
   Constraints constraints_;
   std::vector<Option> options_;
   int tree_options_ = 0;
+  std::vector<uint8_t> pieced_;  // per option: pieces > 1
   std::vector<Chunk> chunks_;
   std::vector<int> chunk_begin_;
   std::map<uint64_t, std::vector<std::vector<Op>>> cache_;
@@ -218,6 +226,9 @@ class Evaluator {
   // Simulates tensor i with option opt from the current prefix; returns its
   // done time and updates compute end.
   double simulate_tensor(int i, int opt, Timeline* tl);
+  // The chains of a pipelined option (Option::pieces), slices interleaved;
+  // returns the done time (kept out of simulate_tensor's hot loop).
+  [[gnu::noinline]] double simulate_slices(int i, int opt, double ready, Timeline* tl);
   double place(Resource r, double ready, double dur, int tensor);
   double run_compute(double start, double gap) const;
   double run_suffix(int from, const std::pair<int, int>* changes, size_t nchanges,
