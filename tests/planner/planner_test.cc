@@ -428,7 +428,11 @@ TEST(Simulator, IncrementalEqualsFullSimulation) {
   ev.set_base(baseline(p, Baseline::kFp32));
   std::mt19937 rng(7);
   for (int step = 0; step < 300; ++step) {
-    const int i = rng() % p.tensors(), o = rng() % p.options().size();
+    const int i = rng() % p.tensors();
+    int o = rng() % p.tree_options();
+    // A third of the edits use pipelined variants (interleaved slices).
+    if (rng() % 3 == 0) o = p.pieces_option(o, Option::kAllowedPieces[1 + rng() % 3]);
+    ASSERT_GE(o, 0);
     Assignment b = ev.base();
     b[i] = o;
     const double truth = ref.evaluate(b);
