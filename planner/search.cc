@@ -379,6 +379,48 @@ int split_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
   return split;
 }
 
+// Pipelining (Option::pieces): a tensor whose chain is long and exposed
+// (typically the last large gradient, whose compression and communication
+// run in series after the backward pass) gains when a slice is compressed
+// while another is on the wire; each slice pays every operation's fixed
+// cost again, so the count is chosen per tensor by simulation. The
+// `max_tensors` tensors with the longest chains of their current option try
+// every allowed count; repeated while it helps (a cut can expose another
+// tensor's chain). Returns the tensors changed.
+int pieces_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
+  if (max_tensors == 0) return 0;
+  int changed = 0;
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::pair<double, int>> heavy;
+    for (int i = 0; i < p.tensors(); ++i)
+      heavy.push_back({-summarize(p, i, ev.base()[i]).latency, i});
+    std::sort(heavy.begin(), heavy.end());
+    if (heavy.size() > max_tensors) heavy.resize(max_tensors);
+    bool improved = false;
+    for (const auto& [neg_latency, i] : heavy) {
+      const int cur = ev.base()[i];
+      double best = f;
+      int best_opt = -1;
+      for (int q : Option::kAllowedPieces) {
+        const int opt = p.pieces_option(cur, q);
+        if (opt < 0 || opt == cur) continue;
+        const double v = ev.try_option(i, opt, best - kEps);
+        if (v < best - kEps) {
+          best = v;
+          best_opt = opt;
+        }
+      }
+      if (best_opt < 0) continue;
+      ev.commit(i, best_opt);
+      f = best;
+      ++changed;
+      improved = true;
+    }
+    if (!improved) break;
+  }
+  return changed;
+}
+
 }  // namespace
 
 Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
@@ -494,7 +536,23 @@ Assignment plan(Problem& p, const PlanOptions& opts, PlanStats* stats) {
       }
     }
   }
+  if (opts.pieces_tensors > 0) {
+    // Pipelining last, on the final plan: it only commits improvements. A
+    // cut can change which share of a split tensor fits best, so the split
+    // pass runs again after it (also improvements only).
+    ev.set_base(result);
+    double fp = ev.base_value();
+    if (pieces_pass(p, ev, fp, opts.pieces_tensors) > 0) {
+      split_pass(p, ev, fp, opts.split_tensors);
+      pieces_pass(p, ev, fp, opts.pieces_tensors);
+    }
+    if (fp < f - kEps) {
+      f = fp;
+      result = ev.base();
+    }
+  }
   st.split_tensors = splits_in(result);
+  for (int o : result) st.pieced_tensors += p.options()[o].pieces > 1;
   st.total_ms = ms_since(t0);
   st.total_cpu_ms = thread_cpu_ms() - c0;
   st.simulations = ev.simulations();
@@ -565,6 +623,7 @@ Assignment exact(Problem& p, double* best_value, uint64_t max_leaves) {
   const int n = p.tensors();
   // Incumbent from the planner makes the bound bite early.
   PlanOptions po;
+  po.pieces_tensors = 0;
   Assignment best = plan(p, po);
   Evaluator ev(p);
   double best_f = ev.evaluate(best);

@@ -26,6 +26,7 @@ struct PlanStats {
   int tensors_examined = 0;     // by Algorithm 1 before the bubbles were gone
   int offload_groups = 0;       // Algorithm 2 groups
   int split_tensors = 0;        // tensors of the plan split between CPU and GPU
+  int pieced_tensors = 0;       // tensors of the plan with Option::pieces > 1
 };
 
 struct PlanOptions {
@@ -43,6 +44,12 @@ struct PlanOptions {
   // counted in the decision time); 0 = never split. A handful carries nearly
   // all the GPU compression time of the paper's models.
   size_t split_tensors = 4;
+  // Last step of the planner: the tensors with the longest chains (this
+  // many) try being cut into 2, 4 or 8 pipelined slices (Option::pieces)
+  // and keep the count that shortens the iteration most; 0 = never. It runs
+  // after everything else and only commits improvements, so a plan with
+  // pieces is never longer than the same plan without them.
+  size_t pieces_tensors = 4;
 };
 
 // The planner: Algorithm 1 (GPU options, bubble elimination, size groups
@@ -60,8 +67,12 @@ constexpr Baseline kBaselines[] = {Baseline::kFp32, Baseline::kBytePSCompress,
 // baseline's options (e.g. GPU compression forbidden).
 Assignment baseline(Problem& p, Baseline b, uint64_t min_compress_bytes = 1 << 20);
 
-// Exhaustive depth-first search with branch and bound over the whole option
-// set; gives up (returns empty) after `max_leaves` complete assignments.
+// Exhaustive depth-first search with branch and bound over the decision
+// tree; gives up (returns empty) after `max_leaves` complete assignments.
+// Its incumbent is the planner's plan without pipelining (pieces_tensors 0;
+// cpu_share splits included), so the result is the better of the tree's
+// optimum and that plan: the search space of the planner before its
+// pipelining step.
 Assignment exact(Problem& p, double* best_value, uint64_t max_leaves = 50'000'000);
 
 // The paper's Upper Bound: the planner on a copy where compression is free

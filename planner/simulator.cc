@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <sstream>
 
 #include "common/error.h"
@@ -67,6 +68,7 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
   if (options_.empty())
     throw Error(ErrorCode::kInvalidArgument, "no option satisfies the constraints");
   tree_options_ = static_cast<int>(options_.size());
+  pieced_.assign(options_.size(), 0);
   const uint64_t part_elems = cluster_.partition_bytes / 4;
   for (int i = 0; i < tensors(); ++i) {
     chunk_begin_.push_back(static_cast<int>(chunks_.size()));
@@ -84,6 +86,7 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
     chunk_size_id_.push_back(it->second);
   }
   by_size_.assign(ids.size(), std::vector<std::vector<Op>>(options_.size()));
+
 }
 
 int Problem::find_option(const Option& o) const {
@@ -100,22 +103,134 @@ int Problem::split_option(int base, double share) {
   if (!constraints_.allow_cpu || constraints_.cpu_runtime_only || !c || !c->cpu) return -1;
   o.cpu_share = share;
   if (int idx = find_option(o); idx >= 0) return idx;
+  pieced_.push_back(o.pieces > 1);
   options_.push_back(std::move(o));
   for (auto& v : by_size_) v.emplace_back();
   return static_cast<int>(options_.size()) - 1;
 }
 
-double chain_latency(const std::vector<Op>& ops) {
-  double longest = 0, t = 0;
-  for (const Op& op : ops) {
-    if (op.fork()) {
-      t = 0;
-      continue;
+int Problem::pieces_option(int base, int pieces) {
+  Option o = options_[base];
+  if (constraints_.cpu_runtime_only) return -1;
+  if (std::find(std::begin(Option::kAllowedPieces), std::end(Option::kAllowedPieces), pieces) ==
+      std::end(Option::kAllowedPieces))
+    return -1;
+  if (o.pieces == pieces) return base;
+  o.pieces = pieces;
+  if (int idx = find_option(o); idx >= 0) return idx;
+  pieced_.push_back(o.pieces > 1);
+  options_.push_back(std::move(o));
+  for (auto& v : by_size_) v.emplace_back();
+  return static_cast<int>(options_.size()) - 1;
+}
+
+namespace {
+
+constexpr size_t kMaxSlices = 8;
+static_assert(std::size(Option::kAllowedPieces) > 0 &&
+              Option::kAllowedPieces[std::size(Option::kAllowedPieces) - 1] <= kMaxSlices);
+
+// Places a chain's operations from `ready` and returns the end of the last
+// one. place(resource, t, duration) returns the start it got; emit(op,
+// start, end) reports it. Groups (split by forks) are placed one after the
+// other; the slices of a group are interleaved: the next operation placed
+// is the one whose input is ready first (ties: the earlier slice).
+template <class Place, class Emit>
+double run_chain(const std::vector<Op>& ops, double ready, Place&& place, Emit&& emit) {
+  double done = ready;
+  const size_t n = ops.size();
+  size_t g = 0;
+  while (g < n) {
+    size_t ge = g, slices = 1;
+    while (ge < n && !(ops[ge].fork() && !ops[ge].slice())) {
+      if (ops[ge].slice()) ++slices;
+      ++ge;
     }
-    t += op.duration_us;
-    longest = std::max(longest, t);
+    if (slices == 1) {
+      double t = ready;
+      for (size_t k = g; k < ge; ++k) {
+        const Op& op = ops[k];
+        if (op.duration_us <= 0) continue;
+        const double s = place(op.resource, t, op.duration_us);
+        t = s + op.duration_us;
+        emit(op, s, t);
+      }
+      done = std::max(done, t);
+    } else {
+      if (slices > kMaxSlices)
+        throw Error(ErrorCode::kInternal, "a chain group has more slices than allowed");
+      size_t pos[kMaxSlices], end[kMaxSlices];
+      double t[kMaxSlices];
+      size_t m = 0;
+      pos[0] = g;
+      for (size_t k = g; k < ge; ++k)
+        if (ops[k].slice()) {
+          end[m++] = k;
+          pos[m] = k + 1;
+        }
+      end[m++] = ge;
+      for (size_t i = 0; i < m; ++i) t[i] = ready;
+      for (;;) {
+        size_t best = m;
+        for (size_t i = 0; i < m; ++i) {
+          while (pos[i] < end[i] && ops[pos[i]].duration_us <= 0) ++pos[i];
+          if (pos[i] < end[i] && (best == m || t[i] < t[best])) best = i;
+        }
+        if (best == m) break;
+        const Op& op = ops[pos[best]++];
+        const double s = place(op.resource, t[best], op.duration_us);
+        t[best] = s + op.duration_us;
+        emit(op, s, t[best]);
+      }
+      for (size_t i = 0; i < m; ++i) done = std::max(done, t[i]);
+    }
+    g = ge + 1;
   }
-  return longest;
+  return done;
+}
+
+}  // namespace
+
+double chain_latency(const std::vector<Op>& ops) {
+  {
+    // Without slices (the common case, on the planner's hot path): the
+    // longest sequence.
+    double longest = 0, t = 0;
+    bool sliced = false;
+    for (const Op& op : ops) {
+      if (op.fork()) {
+        if ((sliced = op.slice())) break;
+        t = 0;
+        continue;
+      }
+      t += op.duration_us;
+      longest = std::max(longest, t);
+    }
+    if (!sliced) return longest;
+  }
+  // Slices contend with each other: schedule them on idle resources as the
+  // evaluator does (first fit into idle gaps, else after the last end).
+  struct Local {
+    std::vector<std::pair<double, double>> gaps;
+    double last_end = 0;
+  } res[kResources];
+  auto place = [&](Resource r, double ready, double dur) {
+    Local& l = res[static_cast<int>(r)];
+    for (size_t k = 0; k < l.gaps.size(); ++k) {
+      auto [gs, ge] = l.gaps[k];
+      const double s = std::max(gs, ready);
+      if (s + dur > ge + 1e-9) continue;
+      l.gaps.erase(l.gaps.begin() + static_cast<long>(k));
+      if (s + dur < ge - 1e-9) l.gaps.insert(l.gaps.begin() + static_cast<long>(k), {s + dur, ge});
+      if (s > gs + 1e-9) l.gaps.insert(l.gaps.begin() + static_cast<long>(k), {gs, s});
+      return s;
+    }
+    const double s = std::max(ready, l.last_end);
+    if (s > l.last_end + 1e-9) l.gaps.push_back({l.last_end, s});
+    l.last_end = s + dur;
+    return s;
+  };
+  return run_chain(ops, 0.0, place, [](const Op&, double, double) {});
 }
 
 Problem Problem::zero_cost_copy() const {
@@ -153,21 +268,44 @@ void Problem::chain_into(uint64_t elements, int opt, std::vector<Op>& out) const
   build_chain_into(elements, options_[opt], out);
 }
 
-void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
-  if (o.cpu_share > 0.0) {
+void Problem::build_composite(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (o.cpu_share == 0.0) {
+    // Pipelining: `pieces` slices, each the option's whole chain from the
+    // tensor's ready time with its own fixed costs. The simulator
+    // interleaves them (run_chain), so slice 1's compression takes the GPU
+    // while slice 0 is on the links.
+    Option one = o;
+    one.pieces = 1;
+    const auto q = static_cast<uint64_t>(o.pieces);
+    for (uint64_t s = 0; s < q; ++s) {
+      const uint64_t x = elements / q + (s < elements % q ? 1 : 0);
+      if (x == 0) continue;
+      if (s > 0) ops.push_back({Resource::kCpu, kSliceMark, "slice"});
+      build_chain_into(x, one, ops);
+    }
+    return;
+  }
+  {
     // The CPU part and the GPU part are separate messages: two chains from
     // the same ready time, each with its own latencies. The CPU part goes
     // first (the runtime hands its partitions out first): its chain is the
-    // longer one, and the parts share the links in this order.
+    // longer one, and the parts share the links in this order. With pieces,
+    // each part is cut into that many slices.
     const auto cpu_elems = static_cast<uint64_t>(std::llround(o.cpu_share * elements));
     Option gpu = o, cpu = o;
     gpu.cpu_share = cpu.cpu_share = 0.0;
     cpu.comp_device = cpu.decomp_device = Device::kCpu;
     if (cpu_elems > 0) build_chain_into(cpu_elems, cpu, ops);
     if (cpu_elems < elements) {
-      if (!ops.empty()) ops.push_back({Resource::kCpu, -1.0, "fork"});
+      if (!ops.empty()) ops.push_back({Resource::kCpu, kForkMark, "fork"});
       build_chain_into(elements - cpu_elems, gpu, ops);
     }
+  }
+}
+
+void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (o.cpu_share > 0.0 || o.pieces > 1) {
+    build_composite(elements, o, ops);
     return;
   }
   const double n = static_cast<double>(elements);
@@ -488,6 +626,18 @@ double Evaluator::run_compute(double start, double gap) const {
   return std::max(t, r.last_end) + left;
 }
 
+double Evaluator::simulate_slices(int i, int opt, double ready, Timeline* tl) {
+  const std::string* name = tl ? &p_.profile().tensors[i].name : nullptr;
+  auto put = [&](Resource r, double t, double dur) { return place(r, t, dur, i); };
+  auto emit = [&](const Op& op, double s, double e) {
+    if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, e});
+  };
+  double done = ready;
+  for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c)
+    done = std::max(done, run_chain(p_.chunk_chain(c, opt), ready, put, emit));
+  return done;
+}
+
 double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
   Snapshot& sn = snap_[i];
   for (int r = 0; r < kResources; ++r) {
@@ -500,20 +650,25 @@ double Evaluator::simulate_tensor(int i, int opt, Timeline* tl) {
   const std::string* name = tl ? &p_.profile().tensors[i].name : nullptr;
   if (tl) tl->events.push_back({*name, "backward", Resource::kGpu, true, prev, ready});
   double done = ready;
-  for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
-    double t = ready;
-    for (const Op& op : p_.chunk_chain(c, opt)) {
-      if (op.fork()) {
-        done = std::max(done, t);
-        t = ready;
-        continue;
+  if (p_.pieced(opt)) {
+    done = simulate_slices(i, opt, ready, tl);
+  } else {
+    // No slices (the hot path): sequences placed one after the other.
+    for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c) {
+      double t = ready;
+      for (const Op& op : p_.chunk_chain(c, opt)) {
+        if (op.fork()) {
+          done = std::max(done, t);
+          t = ready;
+          continue;
+        }
+        if (op.duration_us <= 0) continue;
+        const double s = place(op.resource, t, op.duration_us, i);
+        t = s + op.duration_us;
+        if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, t});
       }
-      if (op.duration_us <= 0) continue;
-      const double s = place(op.resource, t, op.duration_us, i);
-      t = s + op.duration_us;
-      if (tl) tl->events.push_back({*name, op.what, op.resource, false, s, t});
+      done = std::max(done, t);
     }
-    done = std::max(done, t);
   }
   prefix_done_[i + 1] = std::max(prefix_done_[i], done);
   prefix_ = i + 1;

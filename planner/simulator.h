@@ -17,8 +17,9 @@
 // decompression has passed.
 //
 // Thread-safety: Problem is immutable after construction except for its
-// chain cache and the split options it adds on demand (split_option); not
-// thread-safe: one Problem per thread. Evaluator is thread-bound.
+// chain cache and the split and pipelined options it adds on demand
+// (split_option, pieces_option); not thread-safe: one Problem per thread.
+// Evaluator is thread-bound.
 #pragma once
 
 #include <cstdint>
@@ -40,15 +41,24 @@ const char* to_string(Resource r);
 // A chain is a sequence of operations, each starting when the previous one
 // ends. A fork (duration < 0) ends one sequence and starts another from the
 // chunk's ready time: an option with Option::cpu_share runs its CPU part and
-// its GPU part as two such sequences.
+// its GPU part as two such sequences (groups), placed one after the other.
+// A slice marker (duration kSliceMark) starts another sequence of the same
+// group: the slices of Option::pieces. The simulator interleaves the
+// sequences of a group, always placing next the operation whose input is
+// ready first (what a runtime's FIFO queue per resource does), so slice 1
+// is compressed while slice 0 is on the wire.
+constexpr double kForkMark = -1.0;
+constexpr double kSliceMark = -2.0;
 struct Op {
   Resource resource;
   double duration_us;
   const char* what;  // static string: "compress", "reduce_scatter", ...
   bool fork() const { return duration_us < 0; }
+  bool slice() const { return duration_us < -1.5; }
 };
 // Time from the chain's start to its last operation's end on idle resources
-// (the longest of its forked sequences).
+// (the longest of its forked groups; a group of slices scheduled as the
+// simulator does).
 double chain_latency(const std::vector<Op>& ops);
 
 // One tensor partition (or the whole tensor) of the simulation.
@@ -92,6 +102,14 @@ class Problem {
   // the option set on first use; -1 when the split is not a valid option
   // (uncompressed, no GPU device, CPU forbidden or no CPU cost figures).
   int split_option(int base, double share);
+  // Index of option `base` cut into `pieces` pipelined slices
+  // (Option::pieces; 1 gives the unpipelined variant), added on first use;
+  // -1 when `pieces` is not allowed or the search is restricted to the CPU
+  // runtime (which pipelines by its own partitions).
+  int pieces_option(int base, int pieces);
+  // Whether option `opt` has pieces > 1 (a compact copy for the
+  // simulator's hot path).
+  bool pieced(int opt) const { return pieced_[opt] != 0; }
   // A copy where compression costs nothing and causes no contention (the
   // paper's Upper Bound setting).
   Problem zero_cost_copy() const;
@@ -100,6 +118,10 @@ class Problem {
  private:
   std::vector<Op> build_chain(uint64_t elements, const Option& o) const;
   void build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const;
+  // Split (cpu_share) and pipelined (pieces) options: several sequences
+  // (kept out of build_chain_into, the hot path of the search).
+  [[gnu::noinline]] void build_composite(uint64_t elements, const Option& o,
+                                         std::vector<Op>& ops) const;
   Profile profile_;
   Cluster cluster_;
   CostTable costs_;
@@ -107,6 +129,7 @@ class Problem {
   Constraints constraints_;
   std::vector<Option> options_;
   int tree_options_ = 0;
+  std::vector<uint8_t> pieced_;  // per option: pieces > 1
   std::vector<Chunk> chunks_;
   std::vector<int> chunk_begin_;
   std::map<uint64_t, std::vector<std::vector<Op>>> cache_;
@@ -203,6 +226,9 @@ class Evaluator {
   // Simulates tensor i with option opt from the current prefix; returns its
   // done time and updates compute end.
   double simulate_tensor(int i, int opt, Timeline* tl);
+  // The chains of a pipelined option (Option::pieces), slices interleaved;
+  // returns the done time (kept out of simulate_tensor's hot loop).
+  [[gnu::noinline]] double simulate_slices(int i, int opt, double ready, Timeline* tl);
   double place(Resource r, double ready, double dur, int tensor);
   double run_compute(double start, double gap) const;
   double run_suffix(int from, const std::pair<int, int>* changes, size_t nchanges,

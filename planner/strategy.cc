@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <sstream>
 
@@ -87,6 +88,10 @@ std::string Option::problem() const {
   if (cpu_share > 0.0 && comp_device == Device::kCpu && decomp_device == Device::kCpu)
     return "cpu_share needs comp_device or decomp_device 'gpu' (with both on the CPU there "
            "is nothing to split)";
+  if (std::find(std::begin(kAllowedPieces), std::end(kAllowedPieces), pieces) ==
+      std::end(kAllowedPieces))
+    return "pieces must be 1, 2, 4 or 8 (the number of pipelined slices of the tensor), not " +
+           std::to_string(pieces);
   const bool additive = is_additive_compressor(compressor);
   // Data on the wire during a step is compressed or raw; reducing
   // collectives need raw or additive data, gathering ones need compressed.
@@ -130,6 +135,7 @@ std::string Option::describe() const {
   if (error_feedback) os << " ef";
   if (compressed()) os << ' ' << to_string(comp_device) << '/' << to_string(decomp_device);
   if (cpu_share > 0.0) os << " cpu_share=" << cpu_share;
+  if (pieces > 1) os << " pieces=" << pieces;
   if (scheme == Scheme::kFlat) {
     os << " flat " << to_string(inter);
   } else {
@@ -247,6 +253,8 @@ Option read_option(Reader r, const YAML::Node& raw) {
   o.decompress_after = *parse_stage(text);
   // Checked with its message by problem() below (the range reads [0, 1)).
   r.get("cpu_share", o.cpu_share);
+  // Range and message from problem() below.
+  r.get("pieces", o.pieces);
   r.finish();
   if (std::string p = o.problem(); !p.empty()) r.fail("", p);
   return o;
@@ -276,6 +284,7 @@ void emit_option(YAML::Emitter& out, const Option& o) {
   }
   // Written only when set, so files without a split stay as they were.
   if (o.cpu_share > 0.0) out << YAML::Key << "cpu_share" << YAML::Value << o.cpu_share;
+  if (o.pieces > 1) out << YAML::Key << "pieces" << YAML::Value << o.pieces;
   out << YAML::EndMap;
 }
 

@@ -94,6 +94,18 @@ struct Option {
   // use spare CPU cores for part of its data while the GPU handles the rest.
   // (Added after version 1 shipped; absent from a file means 0.)
   double cpu_share = 0.0;
+  // Pipelining: the tensor (each partition when the runtime partitions it)
+  // is cut into this many equal slices, each running the option's whole
+  // chain on its own, so that one slice is compressed while another is on
+  // the wire. One of kAllowedPieces; 1 = one chain (no pipelining). Each
+  // slice pays every operation's fixed cost, so more pieces trade fixed
+  // overhead for overlap. With cpu_share, the CPU part and the rest are each
+  // cut into `pieces` slices. The CPU runtime accepts it and ignores it: it
+  // pipelines every tensor by its own partition_bytes
+  // (docs/strategy-format.md). (Added after version 1 shipped; absent from a
+  // file means 1.)
+  int pieces = 1;
+  static constexpr int kAllowedPieces[] = {1, 2, 4, 8};
 
   bool compressed() const { return compressor != "none"; }
   // Empty when consistent; otherwise the problem, in words.

@@ -309,6 +309,30 @@ TEST(Strategy, PerJobStrategyOverridesTheDefaultForThatJobOnly) {
   EXPECT_TRUE(no_shm_left(env.shm_prefix()));
 }
 
+// Option::pieces (the planner's pipelining) is accepted and ignored by the
+// CPU runtime, which pipelines every tensor by its partition_bytes: the
+// result is that of the same option in one piece.
+TEST(Strategy, PiecesAreAcceptedAndRunAsTheOptionWithoutThem) {
+  DaemonEnv env("spieces");
+  env.start();
+  const std::vector<Tensor> ts = {{"fp.w", 5000}};
+  constexpr int kIters = 2;
+  std::vector<std::vector<float>> got(kIters);
+  two_ranks(env, "pieces", ts, [&](uint32_t rank, bytecomp_client* c) {
+    Lockstep ls(c);
+    for (uint64_t it = 0; it < kIters; ++it) {
+      auto f = ls.round(rank, 0, 5000, it);
+      if (rank == 0) got[it] = std::move(f);
+    }
+  }, "version: 1\ndefault: {compressor: fp16, inter: allreduce, pieces: 8}\n");
+  for (uint64_t it = 0; it < kIters; ++it) {
+    std::vector<float> fp = exact_sum(5000, it);
+    for (float& v : fp) v = cz::fp16_to_fp32(cz::fp32_to_fp16(v));
+    EXPECT_EQ(got[it], fp) << "iteration " << it;
+  }
+  EXPECT_TRUE(no_shm_left(env.shm_prefix()));
+}
+
 TEST(Strategy, PerJobStrategyDisagreementAndErrorsAreRefused) {
   DaemonEnv env("sjobbad");
   env.start();
@@ -361,6 +385,18 @@ TEST(Strategy, PerJobStrategyDisagreementAndErrorsAreRefused) {
     const std::string m = bytecomp_last_error();
     EXPECT_NE(m.find("mine.yaml"), std::string::npos) << m;
     EXPECT_NE(m.find("ghost"), std::string::npos) << m;
+    bytecomp_close(a);
+  }
+  // A pieces count the format does not allow, named with its reason.
+  {
+    bytecomp_client* a = connect("pieces3", 0, 1);
+    ASSERT_EQ(bytecomp_set_strategy(a, "version: 1\ndefault: {compressor: none, pieces: 3}\n",
+                                    "p3.yaml"),
+              BYTECOMP_OK);
+    EXPECT_EQ(bytecomp_start(a, 5000), BYTECOMP_ERR_INVALID_ARGUMENT);
+    const std::string m = bytecomp_last_error();
+    EXPECT_NE(m.find("p3.yaml"), std::string::npos) << m;
+    EXPECT_NE(m.find("pieces must be 1, 2, 4 or 8"), std::string::npos) << m;
     bytecomp_close(a);
   }
   // Not YAML of the planner's format.

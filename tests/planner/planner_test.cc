@@ -208,6 +208,138 @@ TEST(Simulator, CpuShareRunsTwoChainsFromTheReadyTime) {
   EXPECT_EQ(q.split_option(index_of(q, onebit_flat_allgather(Device::kGpu)), 0.5), -1);
 }
 
+namespace {
+
+// One tensor of `elements` ready at 100 us; onebit with costs linear in the
+// size (GPU only, so no CPU option exists): compress 10 + 200 us per 2^20
+// elements, decompress 10 + 40 us per 2^20 (one batched kernel).
+Problem one_linear_tensor(uint64_t elements) {
+  std::ostringstream os;
+  os << "version: 1\nmodel: one\nforward_us: 0\ntensors:\n"
+     << "  - {name: a, elements: " << elements << ", gap_us: 100}\n";
+  const CostTable costs = CostTable::parse(R"(version: 1
+name: linear
+compressors:
+  - name: onebit
+    bytes_per_element: 0.125
+    gpu: {compress: {a_us: 10, b_us_per_melem: 200}, decompress: {a_us: 10, b_us_per_melem: 40}}
+)", "linear-costs.yaml");
+  return Problem(Profile::parse(os.str(), "one.yaml"), tiny_cluster(), costs,
+                 CompressorSpec::parse("onebit"));
+}
+
+}  // namespace
+
+TEST(Simulator, PiecesPipelineCompressionWithCommunication) {
+  // a: 2^20 elements ready at 100, GPU onebit, flat allgather between the
+  // two machines (1000 bytes/us, 10 us per step).
+  // Whole: compress 10 + 200 = 210 [100,310]; allgather 10 + 131072/1000
+  // [310,451.072]; decompress both pieces of 2^20 in one kernel 10 + 80
+  // [451.072,541.072].
+  // Two pieces of 2^19: compress 110 each, allgather 10 + 65.536, decompress
+  // 2 x 2^19 = 50. Slice 0 compress [100,210]; slice 1's compress is ready
+  // at 100 and the GPU is free at 210: [210,320], while slice 0's allgather
+  // uses the link [210,285.536]; slice 0's decompress is ready at 285.536,
+  // the GPU at 320: [320,370]; slice 1's allgather [320,395.536] and
+  // decompress [395.536,445.536]. F = 445.536 (forward 0).
+  Problem p = one_linear_tensor(1 << 20);
+  Evaluator ev(p);
+  const int whole = index_of(p, onebit_flat_allgather(Device::kGpu));
+  const int two = p.pieces_option(whole, 2);
+  ASSERT_GE(two, p.tree_options());
+  EXPECT_EQ(p.options()[two].pieces, 2);
+  EXPECT_EQ(p.pieces_option(whole, 2), two);    // added once
+  EXPECT_EQ(p.pieces_option(two, 1), whole);    // and back
+  EXPECT_EQ(p.pieces_option(whole, 3), -1);
+  EXPECT_NEAR(ev.evaluate({whole}), 541.072, 1e-9);
+  Timeline tl;
+  EXPECT_NEAR(ev.evaluate({two}, &tl), 445.536, 1e-9);
+  std::vector<std::pair<double, double>> gpu, link;
+  for (const TraceEvent& e : tl.events) {
+    if (e.compute) continue;
+    (e.resource == Resource::kGpu ? gpu : link).push_back({e.start_us, e.end_us});
+  }
+  auto near = [](const std::vector<std::pair<double, double>>& got,
+                 const std::vector<std::pair<double, double>>& want) {
+    if (got.size() != want.size()) return false;
+    for (size_t k = 0; k < got.size(); ++k)
+      if (std::abs(got[k].first - want[k].first) > 1e-9 ||
+          std::abs(got[k].second - want[k].second) > 1e-9)
+        return false;
+    return true;
+  };
+  EXPECT_TRUE(near(gpu, {{100, 210}, {210, 320}, {320, 370}, {395.536, 445.536}}));
+  EXPECT_TRUE(near(link, {{210, 285.536}, {320, 395.536}}));
+  // The chain's latency on idle resources schedules the slices the same way.
+  EXPECT_NEAR(chain_latency(p.chain(1 << 20, two)), 345.536, 1e-9);
+  // The incremental evaluator agrees.
+  ev.set_base({whole});
+  EXPECT_NEAR(ev.try_option(0, two), 445.536, 1e-9);
+  // Eight pieces pay the fixed costs eight times: compress 8 x (10 + 25)
+  // = 280 us of GPU time instead of 210.
+  const int eight = p.pieces_option(whole, 8);
+  double gpu_time = 0;
+  for (const Op& op : p.chain(1 << 20, eight))
+    if (!op.fork() && op.resource == Resource::kGpu && std::string(op.what) == "compress")
+      gpu_time += op.duration_us;
+  EXPECT_NEAR(gpu_time, 280.0, 1e-9);
+  // The CPU-runtime search has no pieces (the daemon pipelines by its own
+  // partitions).
+  Constraints cpu_only;
+  cpu_only.cpu_runtime_only = true;
+  Problem q(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"),
+            cpu_only);
+  EXPECT_EQ(q.pieces_option(0, 2), -1);
+}
+
+TEST(Search, PicksPiecesOnlyWhenTheyShortenTheIteration) {
+  PlanOptions no_pieces;
+  no_pieces.pieces_tensors = 0;
+  // A large last tensor: its compression and allgather run in series after
+  // the backward pass, and two or more slices overlap them.
+  {
+    Problem p = one_linear_tensor(1 << 20);
+    PlanStats st;
+    const Assignment a = plan(p, {}, &st);
+    Evaluator ev(p);
+    const double f = ev.evaluate(a), unpiped = ev.evaluate(plan(p, no_pieces));
+    EXPECT_GT(p.options()[a[0]].pieces, 1) << p.options()[a[0]].describe();
+    EXPECT_EQ(st.pieced_tensors, 1);
+    EXPECT_LT(f, unpiped - 50.0);
+  }
+  // A small one: fixed costs dominate, every slice would pay them again.
+  {
+    Problem p = one_linear_tensor(1000);
+    PlanStats st;
+    const Assignment a = plan(p, {}, &st);
+    Evaluator ev(p);
+    EXPECT_EQ(p.options()[a[0]].pieces, 1) << p.options()[a[0]].describe();
+    EXPECT_EQ(st.pieced_tensors, 0);
+    EXPECT_NEAR(ev.evaluate(a), ev.evaluate(plan(p, no_pieces)), 1e-9);
+  }
+  // Random instances: every tensor cut into pieces makes the plan shorter
+  // than the same plan with that tensor in one piece, and the plan is never
+  // longer than the planner's without pipelining.
+  const CostTable costs = CostTable::load_file(data("profiles/paper-results.yaml"));
+  std::mt19937 rng(11);
+  int pieced = 0;
+  for (int k = 0; k < 30; ++k) {
+    Problem p = random_small_problem(rng, costs);
+    const Assignment a = plan(p);
+    Evaluator ev(p);
+    const double f = ev.evaluate(a);
+    EXPECT_LE(f, ev.evaluate(plan(p, no_pieces)) + 1e-6);
+    for (int i = 0; i < p.tensors(); ++i) {
+      if (p.options()[a[i]].pieces == 1) continue;
+      ++pieced;
+      Assignment one = a;
+      one[i] = p.pieces_option(a[i], 1);
+      EXPECT_LT(f, ev.evaluate(one) - 1e-6);
+    }
+  }
+  EXPECT_GT(pieced, 0);
+}
+
 TEST(Simulator, PsCollectivesPayOneLatencyPerStep) {
   // 4 machines of 1 GPU, 1000 bytes/us, 10 us latency, one tensor of 4000
   // bytes ready at 0. The runtime's reduce-scatter/allgather is a PS push and
@@ -296,7 +428,11 @@ TEST(Simulator, IncrementalEqualsFullSimulation) {
   ev.set_base(baseline(p, Baseline::kFp32));
   std::mt19937 rng(7);
   for (int step = 0; step < 300; ++step) {
-    const int i = rng() % p.tensors(), o = rng() % p.options().size();
+    const int i = rng() % p.tensors();
+    int o = rng() % p.tree_options();
+    // A third of the edits use pipelined variants (interleaved slices).
+    if (rng() % 3 == 0) o = p.pieces_option(o, Option::kAllowedPieces[1 + rng() % 3]);
+    ASSERT_GE(o, 0);
     Assignment b = ev.base();
     b[i] = o;
     const double truth = ref.evaluate(b);
@@ -367,9 +503,15 @@ TEST(Search, HeuristicVersusExactAndBaselines) {
     Assignment ex = exact(p, &best);
     ASSERT_FALSE(ex.empty());
     Evaluator ev(p);
+    // The exact solver searches what the planner does before pipelining
+    // (Option::pieces, its last step, which only shortens the plan).
+    PlanOptions no_pieces;
+    no_pieces.pieces_tensors = 0;
+    const double unpiped = ev.evaluate(plan(p, no_pieces));
     const double ours = ev.evaluate(plan(p));
     EXPECT_NEAR(ev.evaluate(ex), best, 1e-6);
-    EXPECT_LE(best, ours + 1e-6);
+    EXPECT_LE(best, unpiped + 1e-6);
+    EXPECT_LE(ours, unpiped + 1e-6);
     for (Baseline b : kBaselines) {
       Assignment a = baseline(p, b);
       if (a.empty()) continue;
@@ -393,10 +535,12 @@ TEST(Search, BranchAndBoundEqualsBruteForce) {
     ASSERT_FALSE(exact(p, &best).empty());
     Evaluator ev(p);
     // The exact solver searches the decision tree; its incumbent is the
-    // planner's plan, which may split a tensor between CPU and GPU
-    // (Option::cpu_share, outside the tree).
+    // planner's plan without pipelining, which may split a tensor between
+    // CPU and GPU (Option::cpu_share, outside the tree).
     const int n = p.tree_options();
-    double brute = ev.evaluate(plan(p));
+    PlanOptions no_pieces;
+    no_pieces.pieces_tensors = 0;
+    double brute = ev.evaluate(plan(p, no_pieces));
     for (int a = 0; a < n; ++a)
       for (int b = 0; b < n; ++b) brute = std::min(brute, ev.evaluate({a, b}));
     EXPECT_NEAR(brute, best, 1e-6);
@@ -423,10 +567,20 @@ TEST(Search, PaperWorkloadsBeatEveryBaselineAndRespectTheUpperBound) {
     EXPECT_GE(ours, ev.lower_bound() - 1e-6);
     // LSTM's last gradient (the 50M-element embedding) is ready when the
     // backward pass ends, so its shortest chain is exposed whatever the
-    // plan: the plan meets that bound, and its gap to the Upper Bound is the
-    // cost of compressing that tensor (docs/planner.md).
+    // plan: without pipelining the plan meets that bound over the decision
+    // tree, and its gap to the Upper Bound is the cost of compressing that
+    // tensor (docs/planner.md). Pipelining that chain (Option::pieces)
+    // shortens the plan below the tree's bound.
     if (std::string(model) == "lstm") {
-      EXPECT_NEAR(ours, ev.lower_bound(), 1e-6);
+      Problem q(p.profile(), p.cluster(), costs, CompressorSpec::parse(comp));
+      Evaluator evq(q);
+      const double tree_bound = evq.lower_bound();  // before any pieces option exists
+      PlanOptions no_pieces;
+      no_pieces.pieces_tensors = 0;
+      const double unpiped = evq.evaluate(plan(q, no_pieces));
+      EXPECT_NEAR(unpiped, tree_bound, 1e-6);
+      EXPECT_LT(ours, unpiped - 1000.0);
+      EXPECT_GE(st.pieced_tensors, 1);
     }
     EXPECT_LE(upper_bound_us(p), ours + 1e-6) << model;
     EXPECT_GT(st.simulations, 0u);

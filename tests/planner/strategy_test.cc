@@ -242,3 +242,59 @@ TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeRefusesIt) {
     EXPECT_NE(std::string(e.what()).find("cpu_share"), std::string::npos) << e.what();
   }
 }
+
+TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
+  // An older file (no pieces) reads as one piece and is written as before.
+  Strategy s = Strategy::parse(kSample, "s.yaml");
+  EXPECT_EQ(s.resolve("fc.weight", 400).pieces, 1);
+  EXPECT_EQ(s.to_yaml().find("pieces"), std::string::npos);
+  Option piped;
+  piped.compressor = "dgc";
+  piped.params = {{"ratio", "0.01"}};
+  piped.error_feedback = true;
+  piped.comp_device = piped.decomp_device = Device::kGpu;
+  piped.intra = Collective::kReduceScatterAllgather;
+  piped.inter = Collective::kAlltoallAllgather;
+  piped.pieces = 4;
+  piped.cpu_share = 0.25;  // both: the CPU part and the rest each in 4 slices
+  ASSERT_EQ(piped.problem(), "");
+  s.add_entry({"fc.weight", piped});
+  const std::string yaml = s.to_yaml();
+  EXPECT_NE(yaml.find("pieces: 4"), std::string::npos) << yaml;
+  const Strategy back = Strategy::parse(yaml, "back.yaml");
+  EXPECT_EQ(back.resolve("fc.weight", 400), piped);
+  EXPECT_NE(piped.describe().find("pieces=4"), std::string::npos) << piped.describe();
+
+  // Bad values name the key and what is accepted.
+  const std::string base = "version: 1\ndefault: {compressor: none, pieces: ";
+  EXPECT_EQ(error_of(base + "8}\n"), "");
+  EXPECT_EQ(error_of(base + "1}\n"), "");
+  for (const char* bad : {"3", "0", "16", "-2"})
+    EXPECT_NE(error_of(base + bad + "}\n").find("pieces must be 1, 2, 4 or 8"), std::string::npos)
+        << bad << ": " << error_of(base + bad + "}\n");
+  EXPECT_NE(error_of(base + "two}\n").find("pieces"), std::string::npos);
+  EXPECT_NE(error_of(base + "2.5}\n").find("pieces"), std::string::npos);
+
+  // The CPU runtime pipelines every tensor by its own partition_bytes: it
+  // accepts pieces on an option it executes (and ignores the count), and
+  // refuses an option it cannot execute for that option's reason.
+  Option cpu;
+  cpu.compressor = "topk";
+  cpu.params = {{"ratio", "0.01"}};
+  cpu.inter = Collective::kAlltoallAllgather;
+  cpu.pieces = 8;
+  EXPECT_EQ(cpu_runtime_unsupported(cpu), "");
+  EXPECT_EQ(runtime_inter_mode(cpu), "ps");
+  Strategy c = Strategy::parse(kSample, "c.yaml");
+  c.add_entry({"fc.weight", cpu});
+  EXPECT_NO_THROW(c.check_cpu_runtime({{"fc.weight", 400}}));
+  piped.cpu_share = 0.0;
+  piped.intra = Collective::kReduceBroadcast;
+  c.add_entry({"fc.weight", piped});
+  try {
+    c.check_cpu_runtime({{"fc.weight", 400}});
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("GPU compression"), std::string::npos) << e.what();
+  }
+}
