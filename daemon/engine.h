@@ -195,8 +195,9 @@ class Engine {
   std::vector<std::vector<PsPart>> ps_parts_;
   // Multi-node: tensor bytes pushed and not yet acknowledged by the servers
   // (a server acknowledges a push once it summed it, whatever the other
-  // nodes do), plus peer-allgather partitions until their round completes.
-  // Single node: bytes of the batch being reduced.
+  // nodes do), plus peer-allgather partitions until every peer acknowledged
+  // receipt (whether or not their round is complete). Single node: bytes of
+  // the batch being reduced.
   uint64_t inflight_bytes_ = 0;
   // Allgather tensors: their plans by first iteration (strategy changes
   // arrive on the transport's thread), per-partition error-feedback state.
