@@ -232,10 +232,14 @@ void Engine::rank_left(uint32_t rank) {
   }
 }
 
-void Engine::publish_abort(ErrorCode code, const std::string& reason) {
+std::pair<ErrorCode, std::string> Engine::publish_abort(ErrorCode code, const std::string& reason) {
   std::lock_guard lock(abort_mu_);
-  if (abort_reason_.empty()) abort_reason_ = reason.empty() ? "aborted" : reason;
+  if (abort_reason_.empty()) {
+    abort_reason_ = reason.empty() ? "aborted" : reason;
+    abort_code_ = code;
+  }
   ipc::publish_abort(header_, code, reason, clients_, layout_.local_size);
+  return {abort_code_, abort_reason_};
 }
 
 void Engine::fail(ErrorCode code, const std::string& reason) {
