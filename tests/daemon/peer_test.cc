@@ -214,6 +214,7 @@ TEST_F(TwoNodes, MixedPsAndAllgatherJobExactSums) {
 // it within the heartbeat bound (peer_timeout 1 s), nothing is left in
 // /dev/shm, and the surviving daemon keeps serving.
 TEST_F(TwoNodes, KilledPeerDaemonAbortsTheAllgatherJob) {
+  peer_timeout_ms_ = 1000;  // the detection bound is asserted
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
   auto w = workers("killpeer", 1000000, "f32:1000,f32:300000");
   for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
