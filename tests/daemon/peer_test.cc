@@ -278,6 +278,18 @@ struct Events {
       cv.notify_all();
     };
   }
+  int acked = 0;  // payloads every peer acknowledged
+  bd::PeerJob::AckedFn on_acked() {
+    return [this] {
+      std::lock_guard l(mu);
+      ++acked;
+      cv.notify_all();
+    };
+  }
+  bool wait_acked(int n) {
+    std::unique_lock l(mu);
+    return cv.wait_for(l, 10s, [&] { return acked >= n; });
+  }
   bool wait_ready(uint32_t index, uint64_t iteration) {
     std::unique_lock l(mu);
     return cv.wait_for(l, 10s, [&] { return ready.count({index, iteration}) != 0; });
@@ -318,9 +330,15 @@ TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
       bd::PeerHeader h;
       h.format = bd::PeerFormat::kRawFp32;
       h.count = n;
-      ja->contribute(0, index, it, h, floats(n, 1.0f + static_cast<float>(it + index)));
-      jb->contribute(0, index, it, h, floats(n, -0.25f * static_cast<float>(it + 2 * index)));
+      ja->contribute(0, index, it, h, floats(n, 1.0f + static_cast<float>(it + index)),
+                     ea.on_acked());
+      jb->contribute(0, index, it, h, floats(n, -0.25f * static_cast<float>(it + 2 * index)),
+                     eb.on_acked());
     }
+    // Each payload's acknowledgement (what the engine's bytes-in-flight
+    // bound waits for) comes once, whether or not its round was taken.
+    ASSERT_TRUE(ea.wait_acked(static_cast<int>(3 * (it + 1))));
+    ASSERT_TRUE(eb.wait_acked(static_cast<int>(3 * (it + 1))));
     for (uint32_t index = 0; index < 3; ++index) {
       ASSERT_TRUE(ea.wait_ready(index, it)) << index << "/" << it;
       ASSERT_TRUE(eb.wait_ready(index, it)) << index << "/" << it;
@@ -422,6 +440,8 @@ TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
   std::lock_guard lb(eb.mu);
   EXPECT_TRUE(ea.failures.empty());
   EXPECT_TRUE(eb.failures.empty());
+  EXPECT_EQ(ea.acked, 21);  // 3 partitions x 7 iterations, each acknowledged once
+  EXPECT_EQ(eb.acked, 21);
 }
 
 #include <regex>
