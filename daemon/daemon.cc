@@ -590,12 +590,22 @@ void Daemon::maybe_start(Job& j) {
   }
 }
 
-void Daemon::abort_job(Job& j, ErrorCode code, const std::string& reason) {
-  BC_LOG(LogDaemon(), kWarn) << "job " << j.id << " aborted: " << reason;
+void Daemon::abort_job(Job& j, ErrorCode code, std::string reason) {
   if (j.engine) {
-    j.engine->publish_abort(code, reason);
+    // The first abort stands, on the socket as in shared memory: a client
+    // that read an engine failure from shared memory and exited must not
+    // make the others see "local rank 1 ... disconnected" instead of the
+    // cause (the control thread may see that socket close before it reaps
+    // the engine's failure).
+    auto [first_code, first] = j.engine->publish_abort(code, reason);
+    if (first != reason) {
+      BC_LOG(LogDaemon(), kInfo) << "job " << j.id << ": " << reason << " (after the abort)";
+      code = first_code;
+      reason = std::move(first);
+    }
     j.engine->stop();
   }
+  BC_LOG(LogDaemon(), kWarn) << "job " << j.id << " aborted: " << reason;
   const auto msg = ipc::encode(ipc::ErrorMsg{static_cast<uint32_t>(code), reason},
                                j.engine ? ipc::MsgType::kAbort : ipc::MsgType::kError);
   for (Conn* m : j.members) {

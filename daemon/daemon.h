@@ -61,7 +61,7 @@ class Daemon {
   void disconnect(Conn& c, const std::string& why);
   void reject(Conn& c, ErrorCode code, const std::string& message);
   void maybe_start(Job& j);
-  void abort_job(Job& j, ErrorCode code, const std::string& reason);
+  void abort_job(Job& j, ErrorCode code, std::string reason);
   void finish_job(Job& j);
   void reap_failed_jobs();
   void check_setup_deadlines();

@@ -232,10 +232,14 @@ void Engine::rank_left(uint32_t rank) {
   }
 }
 
-void Engine::publish_abort(ErrorCode code, const std::string& reason) {
+std::pair<ErrorCode, std::string> Engine::publish_abort(ErrorCode code, const std::string& reason) {
   std::lock_guard lock(abort_mu_);
-  if (abort_reason_.empty()) abort_reason_ = reason.empty() ? "aborted" : reason;
+  if (abort_reason_.empty()) {
+    abort_reason_ = reason.empty() ? "aborted" : reason;
+    abort_code_ = code;
+  }
   ipc::publish_abort(header_, code, reason, clients_, layout_.local_size);
+  return {abort_code_, abort_reason_};
 }
 
 void Engine::fail(ErrorCode code, const std::string& reason) {
@@ -298,9 +302,10 @@ void Engine::loop() {
         if (ps_ && !process_arrivals()) return;
         if (sched_.empty()) break;
         const uint64_t bound = tunables_.max_inflight_bytes.load();
-        // With that many bytes pushed and unacknowledged, wait (the doorbell
-        // rings) before pushing more, so that a high-priority tensor arriving
-        // meanwhile does not queue behind them. Only pushes count: a pull is
+        // With that many bytes pushed (or sent to the peers) and
+        // unacknowledged, wait (the doorbell rings) before pushing more, so
+        // that a high-priority tensor arriving meanwhile does not queue
+        // behind them. Only pushes count: a pull (or an allgather round) is
         // answered when every node pushed, and the nodes may start their
         // partitions in different orders (each by its local priority and
         // readiness), so a bound held until the answers would deadlock them.
@@ -593,11 +598,9 @@ bool Engine::process_arrivals() {
       return false;
     }
   }
+  // Bytes in flight were released by the acknowledgements (servers' for
+  // pushes, peers' for allgather payloads), not here.
   for (const auto& a : arrived) {
-    // Peer allgather holds its bytes until the round is complete (its sends'
-    // acknowledgements are not reported to the engine); PS pushes were
-    // released by their acknowledgements.
-    if (a.peer) inflight_bytes_ -= std::min(inflight_bytes_, a.end - a.begin);
     if (--rounds_[a.tensor].partitions_left == 0) complete(a.tensor);
   }
   return true;

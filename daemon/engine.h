@@ -27,6 +27,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "client/ipc/protocol.h"
@@ -103,8 +104,10 @@ class Engine {
 
   // A rank left gracefully (BYE): rounds waiting for it can never finish.
   void rank_left(uint32_t rank);
-  // Publishes an abort in shared memory (wakes every client). Thread-safe.
-  void publish_abort(ErrorCode code, const std::string& reason);
+  // Publishes an abort in shared memory (wakes every client) and returns the
+  // abort that stands: the first one published (clients may already have
+  // read its reason from shared memory and exited). Thread-safe.
+  std::pair<ErrorCode, std::string> publish_abort(ErrorCode code, const std::string& reason);
   void stop();
   // Installs new plans (one per tensor, already checked) at the next
   // iteration boundary. Thread-safe.
@@ -195,8 +198,9 @@ class Engine {
   std::vector<std::vector<PsPart>> ps_parts_;
   // Multi-node: tensor bytes pushed and not yet acknowledged by the servers
   // (a server acknowledges a push once it summed it, whatever the other
-  // nodes do), plus peer-allgather partitions until their round completes.
-  // Single node: bytes of the batch being reduced.
+  // nodes do), plus peer-allgather partitions until every peer acknowledged
+  // receipt (whether or not their round is complete). Single node: bytes of
+  // the batch being reduced.
   uint64_t inflight_bytes_ = 0;
   // Allgather tensors: their plans by first iteration (strategy changes
   // arrive on the transport's thread), per-partition error-feedback state.
@@ -218,6 +222,7 @@ class Engine {
   std::atomic<bool> failed_{false};
   std::mutex abort_mu_;  // serialises publish_abort between the two threads
   std::string abort_reason_;  // first published abort (guarded by abort_mu_)
+  ErrorCode abort_code_ = ErrorCode::kAborted;  // its code (guarded by abort_mu_)
   std::thread thread_;
 };
 

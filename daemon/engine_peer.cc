@@ -163,7 +163,16 @@ void Engine::start_peer_task(const Task& t, std::span<char* const> bufs) {
     h.format = PeerFormat::kRawFp32;
     data = transport::Buffer::copy_of(sum, n * 4);  // the segment may go away first
   }
-  peer_->contribute(t.tensor, index, t.iteration, h, std::move(data));
+  // The bytes-in-flight bound is released when every peer has acknowledged
+  // receipt, not when the round completes: a round completes only once
+  // every node contributed, and the nodes may start partitions in different
+  // orders, so a bound held until then deadlocks them (each node's bound
+  // full of partitions that wait for the other's).
+  std::weak_ptr<Inbox> inbox = inbox_;
+  peer_->contribute(t.tensor, index, t.iteration, h, std::move(data),
+                    [inbox, bytes = t.end - t.begin] {
+                      if (auto i = inbox.lock()) i->acked(bytes);
+                    });
 }
 
 std::string Engine::finish_peer(const Inbox::Arrival& a) {

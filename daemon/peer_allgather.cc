@@ -1,6 +1,7 @@
 #include "daemon/peer_allgather.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "common/log.h"
@@ -129,7 +130,7 @@ void PeerJob::fail(const Status& s) {
 }
 
 void PeerJob::contribute(uint32_t tensor, uint32_t index, uint64_t iteration, PeerHeader header,
-                         Buffer data) {
+                         Buffer data, AckedFn acked) {
   header.sender_rank = spec_.rank;
   header.data_bytes = data.size();
   const uint32_t m = static_cast<uint32_t>(spec_.nodes.size());
@@ -161,11 +162,15 @@ void PeerJob::contribute(uint32_t tensor, uint32_t index, uint64_t iteration, Pe
   msg.header.arg = iteration;
   msg.payloads = {encode_peer_header(header), data};
   std::weak_ptr<PeerJob> weak = self_;
+  // Peers that have not acknowledged yet; the last acknowledgement runs
+  // `acked` (on the transport's completion thread).
+  auto unacked = std::make_shared<std::atomic<uint32_t>>(m - 1);
+  if (m == 1 && acked) acked();
   for (uint32_t r = 0; r < m; ++r) {
     if (r == spec_.rank) continue;
     hub_.tp_->request(
         spec_.nodes[r], msg, spec_.timeout,
-        [weak, r, tensor, index, iteration](transport::Response resp) {
+        [weak, r, tensor, index, iteration, unacked, acked](transport::Response resp) {
           auto job = weak.lock();
           if (!job) return;
           Status s = resp.status;
@@ -188,7 +193,9 @@ void PeerJob::contribute(uint32_t tensor, uint32_t index, uint64_t iteration, Pe
                                            part_name(job->spec_, tensor, index, iteration) +
                                            " to the daemon of " + job->who(r) +
                                            " failed: " + s.message()));
+            return;
           }
+          if (unacked->fetch_sub(1) == 1 && acked) acked();
         });
   }
   if (ready) ready_(tensor, index, iteration);

@@ -31,8 +31,17 @@
 // iteration (format and digest of the compressor spec) is checked when the
 // round is summed: a disagreement fails the job naming both.
 //
+// Memory: a peer's payload is acknowledged as soon as it is stored, so what
+// a node holds for a job is bounded by the protocol, not by the senders'
+// bytes-in-flight bound: per partition at most two open rounds (a peer is at
+// most one round ahead) of M payloads each, i.e. at most 2 x M x the largest
+// payload of each partition (its compressor's max_compressed_bytes, raw: 4
+// bytes per element). Acknowledging only once this node has contributed to
+// the round would bound it tighter but deadlocks nodes that start partitions
+// in different orders, the very pattern the engine's bound must avoid.
+//
 // Thread-safety: PeerHub and PeerJob are thread-safe. Their callbacks
-// (ready, failure) run on the transport's handler or completion threads, or
+// (ready, failure, acked) run on the transport's handler or completion threads, or
 // on the thread that called contribute(); they must not block.
 #pragma once
 
@@ -112,10 +121,17 @@ class PeerJob {
   PeerJob& operator=(const PeerJob&) = delete;
 
   const PeerJobSpec& spec() const { return spec_; }
+  // Every peer acknowledged receipt of one payload sent by contribute().
+  using AckedFn = std::function<void()>;
   // This node's payload of a round: kept as its own contribution and sent to
-  // every other node. header.sender_rank is filled in.
+  // every other node. header.sender_rank is filled in. `acked` (may be null)
+  // runs once, when every peer has acknowledged receipt (with one node: at
+  // once), whether or not the round is complete; never when a send fails
+  // (the job fails instead). The engine releases its bytes-in-flight bound
+  // there: holding it until the round completes deadlocks nodes that start
+  // partitions in different orders (daemon.md, "bytes in flight").
   void contribute(uint32_t tensor, uint32_t index, uint64_t iteration, PeerHeader header,
-                  transport::Buffer data);
+                  transport::Buffer data, AckedFn acked = nullptr);
   // The M payloads of a complete round, by rank; the round is then finished
   // (later payloads for it are refused as stale). Throws Error(kInternal)
   // when the round is not complete.

@@ -24,6 +24,7 @@ TEST_F(TwoNodes, SingleServerPlacementExactSums) {
 }
 
 TEST_F(TwoNodes, KilledDaemonAbortsTheOtherNode) {
+  peer_timeout_ms_ = 1000;  // detection time is what this test waits for
   start(1);
   auto w = workers("kd2", 1000000, "f32:1000");
   for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
@@ -212,6 +213,7 @@ TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
 }
 
 TEST_F(TwoNodes, KilledServerIsReportedOnBothNodes) {
+  peer_timeout_ms_ = 1000;  // detection time is what this test waits for
   start(1);
   auto w = workers("ks", 1000000, "f32:100000");
   for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
@@ -447,7 +449,7 @@ TEST_F(TwoNodes, DifferentPartitionOrdersOnTheNodesDoNotDeadlock) {
 // answer on the daemon's control thread: with the coordinator stopped
 // (SIGSTOP), a single-node job on the same daemon is served at once. (The
 // leave used to block the control thread until the coordinator answered,
-// the peer was declared lost — 1 s here — or 2 s passed.)
+// the peer was declared lost — 3 s here — or 2 s passed.)
 TEST_F(TwoNodes, JobEndDoesNotStallTheDaemonWhenTheCoordinatorIsUnresponsive) {
   start(1);
   constexpr uint64_t kN = 1000;

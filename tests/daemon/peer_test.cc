@@ -214,6 +214,7 @@ TEST_F(TwoNodes, MixedPsAndAllgatherJobExactSums) {
 // it within the heartbeat bound (peer_timeout 1 s), nothing is left in
 // /dev/shm, and the surviving daemon keeps serving.
 TEST_F(TwoNodes, KilledPeerDaemonAbortsTheAllgatherJob) {
+  peer_timeout_ms_ = 1000;  // the detection bound is asserted
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
   auto w = workers("killpeer", 1000000, "f32:1000,f32:300000");
   for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
@@ -277,6 +278,18 @@ struct Events {
       cv.notify_all();
     };
   }
+  int acked = 0;  // payloads every peer acknowledged
+  bd::PeerJob::AckedFn on_acked() {
+    return [this] {
+      std::lock_guard l(mu);
+      ++acked;
+      cv.notify_all();
+    };
+  }
+  bool wait_acked(int n) {
+    std::unique_lock l(mu);
+    return cv.wait_for(l, 10s, [&] { return acked >= n; });
+  }
   bool wait_ready(uint32_t index, uint64_t iteration) {
     std::unique_lock l(mu);
     return cv.wait_for(l, 10s, [&] { return ready.count({index, iteration}) != 0; });
@@ -317,9 +330,15 @@ TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
       bd::PeerHeader h;
       h.format = bd::PeerFormat::kRawFp32;
       h.count = n;
-      ja->contribute(0, index, it, h, floats(n, 1.0f + static_cast<float>(it + index)));
-      jb->contribute(0, index, it, h, floats(n, -0.25f * static_cast<float>(it + 2 * index)));
+      ja->contribute(0, index, it, h, floats(n, 1.0f + static_cast<float>(it + index)),
+                     ea.on_acked());
+      jb->contribute(0, index, it, h, floats(n, -0.25f * static_cast<float>(it + 2 * index)),
+                     eb.on_acked());
     }
+    // Each payload's acknowledgement (what the engine's bytes-in-flight
+    // bound waits for) comes once, whether or not its round was taken.
+    ASSERT_TRUE(ea.wait_acked(static_cast<int>(3 * (it + 1))));
+    ASSERT_TRUE(eb.wait_acked(static_cast<int>(3 * (it + 1))));
     for (uint32_t index = 0; index < 3; ++index) {
       ASSERT_TRUE(ea.wait_ready(index, it)) << index << "/" << it;
       ASSERT_TRUE(eb.wait_ready(index, it)) << index << "/" << it;
@@ -421,6 +440,8 @@ TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
   std::lock_guard lb(eb.mu);
   EXPECT_TRUE(ea.failures.empty());
   EXPECT_TRUE(eb.failures.empty());
+  EXPECT_EQ(ea.acked, 21);  // 3 partitions x 7 iterations, each acknowledged once
+  EXPECT_EQ(eb.acked, 21);
 }
 
 #include <regex>
@@ -583,4 +604,70 @@ TEST_F(TwoNodes, AllgatherWithoutPeerEndpointIsRefusedAtStart) {
   EXPECT_EQ(*st, 17) << p->output();  // BYTECOMP_ERR_UNAVAILABLE
   EXPECT_NE(p->output().find("set internode.peer_listen"), std::string::npos) << p->output();
   EXPECT_TRUE(no_shm_left(nodes_[0]->shm_prefix()));
+}
+
+// Allgather under a bytes-in-flight bound of one partition, with the nodes
+// starting partitions in different orders: node 0 has only the last tensor
+// ready for a while (its clients push backwards, pausing after the first),
+// node 1 pushes forwards. Each node's first payload fills its bound, and
+// that round waits for the other node's payload of it. A bound held until
+// the round completes leaves both waiting for the peers' rounds timeout
+// (10 s here: "no data from node ..."); released when the peer acknowledged
+// receipt, every partition goes out and the sums are exact.
+TEST_F(TwoNodes, AllgatherWithDifferentPartitionOrdersOnTheNodesDoesNotDeadlock) {
+  start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n",
+        "  partition_bytes: 256KiB\n  max_inflight_bytes: 256KiB\n");
+  constexpr uint64_t kN = 131072;  // two 256 KiB partitions per tensor
+  constexpr uint32_t kTensors = 3;
+  constexpr int kIters = 3;
+  auto run = [&](uint32_t node) {
+    bytecomp_client* c = connect_client(node, 0, "agorder", 1);
+    ASSERT_NE(c, nullptr);
+    uint32_t ids[kTensors];
+    float* p[kTensors];
+    for (uint32_t k = 0; k < kTensors; ++k) {
+      const std::string name = "t" + std::to_string(k);
+      ASSERT_EQ(bytecomp_declare_tensor(c, name.c_str(), kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU,
+                                        0, &ids[k]),
+                BYTECOMP_OK);
+    }
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    for (uint32_t k = 0; k < kTensors; ++k) {
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                BYTECOMP_OK);
+    }
+    for (uint64_t it = 0; it < kIters; ++it) {
+      // Iteration 0 in the same order on both nodes (everything is ready by
+      // the time the engines opened the job); later ones crossed.
+      const bool crossed = it > 0 && node == 0;
+      bytecomp_handle hs[kTensors];
+      for (uint32_t j = 0; j < kTensors; ++j) {
+        const uint32_t k = crossed ? kTensors - 1 - j : j;
+        for (uint64_t i = 0; i < kN; ++i) p[k][i] = grad(node * kTensors + k, it, i);
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hs[k]), BYTECOMP_OK);
+        if (crossed && j == 0) std::this_thread::sleep_for(400ms);  // the last tensor alone
+      }
+      for (uint32_t k = 0; k < kTensors; ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK)
+            << "node " << node << " tensor " << k << " iteration " << it << ": "
+            << bytecomp_last_error();
+        size_t mismatches = 0;
+        for (uint64_t i = 0; i < kN; ++i) {
+          // topk keeping every element: each node's payload is its exact
+          // value, summed in node order.
+          mismatches += p[k][i] != grad(k, it, i) + grad(kTensors + k, it, i);
+        }
+        EXPECT_EQ(mismatches, 0u) << "node " << node << " tensor " << k << " iteration " << it;
+      }
+    }
+    bytecomp_close(c);
+  };
+  auto other = std::async(std::launch::async, run, 1);
+  run(0);
+  other.get();
+  for (auto& n : nodes_) {
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+    EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+  }
 }

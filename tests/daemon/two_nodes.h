@@ -27,7 +27,8 @@ class TwoNodes : public ::testing::Test {
       write("server" + std::to_string(s) + ".yaml",
             "version: 1\nserver: {node_id: " + std::to_string(s) +
                 ", cluster_file: server-cluster.yaml, engine_threads: 1}\n"
-                "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n");
+                "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: " +
+                std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n");
       servers_.push_back(std::make_unique<Process>(
           std::vector<std::string>{build_root() + "/server/bytecomp-server", "--config",
                                    (dir_ / ("server" + std::to_string(s) + ".yaml")).string(),
@@ -78,7 +79,8 @@ class TwoNodes : public ::testing::Test {
     }
     s += "  daemons:\n    - {id: 100}\n    - {id: 101}\n"
          "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n"
-         "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: 1000, io_threads: 1}\n";
+         "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: " +
+                std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n";
     return s;
   }
   // Runs 2 x 2 workers; returns them after they were started.
@@ -115,6 +117,12 @@ class TwoNodes : public ::testing::Test {
 
   static inline int counter_ = 0;
   bool peer_listen_ = true;  // give the daemons a peer endpoint
+  // Heartbeat bound of every process of the cluster (servers and daemons,
+  // their server and peer connections). 3 s: a daemon compressing on two
+  // loaded cores (load 10+) has gone 1 s without a heartbeat, and a peer
+  // declared lost fails the job. Tests that measure how fast a dead process
+  // is detected set 1 s before start().
+  int peer_timeout_ms_ = 3000;
   fs::path dir_;
   std::string coordinator_;
   std::vector<std::unique_ptr<Process>> servers_;
