@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <sstream>
@@ -244,6 +245,16 @@ struct ParameterServer::Impl {
 
   std::shared_mutex jobs_mu;
   std::unordered_map<uint32_t, std::shared_ptr<ServerJob>> jobs;
+  // Why the last jobs ended (uid, code, reason; bounded): a node's push or
+  // pull that arrives just after the end learns the cause, not only that
+  // the job is unknown.
+  struct Ended {
+    uint32_t uid;
+    ErrorCode code;
+    std::string reason;
+  };
+  std::deque<Ended> ended;
+  static constexpr size_t kEndedKept = 64;
   uint64_t reserved_total = 0;  // under jobs_mu
 
   std::atomic<uint64_t> rounds{0}, pushes_refused{0}, frames_refused{0};
@@ -1199,6 +1210,11 @@ void ParameterServer::Impl::end_job(uint32_t uid, ErrorCode code, const std::str
     why = Status(code, job->end_reason);
   }
   job->ended.store(true);
+  {
+    std::unique_lock lk(jobs_mu);
+    ended.push_back({uid, why.code(), why.message()});
+    if (ended.size() > kEndedKept) ended.pop_front();
+  }
   BC_LOG(LogServer(), kInfo) << (reason.empty() ? "job ended: " : "job aborted: ")
                              << job->name << " (uid " << uid << ")"
                              << (reason.empty() ? "" : ": " + reason);
@@ -1329,15 +1345,23 @@ void ParameterServer::Impl::on_data(Incoming in) {
   const auto& h = in.message.header;
   const char* what = h.type == proto::kPush ? "push" : "pull";
   std::shared_ptr<ServerJob> job;
+  std::optional<Ended> gone;
   {
     std::shared_lock lk(jobs_mu);
     auto it = jobs.find(h.aux);
     if (it != jobs.end()) job = it->second;
+    else
+      for (const Ended& e : ended)
+        if (e.uid == h.aux) gone = e;
   }
+  if (!job && gone)
+    return refuse(in, gone->code,
+                  std::string(what) + " refused by server " + std::to_string(cfg.node_id) +
+                      ": " + gone->reason);
   if (!job)
     return refuse(in, ErrorCode::kInvalidArgument,
                   std::string(what) + " refused: unknown job uid " + std::to_string(h.aux) +
-                      " on server " + std::to_string(cfg.node_id) + " (not admitted, or ended)");
+                      " on server " + std::to_string(cfg.node_id) + " (not admitted)");
   if (!job->rank.count(in.from))
     return refuse(in, ErrorCode::kInvalidArgument,
                   std::string(what) + " refused: node " + std::to_string(in.from) +

@@ -544,6 +544,28 @@ TEST_F(ServerTest, NodeAbortReachesTheOtherNodesAtOnce) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
   EXPECT_EQ(jb->status().code(), ErrorCode::kAborted);
   EXPECT_EQ(ja->status().code(), ErrorCode::kAborted);
+  // A push that was already on its way when the job ended is refused with
+  // the job's end reason (what a node racing the abort reports to its
+  // clients), not as an unknown job.
+  {
+    transport::TransportConfig tc = cluster_.transport;
+    tc.node_id = 101;
+    tc.listen = {};
+    auto tp = transport::make_transport(tc);
+    tp->start();
+    tp->add_peer(0, address_);
+    transport::Message m;
+    m.header.type = proto::kPush;
+    m.header.aux = jb->info().uid;
+    m.header.key = partition_key(0, 0);
+    m.payloads.push_back(transport::Buffer::copy_of(d.data(), d.size() * 4));
+    transport::Response r = tp->call(0, std::move(m), 5000ms);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    Status late = proto::reply_status(r.response);
+    EXPECT_EQ(late.code(), ErrorCode::kAborted) << late.to_string();
+    EXPECT_NE(late.message().find("local rank 1 died"), std::string::npos) << late.to_string();
+    tp->shutdown();
+  }
   jb->leave();
   expect_released();
 }
