@@ -235,12 +235,13 @@ struct TransportConfig {
   bool inline_handlers = false;
   // Bounded spin of a thread blocked in call() or send_wait(): it looks
   // for its completion this long (yielding the CPU between looks) before
-  // it sleeps on it. Costs at most this much CPU per call. On the 2-core
-  // test machine 20 us shortened the 64-byte round trip in most same-run
-  // comparisons (by up to a quarter) and lengthened it in some; spinning
-  // longer than a round trip made it clearly worse (docs/transport.md,
-  // Measured). 0 = sleep at once. Key wait_spin_us, 0..1000.
-  std::chrono::microseconds wait_spin{20};
+  // it sleeps on it. Costs at most this much CPU per call. Off by default:
+  // on the 2-core test machine 20 us shortened the 64-byte round trip under
+  // load (by up to a quarter) but lengthened it on the quiet machine (159
+  // vs 130 us, two runs), and spinning longer than a round trip made it
+  // clearly worse (docs/transport.md, Measured). 0 = sleep at once. Key
+  // wait_spin_us, 0..1000.
+  std::chrono::microseconds wait_spin{0};
 
   Millis heartbeat_interval{500};
   // A peer silent for this long is reported lost (the detection bound).

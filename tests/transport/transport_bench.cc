@@ -4,13 +4,14 @@
 //
 //   transport_bench [--backend zmq] [--endpoint tcp|ipc] [--size BYTES]
 //                   [--messages N] [--rtt-iters N] [--runs N] [--io-threads N]
-//                   [--variants default,inline,nospin] [--spin-us N]
+//                   [--variants default,inline,spin20] [--spin-us N]
 // Round trips are measured per variant, each with its own client transport
 // and peer process, one variant after the other (idle ones sleep):
 //   default  the config defaults on both sides (wait_spin_us: --spin-us
 //            when given);
 //   inline   the same with inline_handlers: true at the peer;
-//   nospin   wait_spin_us: 0 (call() sleeps at once).
+//   spin20   wait_spin_us: 20 (call() looks for its reply 20 us, yielding,
+//            before it sleeps; the default is 0).
 // For each, the CPU time both processes spent per round trip is reported
 // (the bench process via getrusage, the peer via /proc/PID/stat ticks).
 // Prints one line per run and, last, one JSON line:
@@ -137,7 +138,7 @@ int main(int argc, char** argv) {
   int runs = 3;
   int io_threads = 2;  // ZeroMQ I/O threads on both sides
   int spin_us = -1;    // -1: the config default
-  std::string variants_arg = "default,inline,nospin";
+  std::string variants_arg = "default,inline,spin20";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--backend") backend = v;
@@ -156,8 +157,8 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> variants = split(variants_arg);
   for (const std::string& v : variants)
-    if (v != "default" && v != "inline" && v != "nospin") {
-      std::cerr << "transport_bench: unknown variant '" << v << "' (accepted: default, inline, nospin)\n";
+    if (v != "default" && v != "inline" && v != "spin20") {
+      std::cerr << "transport_bench: unknown variant '" << v << "' (accepted: default, inline, spin20)\n";
       return 2;
     }
   if (variants.empty() || variants[0] != "default") variants.insert(variants.begin(), "default");
@@ -182,7 +183,7 @@ int main(int argc, char** argv) {
     for (const std::string& name : variants) {
       Variant v;
       v.name = name;
-      int spin = name == "nospin" ? 0 : spin_us;
+      int spin = name == "spin20" ? 20 : spin_us;
       std::ostringstream yaml;
       yaml << "version: 1\ntransport:\n  backend: " << backend << "\n  io_threads: " << io_threads
            << "\n  listen: [\"" << listen("peer-" + name) << "\"]\n";
