@@ -4,6 +4,8 @@
 // writes anything.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 
 #include "compress/internal.h"
 #include "compress/simd.h"
@@ -243,6 +245,26 @@ inline uint32_t key_of(float f) {
   return u & 0x7fffffffu;
 }
 
+// Keeps the `need` best of `items` under the strict total order `better`,
+// in their current (index) order: one selection on a copy finds the
+// cutoff, one pass keeps what is not worse than it. Sorting the picks back
+// into index order instead was the largest serial step of topk and dgc.
+template <class T, class Better>
+void keep_best_in_order(std::vector<T>& items, size_t need, const Better& better) {
+  if (need >= items.size()) return;
+  if (need == 0) {
+    items.clear();
+    return;
+  }
+  std::vector<T> tmp(items);
+  std::nth_element(tmp.begin(), tmp.begin() + static_cast<ptrdiff_t>(need) - 1, tmp.end(), better);
+  const T cutoff = tmp[need - 1];
+  size_t w = 0;
+  for (const T& x : items)
+    if (!better(cutoff, x)) items[w++] = x;
+  items.resize(w);
+}
+
 BC_CLONES void k_hist(const float* x, size_t n, uint32_t* h) {
   for (size_t i = 0; i < n; ++i) ++h[key_of(x[i]) >> kBucketShift];
 }
@@ -254,9 +276,17 @@ template <class Prepare>
 std::vector<uint32_t> select_topk(const float* v, size_t n, size_t k, ThreadPool* pool,
                                   const Prepare& prepare) {
   size_t chunks = num_chunks(n);
-  std::vector<uint32_t> hist(chunks * kBuckets, 0);
+  // Each chunk zeroes its own histogram: the pages are touched (and the
+  // 16 KiB per chunk cleared) on the pool's threads, not serially here.
+  std::unique_ptr<uint32_t[]> hist(new uint32_t[chunks * kBuckets]);
+  // Small index ranges (buckets, chunks) over the pool.
+  auto par = [pool](size_t count, size_t min_chunk, const std::function<void(size_t, size_t)>& f) {
+    if (pool == nullptr || pool->concurrency() < 2) f(0, count);
+    else pool->parallel_for(count, min_chunk, f);
+  };
   for_chunks(pool, n, [&](size_t c, size_t cb, size_t ce) {
-    uint32_t* h = hist.data() + c * kBuckets;
+    uint32_t* h = hist.get() + c * kBuckets;
+    std::fill(h, h + kBuckets, 0u);
     for (size_t b = cb; b < ce; b += kSub) {
       size_t e = std::min(ce, b + kSub);
       prepare(b, e);
@@ -264,8 +294,10 @@ std::vector<uint32_t> select_topk(const float* v, size_t n, size_t k, ThreadPool
     }
   });
   std::vector<uint64_t> total(kBuckets, 0);
-  for (size_t c = 0; c < chunks; ++c)
-    for (size_t j = 0; j < kBuckets; ++j) total[j] += hist[c * kBuckets + j];
+  par(kBuckets, 512, [&](size_t jb, size_t je) {
+    for (size_t c = 0; c < chunks; ++c)
+      for (size_t j = jb; j < je; ++j) total[j] += hist[c * kBuckets + j];
+  });
   std::vector<uint32_t> idx;
   if (k == 0) return idx;
   size_t t = kBuckets - 1;
@@ -274,12 +306,18 @@ std::vector<uint32_t> select_topk(const float* v, size_t n, size_t k, ThreadPool
   size_t need = k - above;
   // Offsets of each chunk's sure picks and candidates.
   std::vector<uint64_t> sure_off(chunks + 1, 0), cand_off(chunks + 1, 0);
+  par(chunks, 16, [&](size_t cb, size_t ce) {
+    for (size_t c = cb; c < ce; ++c) {
+      const uint32_t* h = hist.get() + c * kBuckets;
+      uint64_t s = 0;
+      for (size_t j = t + 1; j < kBuckets; ++j) s += h[j];
+      sure_off[c + 1] = s;
+      cand_off[c + 1] = h[t];
+    }
+  });
   for (size_t c = 0; c < chunks; ++c) {
-    const uint32_t* h = hist.data() + c * kBuckets;
-    uint64_t s = 0;
-    for (size_t j = t + 1; j < kBuckets; ++j) s += h[j];
-    sure_off[c + 1] = sure_off[c] + s;
-    cand_off[c + 1] = cand_off[c] + h[t];
+    sure_off[c + 1] += sure_off[c];
+    cand_off[c + 1] += cand_off[c];
   }
   std::vector<uint32_t> sure(above);
   std::vector<uint64_t> cand(total[t]);  // (key << 32) | index
@@ -296,19 +334,13 @@ std::vector<uint32_t> select_topk(const float* v, size_t n, size_t k, ThreadPool
       else *cp++ = (static_cast<uint64_t>(key) << 32) | i;
     }
   });
-  if (need < cand.size()) {
-    // Larger key first, then lower index: order by (key desc, index asc).
-    auto better = [](uint64_t a, uint64_t b) {
-      uint32_t ka = static_cast<uint32_t>(a >> 32), kb = static_cast<uint32_t>(b >> 32);
-      return ka != kb ? ka > kb : static_cast<uint32_t>(a) < static_cast<uint32_t>(b);
-    };
-    std::nth_element(cand.begin(), cand.begin() + static_cast<ptrdiff_t>(need) - 1, cand.end(), better);
-    cand.resize(need);
-    for (auto& c : cand) c &= 0xffffffffull;
-    std::sort(cand.begin(), cand.end());
-  } else {
-    for (auto& c : cand) c &= 0xffffffffull;  // already in index order
-  }
+  // cand is in index order (chunks in order, each scanned in order). Larger
+  // key first, then lower index: order by (key desc, index asc).
+  keep_best_in_order(cand, need, [](uint64_t a, uint64_t b) {
+    uint32_t ka = static_cast<uint32_t>(a >> 32), kb = static_cast<uint32_t>(b >> 32);
+    return ka != kb ? ka > kb : static_cast<uint32_t>(a) < static_cast<uint32_t>(b);
+  });
+  for (auto& c : cand) c &= 0xffffffffull;
   idx.resize(k);
   std::merge(sure.begin(), sure.end(), cand.begin(), cand.end(), idx.begin(),
              [](uint64_t a, uint64_t b) { return a < b; });
@@ -455,15 +487,13 @@ class Dgc final : public Base {
     return idx;
   }
 
-  // Exactly k of the candidates, largest |v| first (ties: lower index).
+  // Exactly k of the candidates (in index order, as collect() gives them),
+  // largest |v| first (ties: lower index); the result stays in index order.
   static std::vector<uint32_t> trim(const float* v, std::vector<uint32_t>& idx, size_t k) {
-    std::nth_element(idx.begin(), idx.begin() + static_cast<ptrdiff_t>(k) - 1, idx.end(),
-                     [&](uint32_t a, uint32_t b) {
-                       uint32_t ka = key_of(v[a]), kb = key_of(v[b]);
-                       return ka != kb ? ka > kb : a < b;
-                     });
-    idx.resize(k);
-    std::sort(idx.begin(), idx.end());
+    keep_best_in_order(idx, k, [&](uint32_t a, uint32_t b) {
+      uint32_t ka = key_of(v[a]), kb = key_of(v[b]);
+      return ka != kb ? ka > kb : a < b;
+    });
     return idx;
   }
 
