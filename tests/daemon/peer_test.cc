@@ -523,15 +523,7 @@ TEST_F(TwoNodes, AllgatherStrategyChangeAppliesOnBothNodesAtOneIteration) {
       if (it == 4) {
         sync.arrive_and_wait();
         if (grank == 0) {
-          write("strategy.yaml", "version: 1\ndefault: {compressor: fp16, inter: allgather}\n");
-          nodes_[0]->daemon().signal(SIGHUP);
-          EXPECT_TRUE(nodes_[0]->daemon().wait_output("applies on every node from iteration", 10s))
-              << nodes_[0]->daemon().output();
-          std::smatch m;
-          const std::string log = nodes_[0]->daemon().output();
-          if (std::regex_search(log, m, std::regex("from iteration ([0-9]+)"))) {
-            switch_at = std::stoll(m[1]);
-          }
+          switch_at = switch_strategy("version: 1\ndefault: {compressor: fp16, inter: allgather}\n");
         }
         sync.arrive_and_wait();
       }

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <bytecomp/bytecomp.h>
+#include <csignal>
+#include <regex>
 #include <gtest/gtest.h>
 
 #include "tests/daemon/harness.h"
@@ -71,6 +73,20 @@ class TwoNodes : public ::testing::Test {
     fs::remove_all(dir_, ec);
   }
   void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
+  // Rewrites node 0's strategy file and reloads it (SIGHUP); returns the
+  // iteration the coordinator announced the change for (-1 when no
+  // announcement appeared within 10 s, which the caller's checks report).
+  int64_t switch_strategy(const std::string& yaml) {
+    write("strategy.yaml", yaml);
+    nodes_[0]->daemon().signal(SIGHUP);
+    EXPECT_TRUE(nodes_[0]->daemon().wait_output("applies on every node from iteration",
+                                                std::chrono::seconds(10)))
+        << nodes_[0]->daemon().output();
+    std::smatch m;
+    const std::string log = nodes_[0]->daemon().output();
+    if (!std::regex_search(log, m, std::regex("from iteration ([0-9]+)"))) return -1;
+    return std::stoll(m[1]);
+  }
   std::string cluster(const std::string& coordinator, int servers, const std::string&) {
     std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n";
     for (int i = 0; i < servers; ++i) {
