@@ -125,10 +125,7 @@ TEST_F(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
     }
     bytecomp_close(c);
   };
-  std::vector<std::future<void>> others;
-  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
-  run(0, 0);
-  for (auto& f : others) f.get();
+  on_every_rank(run);
   for (int k = 0; k < 2; ++k) {
     ASSERT_EQ(got[k].size(), static_cast<size_t>(kIters));
     for (uint64_t it = 0; it < kIters; ++it) {
@@ -184,10 +181,7 @@ TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
     }
     bytecomp_close(c);
   };
-  std::vector<std::future<void>> others;
-  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
-  run(0, 0);
-  for (auto& f : others) f.get();
+  on_every_rank(run);
   ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
   ASSERT_GE(switch_at, 5);
   ASSERT_LT(switch_at, kIters);
@@ -257,10 +251,7 @@ TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
     }
     bytecomp_close(c);
   };
-  std::vector<std::future<void>> others;
-  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
-  run(0, 0);
-  for (auto& f : others) f.get();
+  on_every_rank(run);
   ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
 
   auto topk = cz::make_compressor(cz::parse_compressor_spec("topk:0.05,ef=true"));

@@ -136,10 +136,7 @@ TEST_F(TwoNodes, AllgatherEveryCompressorMatchesTheReference) {
     }
     bytecomp_close(c);
   };
-  std::vector<std::future<void>> others;
-  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
-  run(0, 0);
-  for (auto& f : others) f.get();
+  on_every_rank(run);
   ASSERT_FALSE(HasFailure());
 
   for (size_t k = 0; k < kTensors; ++k) {
@@ -538,10 +535,7 @@ TEST_F(TwoNodes, AllgatherStrategyChangeAppliesOnBothNodesAtOneIteration) {
     }
     bytecomp_close(c);
   };
-  std::vector<std::future<void>> others;
-  for (uint32_t g = 1; g < 4; ++g) others.push_back(std::async(std::launch::async, run, g / 2, g % 2));
-  run(0, 0);
-  for (auto& f : others) f.get();
+  on_every_rank(run);
   ASSERT_GE(switch_at, 4);
   ASSERT_LT(switch_at, kIters);
   for (uint32_t node = 0; node < 2; ++node) {

@@ -6,6 +6,7 @@
 
 #include <bytecomp/bytecomp.h>
 #include <csignal>
+#include <future>
 #include <regex>
 #include <gtest/gtest.h>
 
@@ -73,6 +74,18 @@ class TwoNodes : public ::testing::Test {
     fs::remove_all(dir_, ec);
   }
   void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
+  // Runs fn(node, local_rank) for the four clients at once: three on their
+  // own threads, node 0's rank 0 on this one (gtest assertions there end
+  // the test body's part of it).
+  template <class Fn>
+  void on_every_rank(const Fn& fn) {
+    std::vector<std::future<void>> others;
+    for (uint32_t g = 1; g < 4; ++g)
+      others.push_back(std::async(std::launch::async, [&fn, g] { fn(g / 2, g % 2); }));
+    fn(0u, 0u);
+    for (auto& f : others) f.get();
+  }
+
   // Rewrites node 0's strategy file and reloads it (SIGHUP); returns the
   // iteration the coordinator announced the change for (-1 when no
   // announcement appeared within 10 s, which the caller's checks report).

@@ -152,6 +152,15 @@ class ServerTest : public ::testing::Test {
     return *workers_.back();
   }
 
+  // Both nodes join `spec` at once (admission waits for every node);
+  // returns (node a's job, node b's job).
+  static std::pair<std::shared_ptr<PsJob>, std::shared_ptr<PsJob>> join_both(PsClient& a, PsClient& b,
+                                                                             const JobSpec& spec) {
+    auto fa = std::async(std::launch::async, [&] { return a.join(spec); });
+    auto jb = b.join(spec);
+    return {fa.get(), jb};
+  }
+
   std::unique_ptr<PsClient> client(NodeId id) {
     transport::TransportConfig tc = cluster_.transport;
     tc.node_id = id;
@@ -454,9 +463,7 @@ TEST_F(ServerTest, RefusesBadPushesAndPullsNamingWhatWasWrong) {
   spec.tensors = {{"w", 1000}, {"c", 1000}};
   spec.strategy_yaml =
       "version: 1\nentries:\n  - {tensor: c, option: {compressor: topk, inter: alltoall_allgather}}\n";
-  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
-  auto jb = b->join(spec);
-  auto ja = fa.get();
+  auto [ja, jb] = join_both(*a, *b, spec);
   const uint64_t key = partition_key(0, 0), ckey = partition_key(1, 0);
 
   auto push = [](PsJob& j, uint64_t k, uint64_t it, size_t floats, float v = 1.0f) {
@@ -522,9 +529,7 @@ TEST_F(ServerTest, NodeAbortReachesTheOtherNodesAtOnce) {
   spec.name = "abortive";
   spec.nodes = {100, 101};
   spec.tensors = {{"w", 1000}};
-  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
-  auto jb = b->join(spec);
-  auto ja = fa.get();
+  auto [ja, jb] = join_both(*a, *b, spec);
   std::vector<float> d(1000, 1.0f);
   std::promise<Status> pushed;
   jb->push(partition_key(0, 0), 0, transport::Buffer::copy_of(d.data(), d.size() * 4),
@@ -580,9 +585,7 @@ TEST_F(ServerTest, AsyncAbortReachesTheCoordinatorWhenTheClientGoesAtOnce) {
   spec.name = "async-abort";
   spec.nodes = {100, 101};
   spec.tensors = {{"w", 1000}};
-  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
-  auto jb = b->join(spec);
-  auto ja = fa.get();
+  auto [ja, jb] = join_both(*a, *b, spec);
   std::promise<Status> pulled;
   jb->pull(partition_key(0, 0), 0,
            [&](const Status& s, transport::Buffer) { pulled.set_value(s); });
@@ -740,9 +743,7 @@ TEST_F(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
   spec.nodes = {100, 101};
   spec.tensors = {{"w", 5000}};
   spec.deterministic = true;
-  auto fa = std::async(std::launch::async, [&] { return a->join(spec); });
-  auto jb = b->join(spec);
-  auto ja = fa.get();
+  auto [ja, jb] = join_both(*a, *b, spec);
   // Barrier: nobody passes until both arrived.
   std::promise<Status> pa;
   ja->barrier([&](const Status& s) { pa.set_value(s); }, 5000ms);
