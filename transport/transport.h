@@ -236,11 +236,10 @@ struct TransportConfig {
   // Bounded spin of a thread blocked in call() or send_wait(): it looks
   // for its completion this long (yielding the CPU between looks) before
   // it sleeps on it. Costs at most this much CPU per call. Off by default:
-  // on the 2-core test machine 20 us shortened the 64-byte round trip under
-  // load (by up to a quarter) but lengthened it on the quiet machine (159
-  // vs 130 us, two runs), and spinning longer than a round trip made it
-  // clearly worse (docs/transport.md, Measured). 0 = sleep at once. Key
-  // wait_spin_us, 0..1000.
+  // on the 2-core test machine 20 us showed no consistent gain (the
+  // variant measured last was faster whichever it was), and spinning
+  // longer than a round trip made it clearly worse (docs/transport.md,
+  // Measured). 0 = sleep at once. Key wait_spin_us, 0..1000.
   std::chrono::microseconds wait_spin{0};
 
   Millis heartbeat_interval{500};
