@@ -514,7 +514,7 @@ void Daemon::maybe_start(Job& j) {
     if (problem.empty()) {
       try {
         for (const auto& plan : server::plan_job(spec.tensors, spec.strategy_yaml)) {
-          if (plan.placement == server::Placement::kPeer && !peer_hub_) {
+          if (plan.placement == strategy::Placement::kPeer && !peer_hub_) {
             problem = "a tensor's strategy uses inter: allgather between daemons, but this "
                       "bytecompd has no peer endpoint (set internode.peer_listen)";
             break;

@@ -31,7 +31,7 @@
 #include "common/thread_pool.h"
 #include "daemon/config.h"
 #include "daemon/peer_allgather.h"
-#include "planner/strategy.h"
+#include "planner/strategy/strategy.h"
 #include "server/ps_client.h"
 
 namespace bytecomp::daemon {

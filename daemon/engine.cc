@@ -5,6 +5,8 @@
 #include "common/log.h"
 #include "compress/reduce.h"
 #include "daemon/local_reduce.h"
+#include "planner/strategy/answer.h"
+#include "planner/strategy/partition.h"
 
 namespace bytecomp::daemon {
 
@@ -456,8 +458,9 @@ void Engine::run_task(const Task& t, std::span<char* const> bufs) {
   ctx.iteration = t.iteration;
   // Same on every node for this tensor partition (randomk's indices), and
   // private per node for stochastic rounding.
-  ctx.shared_seed = std::hash<std::string>{}(spec.name) * 1000003u + part;
-  ctx.private_seed = ctx.shared_seed ^ (0x9e3779b97f4a7c15ull * (node_rank_ + 1));
+  ctx.shared_seed =
+      strategy::partition_seed(job_, strategy::partition_key(t.tensor, static_cast<uint32_t>(part)));
+  ctx.private_seed = strategy::node_private_seed(ctx.shared_seed, node_rank_);
   std::vector<std::byte>& wire = run.scratch[part];
   const size_t len = run.plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), wire,
                                                    *run.states[part], ctx);
@@ -472,14 +475,14 @@ Engine::PsPart& Engine::ps_part(uint32_t tensor, uint64_t begin, uint64_t iterat
   PsPart& part = ps_parts_.at(tensor).at(static_cast<size_t>(begin / partition_bytes_));
   // The plan in force at this iteration, the same on every node and server
   // (strategy changes are announced by the coordinator ahead of time).
-  server::TensorPlan plan = ps_->plan_at(tensor, iteration);
+  strategy::TensorPlan plan = ps_->plan_at(tensor, iteration);
   if (!(plan == part.plan) || (plan.compressed_push() && !part.compressor) ||
-      (plan.pull == server::PullFormat::kCompressed && !part.compressor)) {
+      (plan.pull == strategy::PullFormat::kCompressed && !part.compressor)) {
     part.plan = plan;
     part.compressor.reset();
     part.state.reset();
     if (plan.compressed_push()) {
-      part.compressor = compress::make_compressor(plan.compressor);
+      part.compressor = compress::make_compressor(plan.spec());
     }
   }
   return part;
@@ -488,7 +491,7 @@ Engine::PsPart& Engine::ps_part(uint32_t tensor, uint64_t begin, uint64_t iterat
 void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
   const TensorSpec& spec = tensors_[t.tensor];
   const auto index = static_cast<uint32_t>(t.begin / partition_bytes_);
-  const uint64_t key = server::partition_key(t.tensor, index);
+  const uint64_t key = strategy::partition_key(t.tensor, index);
   const server::Partition* p = ps_->info().assignment.find(key);
   const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
   if (p == nullptr || p->offset * 4 != t.begin || p->count != n) {
@@ -504,8 +507,8 @@ void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
     std::vector<std::byte> out(part.compressor->max_compressed_bytes(n));
     compress::CompressContext ctx;
     ctx.iteration = t.iteration;
-    ctx.shared_seed = server::partition_seed(ps_->info().name, key);
-    ctx.private_seed = ctx.shared_seed ^ (0x9e3779b97f4a7c15ull * (ps_->info().rank + 1));
+    ctx.shared_seed = strategy::partition_seed(ps_->info().name, key);
+    ctx.private_seed = strategy::node_private_seed(ctx.shared_seed, ps_->info().rank);
     const size_t len =
         part.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state, ctx);
     out.resize(len);
@@ -567,23 +570,11 @@ bool Engine::process_arrivals() {
           const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
           float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
           PsPart& part = ps_parts_[a.tensor][static_cast<size_t>(a.begin / partition_bytes_)];
-          const server::PullFormat fmt = part.plan.pull;
           try {
-            if (fmt == server::PullFormat::kFp32) {
-              if (a.result.size() != n * 4) throw Error(ErrorCode::kMalformed, "fp32 answer size");
-              std::memcpy(out, a.result.data(), n * 4);
-            } else if (fmt == server::PullFormat::kFp16) {
-              if (a.result.size() != n * 2) throw Error(ErrorCode::kMalformed, "fp16 answer size");
-              std::vector<uint16_t> words(n);
-              std::memcpy(words.data(), a.result.data(), n * 2);
-              compress::fp16_to_fp32(out, words.data(), n);
-            } else {
-              if (!part.compressor) throw Error(ErrorCode::kInternal, "no compressor");
-              compress::CompressContext ctx;
-              ctx.iteration = a.iteration;
-              part.compressor->decompress(a.result.span(), compress::TensorView::cpu(out, n),
-                                          false, ctx);
-            }
+            compress::CompressContext ctx;
+            ctx.iteration = a.iteration;
+            strategy::decode_answer(part.plan.pull, a.result.span(), out, n, part.compressor.get(),
+                                    ctx);
             copy_from_first(bufs, a.begin, a.end);
           } catch (const std::exception& e) {
             errors[i] = e.what();

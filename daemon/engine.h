@@ -148,7 +148,7 @@ class Engine {
   // Multi-node: writes arrived pull results to every local rank.
   bool process_arrivals();
   struct PsPart {  // per tensor partition: the plan in force and its state
-    server::TensorPlan plan;
+    strategy::TensorPlan plan;
     std::unique_ptr<compress::Compressor> compressor;
     std::unique_ptr<compress::TensorState> state;
   };

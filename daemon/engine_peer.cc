@@ -7,6 +7,7 @@
 #include "compress/reduce.h"
 #include "daemon/engine.h"
 #include "daemon/local_reduce.h"
+#include "planner/strategy/partition.h"
 
 namespace bytecomp::daemon {
 
@@ -41,7 +42,7 @@ bool Engine::open_peers() {
   peer_tensor_.assign(tensors_.size(), false);
   bool any = false;
   for (uint32_t t = 0; t < tensors_.size(); ++t) {
-    if (ps_->plan_at(t, info.start_iteration).placement == server::Placement::kPeer) {
+    if (ps_->plan_at(t, info.start_iteration).placement == strategy::Placement::kPeer) {
       peer_tensor_[t] = true;
       any = true;
     }
@@ -152,8 +153,9 @@ void Engine::start_peer_task(const Task& t, std::span<char* const> bufs) {
     }
     compress::CompressContext ctx;
     ctx.iteration = t.iteration;
-    ctx.shared_seed = server::partition_seed(ps_->info().name, server::partition_key(t.tensor, index));
-    ctx.private_seed = ctx.shared_seed ^ (0x9e3779b97f4a7c15ull * (ps_->info().rank + 1));
+    ctx.shared_seed =
+        strategy::partition_seed(ps_->info().name, strategy::partition_key(t.tensor, index));
+    ctx.private_seed = strategy::node_private_seed(ctx.shared_seed, ps_->info().rank);
     std::vector<std::byte> out(plan.compressor->max_compressed_bytes(n));
     out.resize(plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state,
                                          ctx));
@@ -230,7 +232,7 @@ std::string Engine::finish_peer(const Inbox::Arrival& a) {
       compress::CompressContext ctx;
       ctx.iteration = a.iteration;
       ctx.shared_seed =
-          server::partition_seed(ps_->info().name, server::partition_key(a.tensor, index));
+          strategy::partition_seed(ps_->info().name, strategy::partition_key(a.tensor, index));
       for (uint32_t r = 0; r < payloads.size(); ++r) {
         try {
           plan.compressor->decompress(payloads[r].data.span(), compress::TensorView::cpu(out, n),

@@ -7,7 +7,7 @@ namespace {
 constexpr Collective kAllCollectives[] = {
     Collective::kAllreduce,  Collective::kReduceScatterAllgather, Collective::kReduceBroadcast,
     Collective::kAllgather,  Collective::kAlltoallAllgather,      Collective::kGatherBroadcast};
-constexpr Device kDevices[] = {Device::kGpu, Device::kCpu};
+constexpr Device kDevices[] = {Device::kCuda, Device::kCpu};
 constexpr Stage kStages[] = {Stage::kIntra, Stage::kInter};
 
 bool fits(Collective c, bool compressed, bool additive) {
@@ -69,7 +69,7 @@ bool allowed(const Option& o, const Constraints& c) {
   if (o.scheme == Scheme::kFlat && !c.allow_flat) return false;
   if (o.scheme == Scheme::kHierarchical && !c.allow_hierarchical) return false;
   if (o.compressed()) {
-    const bool gpu = o.comp_device == Device::kGpu || o.decomp_device == Device::kGpu;
+    const bool gpu = o.comp_device == Device::kCuda || o.decomp_device == Device::kCuda;
     const bool cpu = o.comp_device == Device::kCpu || o.decomp_device == Device::kCpu;
     if (gpu && !c.allow_gpu) return false;
     if (cpu && !c.allow_cpu) return false;

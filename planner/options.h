@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "planner/model.h"
-#include "planner/strategy.h"
+#include "planner/strategy/strategy.h"
 
 namespace bytecomp::planner {
 

@@ -130,7 +130,7 @@ Candidates candidates(Problem& p, int fp32_option, int max_gpu) {
   if (fp32_option >= 0) gpu_set.push_back(fp32_option);
   for (int o = 0; o < p.tree_options(); ++o) {
     const Option& op = p.options()[o];
-    if (op.compressed() && op.comp_device == Device::kGpu && op.decomp_device == Device::kGpu)
+    if (op.compressed() && op.comp_device == Device::kCuda && op.decomp_device == Device::kCuda)
       gpu_set.push_back(o);
   }
   Candidates c;
@@ -278,7 +278,7 @@ int offload_pass(Problem& p, Evaluator& ev, double& f, int rounds, bool all_spli
   for (int i = 0; i < n; ++i) {
     const Option& o = p.options()[ev.base()[i]];
     if (o.compressed() && o.cpu_share == 0.0 &&
-        (o.comp_device == Device::kGpu || o.decomp_device == Device::kGpu))
+        (o.comp_device == Device::kCuda || o.decomp_device == Device::kCuda))
       groups[{p.profile().tensors[i].elements, ev.base()[i]}].push_back(i);
   }
   std::vector<std::pair<std::pair<uint64_t, int>, std::vector<int>>> glist(groups.begin(),
@@ -286,8 +286,8 @@ int offload_pass(Problem& p, Evaluator& ev, double& f, int rounds, bool all_spli
   std::stable_sort(glist.begin(), glist.end(),
                    [](const auto& a, const auto& b) { return a.first.first > b.first.first; });
   std::vector<std::pair<Device, Device>> splits = {{Device::kCpu, Device::kCpu},
-                                                   {Device::kGpu, Device::kCpu}};
-  if (all_splits) splits.push_back({Device::kCpu, Device::kGpu});
+                                                   {Device::kCuda, Device::kCpu}};
+  if (all_splits) splits.push_back({Device::kCpu, Device::kCuda});
   for (int round = 0; round < rounds; ++round) {
     bool changed = false;
     for (const auto& [key, members] : glist) {
@@ -593,13 +593,13 @@ Assignment baseline(Problem& p, Baseline b, uint64_t min_compress_bytes) {
     case Baseline::kHiPress:
       c.intra = Collective::kReduceScatterAllgather;
       c.inter = Collective::kAllgather;
-      c.comp_device = c.decomp_device = Device::kGpu;
+      c.comp_device = c.decomp_device = Device::kCuda;
       break;
     case Baseline::kHiTopKComm:
       c.intra = Collective::kAlltoallAllgather;
       c.inter = Collective::kAllgather;
       c.compress_before = Stage::kIntra;
-      c.comp_device = c.decomp_device = Device::kGpu;
+      c.comp_device = c.decomp_device = Device::kCuda;
       break;
   }
   int raw_idx = p.find_option(raw);

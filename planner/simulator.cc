@@ -33,7 +33,7 @@ double param_or(const std::map<std::string, std::string>& p, const char* k, doub
 }
 
 bool has_device(const CompressorCost& c, Device d) {
-  return d == Device::kGpu ? c.gpu.has_value() : c.cpu.has_value();
+  return d == Device::kCuda ? c.gpu.has_value() : c.cpu.has_value();
 }
 
 }  // namespace
@@ -335,7 +335,7 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
     return copy_bpu > 0 ? par * 4.0 * elems / copy_bpu : 0.0;
   };
   auto comp = [&](double x, int par, bool raw_on_gpu = true) {
-    if (o.comp_device == Device::kGpu) {
+    if (o.comp_device == Device::kCuda) {
       add(Resource::kGpu, cc->gpu->compress.at(x), "compress");
     } else {
       add(Resource::kCpu, par * cc->cpu->compress.at(x) / cores + (raw_on_gpu ? copy(x, par) : 0.0),
@@ -351,7 +351,7 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
   // piece, as compress_bench measures it.
   // `out`: elements per holder that go to the GPU afterwards (0: none).
   auto decomp = [&](double x, double pieces, int par, double out) {
-    if (o.decomp_device == Device::kGpu) {
+    if (o.decomp_device == Device::kCuda) {
       add(Resource::kGpu, cc->gpu->decompress.at(pieces * x), "decompress");
     } else {
       add(Resource::kCpu, par * pieces * cc->cpu->decompress.at(x) / cores + copy(out, par),

@@ -30,7 +30,7 @@
 
 #include "planner/model.h"
 #include "planner/options.h"
-#include "planner/strategy.h"
+#include "planner/strategy/strategy.h"
 
 namespace bytecomp::planner {
 

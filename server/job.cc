@@ -6,92 +6,6 @@
 
 namespace bytecomp::server {
 
-std::string_view to_string(Placement p) noexcept {
-  switch (p) {
-    case Placement::kSharded: return "ps";
-    case Placement::kSingle: return "ps_single";
-    case Placement::kPeer: return "allgather";
-  }
-  return "?";
-}
-std::string_view to_string(SumMode m) noexcept {
-  return m == SumMode::kDense ? "dense" : "compressed";
-}
-std::string_view to_string(PullFormat f) noexcept {
-  switch (f) {
-    case PullFormat::kFp32: return "fp32";
-    case PullFormat::kFp16: return "fp16";
-    case PullFormat::kCompressed: return "compressed";
-  }
-  return "?";
-}
-
-std::string TensorPlan::describe() const {
-  std::ostringstream os;
-  os << to_string(placement) << " push="
-     << (compressed_push() ? compress::to_string(compressor) : std::string("fp32"))
-     << " sum=" << to_string(sum) << " pull=" << to_string(pull);
-  if (server_error_feedback) os << " server_ef";
-  return os.str();
-}
-
-namespace {
-
-bool has_param(const std::string& compressor, std::string_view param) {
-  for (const auto& info : compress::list_compressors())
-    if (info.name == compressor)
-      for (const auto& p : info.params)
-        if (p.name == param) return true;
-  return false;
-}
-
-}  // namespace
-
-TensorPlan plan_for_option(const planner::Option& o, std::string_view tensor) {
-  using planner::Collective;
-  TensorPlan plan;
-  switch (o.inter) {
-    case Collective::kAllgather: plan.placement = Placement::kPeer; break;
-    case Collective::kReduceBroadcast:
-    case Collective::kGatherBroadcast: plan.placement = Placement::kSingle; break;
-    default: plan.placement = Placement::kSharded; break;
-  }
-  if (!o.compressed() || plan.placement == Placement::kPeer) return plan;
-
-  compress::CompressorSpec spec{o.compressor, o.params};
-  bool reducing = planner::is_reducing(o.inter);
-  std::unique_ptr<compress::Compressor> c;
-  try {
-    if (!reducing && has_param(o.compressor, "ef"))
-      spec.params["ef"] = o.error_feedback ? "true" : "false";
-    c = compress::make_compressor(spec);
-  } catch (const Error& e) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "tensor '" + std::string(tensor) + "': " + e.what());
-  }
-  plan.compressor = c->spec();
-  if (reducing) {
-    if (!c->additive())
-      throw Error(ErrorCode::kInvalidArgument,
-                  "tensor '" + std::string(tensor) + "': compressor '" + o.compressor +
-                      "' is not additive, so the servers cannot sum it compressed under '" +
-                      planner::to_string(o.inter) +
-                      "' (accepted: fp16, bf16, randomk; or use alltoall_allgather / "
-                      "gather_broadcast)");
-    plan.sum = SumMode::kCompressed;
-    plan.pull = PullFormat::kCompressed;
-    return plan;
-  }
-  plan.sum = SumMode::kDense;
-  if (o.compressor == "fp16") {
-    plan.pull = PullFormat::kFp16;
-  } else {
-    plan.pull = PullFormat::kCompressed;
-    plan.server_error_feedback = o.error_feedback;
-  }
-  return plan;
-}
-
 std::vector<TensorPlan> plan_job(const std::vector<TensorSpec>& tensors,
                                  std::string_view strategy_yaml) {
   planner::Strategy strategy;
@@ -117,17 +31,6 @@ const Partition* Assignment::find(uint64_t key) const {
 }
 
 namespace {
-
-// FNV-1a over the fields, so every party can compare assignments cheaply.
-struct Digest {
-  uint64_t h = 1469598103934665603ull;
-  void add(uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xFF;
-      h *= 1099511628211ull;
-    }
-  }
-};
 
 size_t least_loaded(const std::vector<uint64_t>& load) {
   return static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
@@ -226,7 +129,8 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
       a.partitions[i].engine = static_cast<uint32_t>(e);
     }
   }
-  Digest d;
+  // FNV-1a over the fields, so every party can compare assignments cheaply.
+  strategy::Fnv1a d;
   for (size_t i = 0; i < a.partitions.size(); ++i) {
     const Partition& p = a.partitions[i];
     a.by_tensor[p.tensor].push_back(static_cast<uint32_t>(i));
@@ -238,28 +142,6 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
   }
   a.digest = d.h;
   return a;
-}
-
-uint64_t partition_seed(std::string_view job_name, uint64_t key) {
-  Digest d;
-  for (char ch : job_name) d.add(static_cast<unsigned char>(ch));
-  d.add(key);
-  return d.h;
-}
-
-uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count) {
-  if (!plan.compressed_push()) return count * 4;
-  return compress::make_compressor(plan.compressor)->max_compressed_bytes(count);
-}
-
-uint64_t pull_bytes_bound(const TensorPlan& plan, uint64_t count) {
-  switch (plan.pull) {
-    case PullFormat::kFp32: return count * 4;
-    case PullFormat::kFp16: return count * 2;
-    case PullFormat::kCompressed:
-      return compress::make_compressor(plan.compressor)->max_compressed_bytes(count);
-  }
-  return count * 4;
 }
 
 }  // namespace bytecomp::server

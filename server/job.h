@@ -1,6 +1,6 @@
 // What a job is, as the parameter server and its clients (bytecompd) both see
-// it: the declaration every node sends, the per-tensor PS plan derived from
-// the strategy, and the partition assignment.
+// it: the declaration every node sends, its per-tensor plans (from the
+// strategy library) and the partition assignment.
 //
 // The assignment is a pure function of (declaration, strategy, server list,
 // partition size): the coordinator, every server and every node compute it
@@ -16,7 +16,8 @@
 #include <vector>
 
 #include "compress/compressor.h"
-#include "planner/strategy.h"
+#include "planner/strategy/partition.h"
+#include "planner/strategy/plan.h"
 #include "transport/transport.h"
 
 namespace bytecomp::server {
@@ -50,61 +51,21 @@ struct JobSpec {
   std::string peer_address;
 };
 
-// How the parameter servers handle one tensor (derived from its strategy
-// option by plan_for_option).
-enum class Placement : uint8_t {
-  kSharded = 0,  // "ps": partitions spread over every server
-  kSingle = 1,   // "ps_single": every partition on one server
-  kPeer = 2,     // "allgather" between daemons: not on any server
-};
-enum class SumMode : uint8_t {
-  kDense = 0,       // fp32 sum; pushes decompressed-and-accumulated into it
-  kCompressed = 1,  // additive compressor: pushes summed compressed (aggregate())
-};
-enum class PullFormat : uint8_t {
-  kFp32 = 0,        // the fp32 sum, raw little-endian floats
-  kFp16 = 1,        // the sum as raw fp16 words (count * 2 bytes)
-  kCompressed = 2,  // the sum compressed with the tensor's compressor
-};
-std::string_view to_string(Placement p) noexcept;
-std::string_view to_string(SumMode m) noexcept;
-std::string_view to_string(PullFormat f) noexcept;
-
-struct TensorPlan {
-  Placement placement = Placement::kSharded;
-  // Empty name = pushes are raw fp32 (count * 4 bytes). Otherwise every push
-  // is one buffer produced by this compressor for the partition's elements.
-  compress::CompressorSpec compressor;
-  SumMode sum = SumMode::kDense;
-  PullFormat pull = PullFormat::kFp32;
-  // Server-side error feedback when pull == kCompressed and sum == kDense.
-  bool server_error_feedback = false;
-
-  bool compressed_push() const { return !compressor.name.empty(); }
-  std::string describe() const;
-  bool operator==(const TensorPlan&) const = default;
-};
-
-// The mapping from the planner's option (docs/server.md has the table):
-//   inter allgather                       -> kPeer (not on any server)
-//   compressor none                       -> dense sum, pull fp32
-//   additive compressor (fp16, bf16, randomk) under a reducing inter
-//   collective (reduce_scatter_allgather, reduce_broadcast)
-//                                         -> compressed-domain sum, pull compressed
-//   fp16 under alltoall_allgather / gather_broadcast
-//                                         -> dense sum, pull fp16 (raw words)
-//   any other compressor under alltoall_allgather / gather_broadcast
-//                                         -> dense sum, pull recompressed, with
-//                                            server EF = option.error_feedback
-// inter reduce_broadcast / gather_broadcast place the tensor on one server
-// (ps_single); the others shard it over every server (ps).
-// Throws Error(kInvalidArgument) naming the tensor for options the PS cannot
-// run (a non-additive compressor under a reducing collective).
-TensorPlan plan_for_option(const planner::Option& option, std::string_view tensor);
+// The per-tensor plan and the option -> plan mapping live in the strategy
+// library (planner/strategy/plan.h); plan_job() applies it to a declaration.
+using strategy::Placement;
+using strategy::PullFormat;
+using strategy::SumMode;
+using strategy::TensorPlan;
+using strategy::plan_for_option;
+using strategy::pull_bytes_bound;
+using strategy::push_bytes_bound;
+using strategy::partition_key;
+using strategy::partition_seed;
 
 // Resolves every tensor's option in `strategy_yaml` (empty = default
-// Strategy) and maps it. Throws Error(kInvalidArgument) / config::ConfigError
-// naming the tensor or YAML location.
+// Strategy) and maps it (Scope::kCluster). Throws Error(kInvalidArgument) /
+// config::ConfigError naming the tensor or YAML location.
 std::vector<TensorPlan> plan_job(const std::vector<TensorSpec>& tensors,
                                  std::string_view strategy_yaml);
 
@@ -129,10 +90,6 @@ struct Partition {
   bool operator==(const Partition&) const = default;
 };
 
-inline uint64_t partition_key(uint32_t tensor, uint32_t index) {
-  return (uint64_t{tensor} << 32) | index;
-}
-
 struct Assignment {
   std::vector<Partition> partitions;            // ordered by key
   std::vector<std::vector<uint32_t>> by_tensor; // tensor -> indices into partitions
@@ -154,14 +111,5 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
                              const std::vector<TensorPlan>& plans,
                              const std::vector<ServerInfo>& servers,
                              uint64_t partition_bytes);
-
-// Seed shared by every node (and the servers) for one partition: the
-// CompressContext::shared_seed of its compressions (randomk index selection).
-uint64_t partition_seed(std::string_view job_name, uint64_t key);
-
-// Bytes a push / a pull answer of `count` elements may have under `plan`
-// (exact for raw formats, an upper bound for compressed ones).
-uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count);
-uint64_t pull_bytes_bound(const TensorPlan& plan, uint64_t count);
 
 }  // namespace bytecomp::server

@@ -32,13 +32,14 @@
 //
 // Push payload formats (per the tensor's TensorPlan):
 //   raw fp32: exactly Partition::count * 4 bytes (little-endian floats);
-//   compressed: one buffer produced by make_compressor(plan.compressor) for
-//     the partition's elements (count = Partition::count). For randomk the
-//     CompressContext::shared_seed must be partition_seed(job, key) and
-//     iteration the iteration, so all nodes pick the same indices.
-// Pull answer formats: PullFormat::kFp32 -> count*4 bytes of fp32;
-//   kFp16 -> count*2 bytes of fp16 words; kCompressed -> one compressed
-//   buffer (decompress it with the same compressor, accumulate=false).
+//   compressed: one buffer produced by plan.compressor (make_compressor(
+//     plan.spec)) for the partition's elements (count = Partition::count).
+//     For randomk the CompressContext::shared_seed must be
+//     strategy::partition_seed(job, key) and iteration the iteration, so all
+//     nodes pick the same indices (planner/strategy/partition.h).
+// Pull answer formats (PullFormat; strategy::decode_answer() reads them,
+//   planner/strategy/answer.h): kFp32 -> count*4 bytes of fp32; kFp16 ->
+//   count*2 bytes of fp16 words; kCompressed -> one compressed buffer.
 //
 // Error model (common/error.h): setup errors throw bytecomp::Error
 // (create(): bad config or cannot bind; join(): admission failed — the

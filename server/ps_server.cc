@@ -21,6 +21,7 @@
 #include "common/logging_config.h"
 #include "compress/compressor.h"
 #include "compress/reduce.h"
+#include "planner/strategy/answer.h"
 #include "server/protocol.h"
 #include "server/ps_client.h"
 
@@ -302,8 +303,8 @@ struct ParameterServer::Impl {
   compress::CompressContext ctx(const ServerJob& job, const PartState& ps) const {
     compress::CompressContext c;
     c.iteration = ps.collecting;
-    c.shared_seed = partition_seed(job.name, ps.part.key);
-    c.private_seed = (uint64_t{cfg.node_id} << 32) ^ ps.part.key;
+    c.shared_seed = strategy::partition_seed(job.name, ps.part.key);
+    c.private_seed = strategy::server_private_seed(cfg.node_id, ps.part.key);
     return c;
   }
 
@@ -1403,7 +1404,7 @@ void ParameterServer::Impl::fix_plan(ServerJob& job, PartState& ps) {
   ps.plan = std::move(plan);
   ps.plan_ready = true;
   if (ps.plan.compressed_push()) {
-    ps.comp = compress::make_compressor(ps.plan.compressor);
+    ps.comp = compress::make_compressor(ps.plan.spec());
     ps.state = ps.comp->make_state(ps.part.count);
   } else {
     ps.comp.reset();
@@ -1454,10 +1455,10 @@ void ParameterServer::Impl::on_push(const std::shared_ptr<ServerJob>& job, PartS
                     "push refused: malformed compressed buffer from " + who + " for " + ps.label +
                         ": " + e.what());
     }
-    if (info.algorithm != ps.plan.compressor.name)
+    if (info.algorithm != ps.plan.spec().name)
       return refuse(in, ErrorCode::kInvalidArgument,
                     "push refused: buffer from " + who + " is compressed with '" + info.algorithm +
-                        "' but " + ps.label + " expects '" + ps.plan.compressor.name + "'");
+                        "' but " + ps.label + " expects '" + ps.plan.spec().name + "'");
     if (info.count != ps.part.count || info.total_bytes != b.size())
       return refuse(in, ErrorCode::kInvalidArgument,
                     "push refused: wrong length from " + who + " for " + ps.label + ": buffer of " +
@@ -1550,33 +1551,23 @@ void ParameterServer::Impl::complete_round(ServerJob& job, PartState& ps) {
       size_t len = ps.comp->aggregate(inputs, {out.mutable_data(), out.size()}, ctx(job, ps));
       result = out.slice(0, len);
     } else {
-      switch (ps.plan.pull) {
-        case PullFormat::kFp32: {
-          // The block's owner rides in the release function's capture, so
-          // it returns to the pool when the last copy of that function goes
-          // (however many copies Buffer::wrap makes of it).
-          std::shared_ptr<BlockPool> pool = ps.pool;
-          std::shared_ptr<float[]> block(ps.sum.release(), [pool](float* p) {
-            pool->put(std::unique_ptr<float[]>(p));
-          });
-          const float* raw = block.get();
-          result = Buffer::wrap(raw, n * 4, [block] {});
-          ps.sum = ps.pool->get();
-          break;
-        }
-        case PullFormat::kFp16: {
-          Buffer out = Buffer::allocate(n * 2);
-          compress::fp32_to_fp16(reinterpret_cast<uint16_t*>(out.mutable_data()), ps.sum.get(), n);
-          result = out;
-          break;
-        }
-        case PullFormat::kCompressed: {
-          Buffer out = Buffer::allocate(ps.comp->max_compressed_bytes(n));
-          size_t len = ps.comp->compress(compress::ConstTensorView::cpu(ps.sum.get(), n),
-                                         {out.mutable_data(), out.size()}, *ps.state, ctx(job, ps));
-          result = out.slice(0, len);
-          break;
-        }
+      if (strategy::answer_is_raw_sum(ps.plan.pull)) {
+        // The block's owner rides in the release function's capture, so
+        // it returns to the pool when the last copy of that function goes
+        // (however many copies Buffer::wrap makes of it).
+        std::shared_ptr<BlockPool> pool = ps.pool;
+        std::shared_ptr<float[]> block(ps.sum.release(), [pool](float* p) {
+          pool->put(std::unique_ptr<float[]>(p));
+        });
+        const float* raw = block.get();
+        result = Buffer::wrap(raw, n * 4, [block] {});
+        ps.sum = ps.pool->get();
+      } else {
+        Buffer out = Buffer::allocate(pull_bytes_bound(ps.plan, n));
+        size_t len = strategy::encode_answer(ps.plan.pull, ps.sum.get(), n,
+                                             {out.mutable_data(), out.size()}, ps.comp.get(),
+                                             ps.state.get(), ctx(job, ps));
+        result = out.slice(0, len);
       }
     }
   } catch (const Error& e) {

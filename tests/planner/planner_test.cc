@@ -122,7 +122,7 @@ TEST(Simulator, GpuCompressionDelaysBackward) {
   Evaluator ev(p);
   Timeline tl;
   const double f = ev.evaluate(
-      {index_of(p, onebit_flat_allgather(Device::kGpu)), index_of(p, fp32())}, &tl);
+      {index_of(p, onebit_flat_allgather(Device::kCuda)), index_of(p, fp32())}, &tl);
   EXPECT_NEAR(tl.backward_end_us, 180.0, 1e-9);
   EXPECT_NEAR(f, 204.0, 1e-9);
   EXPECT_NEAR(find_event(tl, "a", "decompress")->start_us, 130.125, 1e-9);
@@ -157,7 +157,7 @@ TEST(Simulator, HostCopiesOnlyWhereRawDataCrosses) {
                        {194.125, 208.125}}));
   // Mixed devices: a GPU decompress feeding a CPU recompress copies the
   // shard's sum in (500 elements: 2 us): 30 + 2.
-  o.decomp_device = Device::kGpu;
+  o.decomp_device = Device::kCuda;
   Timeline t2;
   ev.evaluate({index_of(p, o), index_of(p, fp32())}, &t2);
   std::vector<double> cpu_durations;
@@ -177,7 +177,7 @@ TEST(Simulator, CpuShareRunsTwoChainsFromTheReadyTime) {
   // [120,150.125] and [160.125,180]; then FP32 +24.
   Problem p(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"));
   Evaluator ev(p);
-  const int gpu = index_of(p, onebit_flat_allgather(Device::kGpu));
+  const int gpu = index_of(p, onebit_flat_allgather(Device::kCuda));
   const int split = p.split_option(gpu, 0.5);
   ASSERT_GE(split, p.tree_options());
   EXPECT_EQ(p.options()[split].cpu_share, 0.5);
@@ -205,7 +205,7 @@ TEST(Simulator, CpuShareRunsTwoChainsFromTheReadyTime) {
   no_cpu.allow_cpu = false;
   Problem q(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"),
             no_cpu);
-  EXPECT_EQ(q.split_option(index_of(q, onebit_flat_allgather(Device::kGpu)), 0.5), -1);
+  EXPECT_EQ(q.split_option(index_of(q, onebit_flat_allgather(Device::kCuda)), 0.5), -1);
 }
 
 namespace {
@@ -244,7 +244,7 @@ TEST(Simulator, PiecesPipelineCompressionWithCommunication) {
   // decompress [395.536,445.536]. F = 445.536 (forward 0).
   Problem p = one_linear_tensor(1 << 20);
   Evaluator ev(p);
-  const int whole = index_of(p, onebit_flat_allgather(Device::kGpu));
+  const int whole = index_of(p, onebit_flat_allgather(Device::kCuda));
   const int two = p.pieces_option(whole, 2);
   ASSERT_GE(two, p.tree_options());
   EXPECT_EQ(p.options()[two].pieces, 2);
@@ -376,14 +376,14 @@ compressors:
     cpu: {compress: {a_us: 30}, decompress: {a_us: 50, b_us_per_melem: 1048576}}
 )", "linear-costs.yaml");
   Problem p(two_tensors(100, 50), tiny_cluster(1), costs, CompressorSpec::parse("onebit"));
-  for (Device d : {Device::kGpu, Device::kCpu}) {
+  for (Device d : {Device::kCuda, Device::kCpu}) {
     Evaluator ev(p);
     Timeline tl;
     const int o = index_of(p, onebit_flat_allgather(d));
     ev.evaluate({o, o}, &tl);
     const TraceEvent* e = find_event(tl, "a", "decompress");
     ASSERT_NE(e, nullptr);
-    EXPECT_NEAR(e->end_us - e->start_us, d == Device::kGpu ? 2010.0 : 2100.0, 1e-6);
+    EXPECT_NEAR(e->end_us - e->start_us, d == Device::kCuda ? 2010.0 : 2100.0, 1e-6);
   }
 }
 
@@ -411,7 +411,7 @@ TEST(Simulator, ChromeTraceIsValidJson) {
   Problem p(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"));
   Evaluator ev(p);
   Timeline tl;
-  ev.evaluate({index_of(p, onebit_flat_allgather(Device::kGpu)), index_of(p, fp32())}, &tl);
+  ev.evaluate({index_of(p, onebit_flat_allgather(Device::kCuda)), index_of(p, fp32())}, &tl);
   YAML::Node j = YAML::Load(tl.chrome_trace_json());
   ASSERT_TRUE(j["traceEvents"].IsSequence());
   int complete = 0;

@@ -1,4 +1,4 @@
-#include "planner/strategy.h"
+#include "planner/strategy/strategy.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -70,7 +70,7 @@ TEST(Strategy, SaveLoadRoundTrips) {
   o.compressor = "dgc";
   o.params = {{"ratio", "0.01"}, {"momentum", "0.9"}};
   o.error_feedback = true;
-  o.comp_device = Device::kGpu;
+  o.comp_device = Device::kCuda;
   o.decomp_device = Device::kCpu;
   o.scheme = Scheme::kHierarchical;
   o.intra = Collective::kAlltoallAllgather;
@@ -161,7 +161,7 @@ TEST(Strategy, CpuRuntimeRefusesWhatItCannotRun) {
   EXPECT_NO_THROW(s.check_cpu_runtime({{"fc.weight", 400}, {"a.bias", 4}, {"w", 4 << 20}}));
   Option gpu;
   gpu.compressor = "randomk";
-  gpu.comp_device = Device::kGpu;
+  gpu.comp_device = Device::kCuda;
   gpu.inter = Collective::kAllgather;
   s.add_entry({"g", gpu});
   try {
@@ -203,7 +203,7 @@ TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeRefusesIt) {
   split.compressor = "dgc";
   split.params = {{"ratio", "0.01"}};
   split.error_feedback = true;
-  split.comp_device = split.decomp_device = Device::kGpu;
+  split.comp_device = split.decomp_device = Device::kCuda;
   split.intra = Collective::kReduceScatterAllgather;
   split.inter = Collective::kAlltoallAllgather;
   split.cpu_share = 0.234375;
@@ -252,7 +252,7 @@ TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
   piped.compressor = "dgc";
   piped.params = {{"ratio", "0.01"}};
   piped.error_feedback = true;
-  piped.comp_device = piped.decomp_device = Device::kGpu;
+  piped.comp_device = piped.decomp_device = Device::kCuda;
   piped.intra = Collective::kReduceScatterAllgather;
   piped.inter = Collective::kAlltoallAllgather;
   piped.pieces = 4;

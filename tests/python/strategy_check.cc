@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "planner/strategy.h"
+#include "planner/strategy/strategy.h"
 
 int main(int argc, char** argv) {
   if (argc < 3) {

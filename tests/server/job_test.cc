@@ -25,7 +25,7 @@ std::vector<ServerInfo> servers(int n, uint32_t engines) {
   return s;
 }
 
-std::string strategy(const std::string& entries) {
+std::string strategy_text(const std::string& entries) {
   return "version: 1\nentries:\n" + entries;
 }
 
@@ -36,7 +36,7 @@ TEST(PlanTest, MapsOptionsToServerPlans) {
                                {"rk", 100},  {"topk", 100}, {"peer", 100},
                                {"single", 100}};
   auto plans = plan_job(
-      t, strategy("  - {tensor: half, option: {compressor: fp16, inter: reduce_scatter_allgather}}\n"
+      t, strategy_text("  - {tensor: half, option: {compressor: fp16, inter: reduce_scatter_allgather}}\n"
                   "  - {tensor: halfdense, option: {compressor: fp16, inter: alltoall_allgather}}\n"
                   "  - {tensor: rk, option: {compressor: randomk, params: {ratio: '0.1'}, inter: allreduce}}\n"
                   "  - {tensor: topk, option: {compressor: topk, error_feedback: true, inter: alltoall_allgather}}\n"
@@ -50,7 +50,7 @@ TEST(PlanTest, MapsOptionsToServerPlans) {
   EXPECT_EQ(plans[2].sum, SumMode::kDense);
   EXPECT_EQ(plans[2].pull, PullFormat::kFp16);
   EXPECT_EQ(plans[3].sum, SumMode::kCompressed);
-  EXPECT_EQ(plans[3].compressor.params.at("ratio"), "0.1");
+  EXPECT_EQ(plans[3].spec().params.at("ratio"), "0.1");
   EXPECT_EQ(plans[4].sum, SumMode::kDense);
   EXPECT_EQ(plans[4].pull, PullFormat::kCompressed);
   EXPECT_TRUE(plans[4].server_error_feedback);
@@ -60,7 +60,7 @@ TEST(PlanTest, MapsOptionsToServerPlans) {
 
 TEST(PlanTest, RefusesWhatTheServersCannotRun) {
   // The strategy loader already refuses it; plan_for_option checks on its own.
-  EXPECT_THROW(plan_job({{"g", 10}}, strategy("  - {tensor: g, option: {compressor: topk, "
+  EXPECT_THROW(plan_job({{"g", 10}}, strategy_text("  - {tensor: g, option: {compressor: topk, "
                                               "inter: reduce_scatter_allgather}}\n")),
                Error);
   planner::Option o;

@@ -244,7 +244,7 @@ int main(int argc, char** argv) {
           comps[i].reset();
           states[i].reset();
           if (plan.compressed_push()) {
-            comps[i] = compress::make_compressor(plan.compressor);
+            comps[i] = compress::make_compressor(plan.spec());
             states[i] = comps[i]->make_state(p.count);
           }
         }

@@ -392,7 +392,7 @@ TEST_F(ServerTest, CompressedPushesMatchReferenceDecompressAndSum) {
   for (const Partition& p : a.partitions) {
     const TensorPlan& plan = plans[p.tensor];
     ASSERT_TRUE(plan.compressed_push());
-    auto comp = compress::make_compressor(plan.compressor);
+    auto comp = compress::make_compressor(plan.spec());
     std::vector<std::unique_ptr<compress::TensorState>> wstate;
     for (size_t r = 0; r < nodes.size(); ++r) wstate.push_back(comp->make_state(p.count));
     auto sstate = comp->make_state(p.count);
@@ -766,7 +766,7 @@ TEST_F(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
       td::fill(g.data(), g.size(), 3, j->info().rank, 0, it, 0);
       transport::Buffer payload;
       if (plan.compressed_push()) {
-        auto c = compress::make_compressor(plan.compressor);
+        auto c = compress::make_compressor(plan.spec());
         auto st = c->make_state(g.size());
         std::vector<std::byte> out(c->max_compressed_bytes(g.size()));
         out.resize(c->compress(compress::ConstTensorView::cpu(g.data(), g.size()), out, *st, {}));
@@ -802,7 +802,7 @@ TEST_F(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
   EXPECT_EQ(jb->plan_at(0, 2).pull, PullFormat::kFp16);
   // Too late: iteration 3 already started on the server.
   std::vector<float> g(5000, 1.0f);
-  auto c = compress::make_compressor(ja->plan_at(0, 3).compressor);
+  auto c = compress::make_compressor(ja->plan_at(0, 3).spec());
   auto st = c->make_state(g.size());
   std::vector<std::byte> out(c->max_compressed_bytes(g.size()));
   out.resize(c->compress(compress::ConstTensorView::cpu(g.data(), g.size()), out, *st, {}));

@@ -1,5 +1,6 @@
 // Per-tensor compression strategy: the contract between the planner (which
-// writes it) and the node daemon (which executes it). See
+// writes it) and the node daemon and servers (which execute it;
+// planner/strategy/plan.h maps an option to what they run). See
 // docs/strategy-format.md for the YAML format and for which options the CPU
 // runtime can execute.
 //
@@ -22,9 +23,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/types.h"
+
 namespace bytecomp::planner {
 
-enum class Device { kGpu, kCpu };
+// The YAML text is "gpu" / "cpu" (device_name, parse_device).
+using Device = bytecomp::Device;
 
 enum class Scheme {
   kFlat,          // one collective over every worker of the job
@@ -53,7 +57,7 @@ enum class Collective {
 // In a flat scheme both are kInter (one phase).
 enum class Stage { kIntra, kInter };
 
-const char* to_string(Device d);
+const char* device_name(Device d);  // "gpu" / "cpu"
 const char* to_string(Scheme s);
 const char* to_string(Collective c);
 const char* to_string(Stage s);

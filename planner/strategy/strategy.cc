@@ -1,4 +1,4 @@
-#include "planner/strategy.h"
+#include "planner/strategy/strategy.h"
 
 #include <fnmatch.h>
 #include <yaml-cpp/yaml.h>
@@ -21,7 +21,6 @@ using config::Reader;
 
 namespace {
 
-constexpr const char* kDeviceNames[] = {"gpu", "cpu"};
 constexpr const char* kSchemeNames[] = {"flat", "hierarchical"};
 constexpr const char* kCollectiveNames[] = {
     "allreduce", "reduce_scatter_allgather", "reduce_broadcast",
@@ -37,12 +36,14 @@ std::optional<E> parse_enum(std::string_view s, const char* const (&names)[N]) {
 
 }  // namespace
 
-const char* to_string(Device d) { return kDeviceNames[static_cast<int>(d)]; }
+const char* device_name(Device d) { return d == Device::kCuda ? "gpu" : "cpu"; }
 const char* to_string(Scheme s) { return kSchemeNames[static_cast<int>(s)]; }
 const char* to_string(Collective c) { return kCollectiveNames[static_cast<int>(c)]; }
 const char* to_string(Stage s) { return kStageNames[static_cast<int>(s)]; }
 std::optional<Device> parse_device(std::string_view s) {
-  return parse_enum<Device>(s, kDeviceNames);
+  if (s == "gpu") return Device::kCuda;
+  if (s == "cpu") return Device::kCpu;
+  return std::nullopt;
 }
 std::optional<Scheme> parse_scheme(std::string_view s) {
   return parse_enum<Scheme>(s, kSchemeNames);
@@ -133,7 +134,7 @@ std::string Option::describe() const {
     os << '}';
   }
   if (error_feedback) os << " ef";
-  if (compressed()) os << ' ' << to_string(comp_device) << '/' << to_string(decomp_device);
+  if (compressed()) os << ' ' << device_name(comp_device) << '/' << device_name(decomp_device);
   if (cpu_share > 0.0) os << " cpu_share=" << cpu_share;
   if (pieces > 1) os << " pieces=" << pieces;
   if (scheme == Scheme::kFlat) {
@@ -226,10 +227,10 @@ Option read_option(Reader r, const YAML::Node& raw) {
   }
   pr.finish();
   r.get("error_feedback", o.error_feedback);
-  text = to_string(o.comp_device);
+  text = device_name(o.comp_device);
   r.get_enum("comp_device", text, {"gpu", "cpu"});
   o.comp_device = *parse_device(text);
-  text = to_string(o.decomp_device);
+  text = device_name(o.decomp_device);
   r.get_enum("decomp_device", text, {"gpu", "cpu"});
   o.decomp_device = *parse_device(text);
   text = to_string(o.scheme);
@@ -271,8 +272,8 @@ void emit_option(YAML::Emitter& out, const Option& o) {
   }
   if (o.compressed()) {
     out << YAML::Key << "error_feedback" << YAML::Value << o.error_feedback;
-    out << YAML::Key << "comp_device" << YAML::Value << to_string(o.comp_device);
-    out << YAML::Key << "decomp_device" << YAML::Value << to_string(o.decomp_device);
+    out << YAML::Key << "comp_device" << YAML::Value << device_name(o.comp_device);
+    out << YAML::Key << "decomp_device" << YAML::Value << device_name(o.decomp_device);
   }
   out << YAML::Key << "scheme" << YAML::Value << to_string(o.scheme);
   if (o.scheme == Scheme::kHierarchical)

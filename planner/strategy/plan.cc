@@ -1,0 +1,173 @@
+#include "planner/strategy/plan.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace bytecomp::strategy {
+
+std::string_view to_string(Placement p) noexcept {
+  switch (p) {
+    case Placement::kSharded: return "ps";
+    case Placement::kSingle: return "ps_single";
+    case Placement::kPeer: return "allgather";
+  }
+  return "?";
+}
+std::string_view to_string(SumMode m) noexcept {
+  return m == SumMode::kDense ? "dense" : "compressed";
+}
+std::string_view to_string(PullFormat f) noexcept {
+  switch (f) {
+    case PullFormat::kFp32: return "fp32";
+    case PullFormat::kFp16: return "fp16";
+    case PullFormat::kCompressed: return "compressed";
+  }
+  return "?";
+}
+
+const compress::CompressorSpec& TensorPlan::spec() const {
+  static const compress::CompressorSpec kNone;
+  return compressor ? compressor->spec() : kNone;
+}
+
+std::string TensorPlan::describe() const {
+  std::ostringstream os;
+  if (option) os << option->describe() << " -> ";
+  os << to_string(placement) << " push="
+     << (compressed_push() ? compress::to_string(spec()) : std::string("fp32"))
+     << " sum=" << to_string(sum) << " pull=" << to_string(pull);
+  if (server_error_feedback) os << " server_ef";
+  return os.str();
+}
+
+namespace {
+
+// Why an option cannot run; the callers prefix the tensor (and the file).
+struct Refused {
+  std::string why;
+};
+
+bool has_param(const std::string& compressor, std::string_view param) {
+  for (const auto& info : compress::list_compressors())
+    if (info.name == compressor)
+      return std::any_of(info.params.begin(), info.params.end(),
+                         [&](const compress::ParamInfo& p) { return p.name == param; });
+  return false;
+}
+
+bool builtin_feedback(const std::string& compressor) {
+  return compressor == "efsignsgd" || compressor == "onebit";
+}
+
+TensorPlan map_option(const planner::Option& o, Scope scope) {
+  using planner::Collective;
+  TensorPlan plan;
+  plan.option = std::make_shared<const planner::Option>(o);
+  switch (o.inter) {
+    case Collective::kAllgather: plan.placement = Placement::kPeer; break;
+    case Collective::kReduceBroadcast:
+    case Collective::kGatherBroadcast: plan.placement = Placement::kSingle; break;
+    default: plan.placement = Placement::kSharded; break;
+  }
+  if (!o.compressed()) return plan;
+  if (scope == Scope::kCluster && plan.placement == Placement::kPeer) return plan;
+
+  const bool reducing = planner::is_reducing(o.inter);
+  compress::CompressorSpec spec{o.compressor, o.params};
+  if (scope == Scope::kNode) {
+    if (spec.params.count("ef") != 0)
+      throw Refused{"set error feedback with the option's error_feedback key, not params.ef"};
+    if (has_param(spec.name, "ef")) {
+      spec.params["ef"] = o.error_feedback ? "true" : "false";
+    } else if (o.error_feedback && !builtin_feedback(spec.name)) {
+      throw Refused{"compressor '" + spec.name + "' has no error feedback (error_feedback: false)"};
+    }
+  } else if (!reducing && has_param(o.compressor, "ef")) {
+    spec.params["ef"] = o.error_feedback ? "true" : "false";
+  }
+  try {
+    plan.compressor = compress::make_compressor(spec);
+  } catch (const Error& e) {
+    throw Refused{e.what()};
+  }
+  if (reducing) {
+    if (!plan.compressor->additive())
+      throw Refused{"compressor '" + o.compressor +
+                    "' is not additive, so the servers cannot sum it compressed under '" +
+                    planner::to_string(o.inter) +
+                    "' (accepted: fp16, bf16, randomk; or use alltoall_allgather / "
+                    "gather_broadcast)"};
+    plan.sum = SumMode::kCompressed;
+    plan.pull = PullFormat::kCompressed;
+    return plan;
+  }
+  plan.sum = SumMode::kDense;
+  if (o.compressor == "fp16") {
+    plan.pull = PullFormat::kFp16;
+  } else {
+    plan.pull = PullFormat::kCompressed;
+    plan.server_error_feedback = o.error_feedback;
+  }
+  return plan;
+}
+
+}  // namespace
+
+TensorPlan plan_for_option(const planner::Option& option, std::string_view tensor, Scope scope) {
+  try {
+    return map_option(option, scope);
+  } catch (const Refused& r) {
+    throw Error(ErrorCode::kInvalidArgument, "tensor '" + std::string(tensor) + "': " + r.why);
+  }
+}
+
+std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std::string& source,
+                                   std::span<const PlanTensor> tensors) {
+  std::vector<planner::TensorDecl> decls;
+  decls.reserve(tensors.size());
+  for (const auto& t : tensors) decls.push_back({t.name, t.bytes});
+  try {
+    strategy.check_cpu_runtime(decls);
+  } catch (const Error& e) {
+    throw Error(ErrorCode::kInvalidArgument, "strategy " + source + ": " + e.what());
+  }
+  std::vector<TensorPlan> plans;
+  plans.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    const planner::Option& o = strategy.resolve(t.name, t.bytes);
+    auto fail = [&](const std::string& why) {
+      throw Error(ErrorCode::kInvalidArgument, "strategy " + source + ": tensor '" + t.name +
+                                                   "' resolves to [" + o.describe() + "]: " + why);
+    };
+    if (o.compressed() && !t.dtype_name.empty())
+      fail("the CPU compressors take float32 tensors, this one is " + t.dtype_name +
+           " (use compressor: none for it)");
+    try {
+      plans.push_back(map_option(o, Scope::kNode));
+    } catch (const Refused& r) {
+      fail(r.why);
+    }
+  }
+  return plans;
+}
+
+std::vector<TensorPlan> uncompressed_plans(size_t n) { return std::vector<TensorPlan>(n); }
+
+uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count) {
+  if (!plan.compressed_push()) return count * 4;
+  return plan.compressor->max_compressed_bytes(count);
+}
+
+uint64_t pull_bytes_bound(const TensorPlan& plan, uint64_t count) {
+  switch (plan.pull) {
+    case PullFormat::kFp32: return count * 4;
+    case PullFormat::kFp16: return count * 2;
+    case PullFormat::kCompressed:
+      return plan.compressor ? plan.compressor->max_compressed_bytes(count) : count * 4;
+  }
+  return count * 4;
+}
+
+}  // namespace bytecomp::strategy

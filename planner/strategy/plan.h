@@ -1,0 +1,129 @@
+// From a strategy option to what the runtime executes for one tensor: the one
+// plan type the daemon (every path) and the parameter servers use, and the one
+// mapping that produces it.
+//
+// The mapping (docs/server.md has the table):
+//   inter allgather                       -> kPeer (not on any server)
+//   compressor none                       -> dense sum, pull fp32
+//   additive compressor (fp16, bf16, randomk) under a reducing inter
+//   collective (reduce_scatter_allgather, reduce_broadcast)
+//                                         -> compressed-domain sum, pull compressed
+//   fp16 under alltoall_allgather / gather_broadcast
+//                                         -> dense sum, pull fp16 (raw words)
+//   any other compressor under alltoall_allgather / gather_broadcast
+//                                         -> dense sum, pull recompressed, with
+//                                            server EF = option.error_feedback
+// inter reduce_broadcast / gather_broadcast place the tensor on one server
+// (ps_single); the others shard it over every server (ps).
+//
+// Error feedback ("ef" of compressors that have it) depends on the scope:
+//   Scope::kCluster (servers and the nodes' push path, plan_job): ef is the
+//     option's error_feedback under a gathering inter collective; under a
+//     reducing one the servers sum the pushes compressed and ef stays at the
+//     compressor's own default (randomk: on). A peer tensor gets no
+//     compressor (no server handles it).
+//   Scope::kNode (a daemon running the option by itself: one-node jobs, peer
+//     allgather; make_plans): ef is always the option's error_feedback;
+//     params.ef is refused, and error_feedback on a compressor without it
+//     (unless its feedback is built in: efsignsgd, onebit) is refused.
+//
+// Thread-safety: TensorPlan is an immutable value once built (its compressor
+// is thread-safe and shared); the functions are pure.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "compress/compressor.h"
+#include "planner/strategy/strategy.h"
+
+namespace bytecomp::strategy {
+
+// How the parameter servers handle one tensor.
+enum class Placement : uint8_t {
+  kSharded = 0,  // "ps": partitions spread over every server
+  kSingle = 1,   // "ps_single": every partition on one server
+  kPeer = 2,     // "allgather" between daemons: not on any server
+};
+enum class SumMode : uint8_t {
+  kDense = 0,       // fp32 sum; pushes decompressed-and-accumulated into it
+  kCompressed = 1,  // additive compressor: pushes summed compressed (aggregate())
+};
+// Format of a pull answer (planner/strategy/answer.h encodes and decodes it).
+enum class PullFormat : uint8_t {
+  kFp32 = 0,        // the fp32 sum, raw little-endian floats
+  kFp16 = 1,        // the sum as raw fp16 words (count * 2 bytes)
+  kCompressed = 2,  // the sum compressed with the tensor's compressor
+};
+std::string_view to_string(Placement p) noexcept;
+std::string_view to_string(SumMode m) noexcept;
+std::string_view to_string(PullFormat f) noexcept;
+
+enum class Scope : uint8_t { kCluster, kNode };
+
+// Copying a plan (once per partition on the PS and peer paths) costs two
+// reference counts and allocates nothing: what it owns is shared.
+struct TensorPlan {
+  Placement placement = Placement::kSharded;
+  SumMode sum = SumMode::kDense;
+  PullFormat pull = PullFormat::kFp32;
+  // Server-side error feedback when pull == kCompressed and sum == kDense.
+  bool server_error_feedback = false;
+  // The compressor every node runs on the tensor; null = uncompressed
+  // (pushes are raw fp32, count * 4 bytes).
+  std::shared_ptr<const compress::Compressor> compressor;
+  // The strategy option the plan was made from (null in a default plan).
+  std::shared_ptr<const planner::Option> option;
+
+  bool compressed_push() const { return compressor != nullptr; }
+  // Canonical spec of `compressor` (every parameter filled in); empty name
+  // when uncompressed.
+  const compress::CompressorSpec& spec() const;
+  // "<option> -> ps push=... sum=... pull=..." (the option part when known).
+  std::string describe() const;
+  // Equal when they put the same bytes on the wire (placement, spec, sum,
+  // pull, server EF); which objects are shared does not matter. Plans
+  // sharing one compressor compare without calling into it.
+  bool operator==(const TensorPlan& o) const {
+    return placement == o.placement && sum == o.sum && pull == o.pull &&
+           server_error_feedback == o.server_error_feedback &&
+           (compressor == o.compressor || spec() == o.spec());
+  }
+};
+
+// The mapping above. Throws Error(kInvalidArgument) "tensor '<name>': <why>"
+// for options it cannot run (a non-additive compressor under a reducing
+// collective, bad compressor parameters, and the kNode refusals).
+TensorPlan plan_for_option(const planner::Option& option, std::string_view tensor,
+                           Scope scope = Scope::kCluster);
+
+// One tensor as make_plans() sees it. dtype_name empty = float32 (the only
+// type the compressors take).
+struct PlanTensor {
+  std::string name;
+  uint64_t bytes = 0;
+  std::string dtype_name;
+};
+
+// Scope::kNode plans for a daemon's job: checks the strategy against the
+// tensors (Strategy::check_cpu_runtime) and fails with one message naming
+// `source` (the strategy file), the tensor and the reason: an entry for an
+// undeclared tensor, an option the CPU runtime cannot execute, a compressor
+// on a tensor that is not float32, bad compressor parameters, or error
+// feedback asked of a compressor that has none. Throws Error(kInvalidArgument).
+std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std::string& source,
+                                   std::span<const PlanTensor> tensors);
+
+// Plans without a strategy: every tensor uncompressed.
+std::vector<TensorPlan> uncompressed_plans(size_t n);
+
+// Bytes a push / a pull answer of `count` elements may have under `plan`
+// (exact for raw formats, an upper bound for compressed ones).
+uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count);
+uint64_t pull_bytes_bound(const TensorPlan& plan, uint64_t count);
+
+}  // namespace bytecomp::strategy
