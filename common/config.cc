@@ -25,9 +25,10 @@ std::string range_text(Range<T> r) {
   return s.str();
 }
 
-std::string join(std::initializer_list<std::string_view> items) {
+template <class Items>
+std::string join(const Items& items) {
   std::string s;
-  for (auto it : items) {
+  for (const auto& it : items) {
     if (!s.empty()) s += ", ";
     s += it;
   }
@@ -295,6 +296,19 @@ Reader& Reader::get_enum(std::string_view key, std::string& out,
   auto v = scalar(key);
   if (!v) return *this;
   for (auto a : accepted) {
+    if (v->text == a) {
+      out = v->text;
+      return *this;
+    }
+  }
+  fail_value(*v, key, "'" + v->text + "' is not a valid choice", join(accepted));
+}
+
+Reader& Reader::get_enum(std::string_view key, std::string& out,
+                         const std::vector<std::string>& accepted) {
+  auto v = scalar(key);
+  if (!v) return *this;
+  for (const auto& a : accepted) {
     if (v->text == a) {
       out = v->text;
       return *this;

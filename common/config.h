@@ -94,6 +94,8 @@ class Reader {
   // One of a fixed set of strings.
   Reader& get_enum(std::string_view key, std::string& out,
                    std::initializer_list<std::string_view> accepted);
+  Reader& get_enum(std::string_view key, std::string& out,
+                   const std::vector<std::string>& accepted);
   Reader& get(std::string_view key, std::vector<std::string>& out);
 
   bool has(std::string_view key) const;

@@ -3,7 +3,9 @@
 // callers use compressor.h.
 #pragma once
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "common/thread_pool.h"
+#include "compress/catalogue.h"
 #include "compress/compressor.h"
 
 namespace bytecomp::compress::detail {
@@ -264,10 +267,22 @@ void unpack_signs(const std::byte* words, size_t len, float pos, float neg, floa
 size_t collect_at_least(const float* v, size_t b, size_t e, uint32_t tkey, uint32_t* out);
 
 // Parameter values for factories (validated text -> number).
-struct Values {
-  std::map<std::string, double> v;
-  double operator[](const std::string& k) const { return v.at(k); }
-};
+using Values = ParamValues;
+
+// Elements a sparsifier keeps of n at `ratio` (round to nearest, at least 1).
+inline size_t k_of(size_t n, double ratio) {
+  if (n == 0) return 0;
+  double k = std::floor(ratio * static_cast<double>(n) + 0.5);
+  return std::clamp<size_t>(static_cast<size_t>(k), 1, n);
+}
+// Bytes of a topk/dgc buffer carrying k (index, value) pairs.
+inline size_t sparse_bytes(size_t k) { return kHeaderBytes + 8 + 8 * k; }
+// The most pairs DGC sends for n elements (its threshold is estimated from a
+// sample, so it may keep up to 30% more than k).
+inline size_t dgc_max_k(size_t n, double ratio, bool warmup) {
+  size_t k = k_of(n, warmup ? std::max(ratio, 0.25) : ratio);
+  return std::min(n, k + k * 3 / 10 + 1);
+}
 
 // Constructors of the concrete compressors (defined next to each).
 std::unique_ptr<Base> make_fp16(CompressorSpec s);

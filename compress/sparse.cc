@@ -15,12 +15,6 @@ namespace {
 
 __extension__ typedef unsigned __int128 u128;
 
-size_t k_of(size_t n, double ratio) {
-  if (n == 0) return 0;
-  double k = std::floor(ratio * static_cast<double>(n) + 0.5);
-  return std::clamp<size_t>(static_cast<size_t>(k), 1, n);
-}
-
 constexpr size_t kSub = 4096;
 constexpr uint64_t kMaxIndexed = 0xffffffffull;  // u32 indices on the wire
 
@@ -33,7 +27,6 @@ void check_indexed(const std::string& name, size_t n) {
 
 // --- shared sparse payload (topk, dgc) ---------------------------------------
 
-size_t sparse_bytes(size_t k) { return kHeaderBytes + 8 + 8 * k; }
 
 void decode_sparse(const char* algo, const Parsed& p, float* out, Mode mode, ThreadPool* pool) {
   ParamReader pr(p.params, 8, algo);
@@ -408,10 +401,7 @@ class Dgc final : public Base {
     uint64_t stage = iteration / warmup_;
     return stage < 4 ? std::max(ratio_, kStages[stage]) : ratio_;
   }
-  size_t max_k(size_t n) const {
-    size_t k = k_of(n, warmup_ ? std::max(ratio_, 0.25) : ratio_);
-    return std::min(n, k + k * 3 / 10 + 1);
-  }
+  size_t max_k(size_t n) const { return dgc_max_k(n, ratio_, warmup_ != 0); }
 
   size_t max_compressed_bytes(size_t n) const override { return sparse_bytes(max_k(n)); }
   bool additive() const override { return false; }

@@ -9,6 +9,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "compress/catalogue.h"
 
 namespace bytecomp::planner {
 
@@ -71,6 +72,15 @@ std::optional<DeviceCost> read_device(Reader& parent, const char* key) {
   DeviceCost d{read_linear(r.section("compress")), read_linear(r.section("decompress"))};
   r.finish();
   return d;
+}
+
+const std::vector<std::string>& catalogue_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n;
+    for (const auto& e : compress::catalogue()) n.emplace_back(e.name);
+    return n;
+  }();
+  return names;
 }
 
 double param_double(const std::map<std::string, std::string>& p, const char* key, double def) {
@@ -196,9 +206,7 @@ CostTable CostTable::parse(std::string_view text, std::string name) {
   for (size_t i = 0; i < list.size(); ++i) {
     Reader& r = list[i];
     CompressorCost c;
-    r.require("name").get_enum("name", c.name,
-                               {"fp16", "bf16", "randomk", "topk", "dgc", "signsgd", "signum",
-                                "efsignsgd", "onebit", "qsgd", "terngrad"});
+    r.require("name").get_enum("name", c.name, catalogue_names());
     c.params = read_params(r, raw_list.IsSequence() && i < raw_list.size() ? raw_list[i]
                                                                            : YAML::Node());
     c.bytes_per_element = default_bytes_per_element(c.name, c.params);
@@ -251,11 +259,10 @@ CostTable CostTable::from_paper_results(std::string_view text, std::string name)
     c.params = std::move(params);
     c.error_feedback = ef;
     c.bytes_per_element = default_bytes_per_element(comp, c.params);
-    // The paper's sparsified size counts values and indices: 2 x ratio x bytes.
-    if (comp == "randomk" || comp == "dgc" || comp == "topk")
+    // The paper's sparsified size counts values and indices: 2 x ratio x
+    // bytes, also for randomk (whose indices this runtime does not send).
+    if (const auto* e = compress::find_compressor(comp); e != nullptr && e->has_param("ratio"))
       c.bytes_per_element = 2.0 * param_double(c.params, "ratio", 0.01) * 4.0;
-    if (comp == "efsignsgd" || comp == "onebit" || comp == "signsgd" || comp == "signum")
-      c.bytes_per_element = 4.0 / 32.0;
     const double enc = std::max(0.0, total - decode);
     c.gpu = DeviceCost{{0, enc, enc}, {0, decode, decode}};
     c.cpu = DeviceCost{{20, per_core, 0}, {20, per_core, 0}};
@@ -343,14 +350,15 @@ CostTable CostTable::from_compress_bench_json(std::string_view json, std::string
       throw ConfigError(name + ": BM_Compress/" + key.second + " has no BM_Decompress");
     CompressorCost c;
     c.name = key.second;
-    const auto& names = {"fp16", "bf16", "randomk", "topk", "dgc", "signsgd", "signum",
-                         "efsignsgd", "onebit", "qsgd", "terngrad"};
-    if (std::find(names.begin(), names.end(), c.name) == names.end()) continue;
-    if (c.name == "randomk" || c.name == "topk" || c.name == "dgc") c.params["ratio"] = "0.01";
-    if (c.name == "qsgd") c.params["levels"] = "16";
-    // compress_bench measures these with their error-feedback update.
-    c.error_feedback = c.name == "efsignsgd" || c.name == "dgc" || c.name == "randomk" ||
-                       c.name == "topk" || c.name == "onebit";
+    const compress::CatalogueEntry* entry = compress::find_compressor(c.name);
+    if (entry == nullptr) continue;
+    // compress_bench runs each compressor at its defaults: the primary
+    // parameter when it sizes the wire (ratio, levels) goes in the table.
+    for (const compress::ParamDef& p : entry->params)
+      if (p.positional && p.sizes_wire) c.params[p.name] = p.default_value;
+    // It measures them with their error-feedback update where their default
+    // state carries a residual.
+    c.error_feedback = compress::make_compressor({c.name, {}})->make_state(1)->has_residual();
     c.bytes_per_element = default_bytes_per_element(c.name, c.params);
     c.cpu = DeviceCost{fit(pts), fit(dit->second)};
     t.compressors[c.name] = std::move(c);
@@ -391,17 +399,14 @@ std::string CostTable::to_yaml() const {
 double default_bytes_per_element(const std::string& c,
                                  const std::map<std::string, std::string>& p) {
   if (c == "none") return 4;
-  if (c == "fp16" || c == "bf16") return 2;
-  if (c == "randomk") return 4.0 * param_double(p, "ratio", 0.01);
-  if (c == "topk" || c == "dgc") return 8.0 * param_double(p, "ratio", 0.01);
-  if (c == "signsgd" || c == "signum" || c == "efsignsgd") return 1.0 / 8.0;
-  if (c == "onebit") return 1.0 / 8.0;
-  if (c == "terngrad") return 2.0 / 8.0;
-  if (c == "qsgd") {
-    const double s = param_double(p, "levels", 16);
-    return (std::ceil(std::log2(2.0 * s + 1.0))) / 8.0;
-  }
-  throw Error(ErrorCode::kInvalidArgument, "unknown compressor '" + c + "'");
+  const compress::CatalogueEntry* e = compress::find_compressor(c);
+  if (e == nullptr) throw Error(ErrorCode::kInvalidArgument, "unknown compressor '" + c + "'");
+  // Defaults, then the table's values of what sizes the wire (other keys are
+  // the table's business, not validated here).
+  compress::ParamValues v = compress::param_values({c, {}});
+  for (const compress::ParamDef& d : e->params)
+    if (d.sizes_wire) v.v[d.name] = param_double(p, d.name, v[d.name]);
+  return e->bytes_per_element(v);
 }
 
 CompressorSpec CompressorSpec::parse(const std::string& text) {
@@ -411,13 +416,14 @@ CompressorSpec CompressorSpec::parse(const std::string& text) {
   if (s.name.empty() || s.name == "none")
     throw Error(ErrorCode::kInvalidArgument,
                 "--compressor '" + text + "': give a compressor name, e.g. randomk:0.01");
-  const auto& names = {"fp16", "bf16", "randomk", "topk", "dgc", "signsgd", "signum",
-                       "efsignsgd", "onebit", "qsgd", "terngrad"};
-  if (std::find(names.begin(), names.end(), s.name) == names.end())
+  const compress::CatalogueEntry* entry = compress::find_compressor(s.name);
+  if (entry == nullptr)
     throw Error(ErrorCode::kInvalidArgument,
                 "--compressor '" + text + "': unknown compressor '" + s.name +
-                    "' (accepted: fp16 bf16 randomk topk dgc signsgd signum efsignsgd onebit "
-                    "qsgd terngrad)");
+                    "' (accepted: " + compress::compressor_names(" ") + ")");
+  std::string primary = "ratio";
+  for (const compress::ParamDef& p : entry->params)
+    if (p.positional) primary = p.name;
   if (colon == std::string::npos) return s;
   std::stringstream ss(text.substr(colon + 1));
   for (std::string item; std::getline(ss, item, ',');) {
@@ -425,7 +431,7 @@ CompressorSpec CompressorSpec::parse(const std::string& text) {
     std::string key, value;
     if (eq == std::string::npos) {
       // A bare number is the compressor's main parameter.
-      key = s.name == "qsgd" ? "levels" : "ratio";
+      key = primary;
       value = item;
     } else {
       key = item.substr(0, eq);

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "compress/catalogue.h"
 
 namespace bytecomp::strategy {
 
@@ -50,15 +51,20 @@ struct Refused {
 };
 
 bool has_param(const std::string& compressor, std::string_view param) {
-  for (const auto& info : compress::list_compressors())
-    if (info.name == compressor)
-      return std::any_of(info.params.begin(), info.params.end(),
-                         [&](const compress::ParamInfo& p) { return p.name == param; });
-  return false;
+  const compress::CatalogueEntry* e = compress::find_compressor(compressor);
+  return e != nullptr && e->has_param(param);
 }
 
 bool builtin_feedback(const std::string& compressor) {
-  return compressor == "efsignsgd" || compressor == "onebit";
+  const compress::CatalogueEntry* e = compress::find_compressor(compressor);
+  return e != nullptr && e->builtin_feedback;
+}
+
+std::string additive_names() {
+  std::string s;
+  for (const auto& e : compress::catalogue())
+    if (e.additive) s += (s.empty() ? "" : ", ") + std::string(e.name);
+  return s;
 }
 
 TensorPlan map_option(const planner::Option& o, Scope scope) {
@@ -97,13 +103,14 @@ TensorPlan map_option(const planner::Option& o, Scope scope) {
       throw Refused{"compressor '" + o.compressor +
                     "' is not additive, so the servers cannot sum it compressed under '" +
                     planner::to_string(o.inter) +
-                    "' (accepted: fp16, bf16, randomk; or use alltoall_allgather / "
-                    "gather_broadcast)"};
+                    "' (accepted: " + additive_names() +
+                    "; or use alltoall_allgather / gather_broadcast)"};
     plan.sum = SumMode::kCompressed;
     plan.pull = PullFormat::kCompressed;
     return plan;
   }
   plan.sum = SumMode::kDense;
+  // The servers answer fp16 as raw words (no wire header).
   if (o.compressor == "fp16") {
     plan.pull = PullFormat::kFp16;
   } else {

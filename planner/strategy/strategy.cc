@@ -12,6 +12,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "compress/catalogue.h"
 
 namespace bytecomp::planner {
 
@@ -64,14 +65,17 @@ bool is_divisible(Collective c) {
 }
 
 const std::vector<std::string>& compressor_names() {
-  static const std::vector<std::string> names = {
-      "none",   "fp16",      "bf16",   "randomk", "topk", "dgc",
-      "signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"};
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n = {"none"};
+    for (const auto& e : compress::catalogue()) n.emplace_back(e.name);
+    return n;
+  }();
   return names;
 }
 
 bool is_additive_compressor(std::string_view name) {
-  return name == "fp16" || name == "bf16" || name == "randomk";
+  const compress::CatalogueEntry* e = compress::find_compressor(name);
+  return e != nullptr && e->additive;
 }
 
 std::string Option::problem() const {
@@ -212,9 +216,7 @@ YAML::Node child(const YAML::Node& n, const char* key) {
 Option read_option(Reader r, const YAML::Node& raw) {
   Option o;
   std::string text;
-  r.get_enum("compressor", o.compressor,
-             {"none", "fp16", "bf16", "randomk", "topk", "dgc", "signsgd", "signum",
-              "efsignsgd", "onebit", "qsgd", "terngrad"});
+  r.get_enum("compressor", o.compressor, compressor_names());
   Reader pr = r.section("params");
   if (YAML::Node pn = child(raw, "params"); pn.IsMap()) {
     for (const auto& kv : pn) {

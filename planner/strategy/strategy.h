@@ -71,7 +71,8 @@ bool is_reducing(Collective c);
 // True for the collectives made of two steps.
 bool is_divisible(Collective c);
 
-// Every compressor name the project knows ("none" = uncompressed).
+// "none" (uncompressed), then every compressor of the catalogue
+// (compress/catalogue.h).
 const std::vector<std::string>& compressor_names();
 // Compressors whose compressed values can be summed without decompressing
 // (fp16/bf16 casts; randomk with a shared seed): they may use reducing

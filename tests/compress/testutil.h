@@ -4,6 +4,7 @@
 #include <random>
 #include <vector>
 
+#include "compress/catalogue.h"
 #include "compress/compressor.h"
 
 namespace bctest {
@@ -44,11 +45,20 @@ inline std::vector<float> decompress(const bc::Compressor& c, const std::vector<
 }
 
 // Every compressor at a typical setting, plus error-feedback variants.
+// Hand-picked settings, plus the defaults of every catalogue compressor not
+// named here (so a new one is covered without editing this list).
 inline std::vector<std::string> all_specs() {
-  return {"fp16", "bf16", "randomk:0.01", "randomk:0.05,ef=false", "topk:0.01", "topk:0.1,ef=false",
-          "dgc:0.01", "dgc:0.05,warmup_iters=2", "signsgd", "signsgd:ef=true", "signum",
-          "efsignsgd", "onebit", "qsgd:levels=16", "qsgd:levels=3,ef=true", "qsgd:127", "terngrad",
-          "terngrad:ef=true", "fp16:ef=true"};
+  std::vector<std::string> s = {
+      "fp16", "bf16", "randomk:0.01", "randomk:0.05,ef=false", "topk:0.01", "topk:0.1,ef=false",
+      "dgc:0.01", "dgc:0.05,warmup_iters=2", "signsgd", "signsgd:ef=true", "signum",
+      "efsignsgd", "onebit", "qsgd:levels=16", "qsgd:levels=3,ef=true", "qsgd:127", "terngrad",
+      "terngrad:ef=true", "fp16:ef=true"};
+  for (const auto& e : bytecomp::compress::catalogue()) {
+    bool named = false;
+    for (const auto& t : s) named = named || t.substr(0, t.find(':')) == e.name;
+    if (!named) s.emplace_back(e.name);
+  }
+  return s;
 }
 
 }  // namespace bctest

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "compress/catalogue.h"
 #include "compress/compressor.h"
 #include "planner/strategy/answer.h"
 #include "planner/strategy/partition.h"
@@ -121,7 +122,7 @@ TEST(PlanMapping, ErrorFeedbackRuleOfEachScope) {
         EXPECT_EQ(c.server_error_feedback, !reducing && ef && info.name != "fp16") << what;
         // Daemon: ef always follows the option; asking it of a compressor
         // without feedback is refused unless the feedback is built in.
-        const bool builtin = info.name == "efsignsgd" || info.name == "onebit";
+        const bool builtin = compress::find_compressor(info.name)->builtin_feedback;
         if (has_ef_param(info.name)) {
           st::TensorPlan n = st::plan_for_option(o, "t", st::Scope::kNode);
           EXPECT_EQ(n.spec().params.at("ef"), ef ? "true" : "false") << what;
@@ -329,4 +330,33 @@ TEST(AnswerCodec, RefusesAnswersThatDoNotFit) {
   EXPECT_THROW(st::encode_answer(st::PullFormat::kCompressed, sum.data(), n, small, nullptr,
                                  nullptr, {}),
                Error);
+}
+
+TEST(PlanMapping, ReadsTheCatalogue) {
+  // Today's built-in feedback set (the daemon accepted error_feedback for
+  // exactly these compressors without an "ef" switch).
+  std::vector<std::string> builtin;
+  for (const auto& e : compress::catalogue())
+    if (e.builtin_feedback) builtin.emplace_back(e.name);
+  EXPECT_EQ(builtin, (std::vector<std::string>{"efsignsgd", "onebit"}));
+  // The strategy format knows every catalogue compressor, and its additive
+  // set is the catalogue's.
+  const auto& names = planner::compressor_names();
+  ASSERT_EQ(names.size(), compress::catalogue().size() + 1);
+  EXPECT_EQ(names[0], "none");
+  for (size_t i = 0; i < compress::catalogue().size(); ++i) {
+    const auto& e = compress::catalogue()[i];
+    EXPECT_EQ(names[i + 1], e.name);
+    EXPECT_EQ(planner::is_additive_compressor(e.name), e.additive) << e.name;
+    planner::Strategy s = planner::Strategy::parse(
+        std::string("version: 1\ndefault: {compressor: ") + e.name +
+            ", inter: alltoall_allgather}\n",
+        "s.yaml");
+    EXPECT_EQ(s.default_option().compressor, e.name);
+    // Every compressor has a plan under a gathering collective on both scopes.
+    EXPECT_TRUE(st::plan_for_option(s.default_option(), "t").compressed_push()) << e.name;
+    EXPECT_TRUE(st::plan_for_option(s.default_option(), "t", st::Scope::kNode).compressed_push())
+        << e.name;
+  }
+  EXPECT_FALSE(planner::is_additive_compressor("none"));
 }
