@@ -13,7 +13,7 @@
 #include "common/log.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
-#include "server/malloc_policy.h"
+#include "common/malloc_policy.h"
 #if BYTECOMP_HAVE_SYSTEMD
 #include <systemd/sd-daemon.h>
 #endif
@@ -28,7 +28,7 @@ constexpr const char* kUsage =
 }  // namespace
 
 int main(int argc, char** argv) {
-  bytecomp::server::keep_freed_memory_for_reuse();  // large pushes and answers
+  bytecomp::keep_freed_memory_for_reuse();  // large pushes and answers
   std::optional<std::string> config_path;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];

@@ -12,13 +12,13 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "server/malloc_policy.h"
+#include "common/malloc_policy.h"
 #include "server/ps_server.h"
 
 BC_LOG_CATEGORY(LogMain, "server");
 
 int main(int argc, char** argv) {
-  bytecomp::server::keep_freed_memory_for_reuse();
+  bytecomp::keep_freed_memory_for_reuse();
   std::optional<std::string> config_path;
   std::string ready_file;
   for (int i = 1; i < argc; ++i) {
