@@ -8,24 +8,11 @@
 
 namespace bytecomp::compress {
 
-std::string_view to_string(DType d) noexcept {
-  switch (d) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-  }
-  return "unknown-dtype";
-}
-
-std::string_view to_string(Device d) noexcept {
-  switch (d) {
-    case Device::kCPU: return "cpu";
-    case Device::kCUDA: return "cuda";
-  }
-  return "unknown-device";
-}
-
-size_t dtype_size(DType d) noexcept { return d == DType::kFloat32 ? 4 : 2; }
+// The compressed buffer format's dtype codes are the DType values of these
+// three; a change here is a new wire version.
+static_assert(static_cast<uint8_t>(DType::kFloat32) == 0 && static_cast<uint8_t>(DType::kFloat16) == 1 &&
+                  static_cast<uint8_t>(DType::kBFloat16) == 2,
+              "compressed buffers store DType values as their dtype codes");
 
 void TensorState::copy_residual(std::span<float>) const {
   throw Error(ErrorCode::kInvalidArgument, "copy_residual: this compressor keeps no residual");
@@ -221,7 +208,7 @@ std::unique_ptr<TensorState> Base::make_state(size_t n) const {
 
 namespace {
 void check_cpu_f32(const char* what, const std::string& name, Device dev, DType dt) {
-  if (dev != Device::kCPU)
+  if (dev != Device::kCpu)
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(what) + ": compressor '" + name + "' has no kernels for device " +
                     std::string(to_string(dev)) + " yet (accepted: cpu)");

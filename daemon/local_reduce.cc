@@ -58,6 +58,8 @@ void dispatch(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin, uin
     case ipc::DType::kFloat64: return reduce_typed<double>(bufs, begin, end, copy_out);
     case ipc::DType::kInt32: return reduce_typed<int32_t>(bufs, begin, end, copy_out);
     case ipc::DType::kInt64: return reduce_typed<int64_t>(bufs, begin, end, copy_out);
+    case ipc::DType::kFloat16:
+    case ipc::DType::kBFloat16: return;  // no control-protocol code: never declared
   }
 }
 

@@ -120,24 +120,27 @@ const char* type_name(uint16_t t) {
 
 }  // namespace
 
-uint32_t dtype_size(DType t) noexcept {
+static_assert(static_cast<uint8_t>(Device::kCpu) == 0 && static_cast<uint8_t>(Device::kCuda) == 1,
+              "DECLARE writes Device values as its device codes");
+
+uint8_t dtype_to_wire(DType t) noexcept {
   switch (t) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
+    case DType::kFloat32: return 0;
+    case DType::kFloat64: return 1;
+    case DType::kInt32: return 2;
+    case DType::kInt64: return 3;
+    case DType::kFloat16:
+    case DType::kBFloat16: break;
   }
-  return 0;
+  return kNoDTypeCode;
 }
 
-const char* dtype_name(DType t) noexcept {
-  switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-  }
-  return "unknown";
+bool dtype_from_wire(uint8_t code, DType& out) noexcept {
+  static constexpr DType kByCode[kNumDTypes] = {DType::kFloat32, DType::kFloat64, DType::kInt32,
+                                                DType::kInt64};
+  if (code >= kNumDTypes) return false;
+  out = kByCode[code];
+  return true;
 }
 
 std::string check_job_id(std::string_view id) {
@@ -174,7 +177,11 @@ std::vector<uint8_t> encode(const Declare& m) {
   w.u32(m.index);
   w.str(m.name, kMaxTensorNameBytes);
   w.u64(m.count);
-  w.u8(static_cast<uint8_t>(m.dtype));
+  const uint8_t dtype_code = dtype_to_wire(m.dtype);
+  if (dtype_code == kNoDTypeCode)
+    throw Error(ErrorCode::kInvalidArgument, std::string("DECLARE of tensor '") + m.name + "': dtype " +
+                                                 dtype_name(m.dtype) + " has no code in the control protocol");
+  w.u8(dtype_code);
   w.u8(static_cast<uint8_t>(m.device));
   w.u32(static_cast<uint32_t>(m.device_index));
   return w.finish();
@@ -290,9 +297,8 @@ Decoded decode(std::span<const uint8_t> bytes) {
       if (m.index >= kMaxTensors) r.fail("tensor index " + std::to_string(m.index) + " too large");
       if (m.name.empty()) r.fail("empty tensor name");
       if (m.count == 0) r.fail("tensor '" + m.name + "' has 0 elements");
-      if (dt >= kNumDTypes) r.fail("unknown dtype " + std::to_string(dt));
+      if (!dtype_from_wire(dt, m.dtype)) r.fail("unknown dtype " + std::to_string(dt));
       if (dev > 1) r.fail("unknown device type " + std::to_string(dev));
-      m.dtype = static_cast<DType>(dt);
       m.device = static_cast<Device>(dev);
       if (m.count > (uint64_t{1} << 40) / dtype_size(m.dtype)) {
         r.fail("tensor '" + m.name + "' of " + std::to_string(m.count) +

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/types.h"
 
 namespace bytecomp::ipc {
 
@@ -62,13 +63,21 @@ enum class MsgType : uint16_t {
   kStrategy = 9,  // added within version 1: older daemons refuse it by type
 };
 
-// Element types; values equal bytecomp_dtype.
-enum class DType : uint8_t { kFloat32 = 0, kFloat64 = 1, kInt32 = 2, kInt64 = 3 };
+// Element types and devices: the shared vocabulary (common/types.h).
+using DType = bytecomp::DType;
+using Device = bytecomp::Device;
+// DECLARE's dtype codes on the wire, equal to bytecomp_dtype: float32 0,
+// float64 1, int32 2, int64 3 (kNumDTypes of them). They are not
+// common/types.h's values: the conversions below are the only way between
+// the two. Device codes are common/types.h's values (cpu 0, cuda 1).
 inline constexpr uint8_t kNumDTypes = 4;
-uint32_t dtype_size(DType t) noexcept;
-const char* dtype_name(DType t) noexcept;
-
-enum class Device : uint8_t { kCpu = 0, kCuda = 1 };
+inline constexpr uint8_t kNoDTypeCode = 0xFF;
+// kNoDTypeCode for a dtype the protocol has no code for (float16, bfloat16).
+uint8_t dtype_to_wire(DType t) noexcept;
+// False for a code outside 0..kNumDTypes-1.
+bool dtype_from_wire(uint8_t code, DType& out) noexcept;
+using bytecomp::dtype_name;
+using bytecomp::dtype_size;
 
 struct Hello {
   std::string job_id;

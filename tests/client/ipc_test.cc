@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "client/ipc/protocol.h"
 #include "client/ipc/shm_layout.h"
@@ -89,6 +90,41 @@ TEST(Protocol, RejectsEachMalformation) {
   EXPECT_NE(malformed(ipc::encode(ipc::Ready{"a/b", 1})).find("bad segment name"),
             std::string::npos);
   EXPECT_NE(malformed(ipc::encode(ipc::Start{0})).find("num_tensors 0"), std::string::npos);
+}
+
+TEST(Protocol, DTypeWireCodesAreTheCAbiValues) {
+  // DECLARE's dtype codes are bytecomp_dtype's values, not common/types.h's.
+  const std::pair<int, ipc::DType> codes[] = {{BYTECOMP_FLOAT32, ipc::DType::kFloat32},
+                                              {BYTECOMP_FLOAT64, ipc::DType::kFloat64},
+                                              {BYTECOMP_INT32, ipc::DType::kInt32},
+                                              {BYTECOMP_INT64, ipc::DType::kInt64}};
+  static_assert(ipc::kNumDTypes == 4);
+  for (const auto& [code, dtype] : codes) {
+    EXPECT_EQ(ipc::dtype_to_wire(dtype), code) << ipc::dtype_name(dtype);
+    ipc::DType back = ipc::DType::kFloat16;
+    ASSERT_TRUE(ipc::dtype_from_wire(static_cast<uint8_t>(code), back)) << code;
+    EXPECT_EQ(back, dtype);
+    // On the wire: the byte after index, name and count.
+    const auto b = ipc::encode(ipc::Declare{0, "w", 10, dtype});
+    EXPECT_EQ(b[16 + 4 + 2 + 1 + 8], code) << ipc::dtype_name(dtype);
+    EXPECT_EQ(std::get<ipc::Declare>(ipc::decode(b).msg).dtype, dtype);
+  }
+  EXPECT_EQ(ipc::dtype_to_wire(ipc::DType::kFloat16), ipc::kNoDTypeCode);
+  EXPECT_EQ(ipc::dtype_to_wire(ipc::DType::kBFloat16), ipc::kNoDTypeCode);
+  ipc::DType out = ipc::DType::kFloat32;
+  EXPECT_FALSE(ipc::dtype_from_wire(4, out));
+  EXPECT_FALSE(ipc::dtype_from_wire(ipc::kNoDTypeCode, out));
+  EXPECT_EQ(out, ipc::DType::kFloat32);  // untouched
+  try {
+    ipc::encode(ipc::Declare{0, "half", 10, ipc::DType::kBFloat16});
+    ADD_FAILURE() << "encoded a dtype the protocol has no code for";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("'half': dtype bfloat16 has no code"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(bytecomp_dtype_size(BYTECOMP_INT32), 4u);
+  EXPECT_EQ(bytecomp_dtype_size(4), 0u);  // common/types.h's kInt32 value is no C ABI value
 }
 
 TEST(Protocol, RandomBytesNeverCrash) {
