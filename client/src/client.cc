@@ -420,7 +420,7 @@ bytecomp_status bytecomp_declare_tensor(bytecomp_client* c, const char* name, ui
       fail(BYTECOMP_ERR_INVALID_ARGUMENT, "tensor '" + n + "' is already declared (id " +
                                               std::to_string(c->by_name[n]) + ")");
     }
-    ipc::DType dt;
+    ipc::DType dt = ipc::DType::kFloat32;
     // bytecomp_dtype values are the control protocol's dtype codes.
     if (static_cast<int>(dtype) < 0 || static_cast<int>(dtype) >= ipc::kNumDTypes ||
         !ipc::dtype_from_wire(static_cast<uint8_t>(dtype), dt)) {
@@ -760,7 +760,7 @@ const char* bytecomp_status_name(int s) {
 }
 
 uint32_t bytecomp_dtype_size(int dtype) {
-  ipc::DType dt;
+  ipc::DType dt = ipc::DType::kFloat32;
   if (dtype < 0 || dtype >= ipc::kNumDTypes || !ipc::dtype_from_wire(static_cast<uint8_t>(dtype), dt))
     return 0;
   return static_cast<uint32_t>(ipc::dtype_size(dt));
