@@ -16,7 +16,8 @@
 // compress() writes into a caller-provided buffer that must be 8-byte aligned;
 // decompress() accepts any alignment (misaligned input is copied first).
 //
-// Every buffer is self-describing (compress/wire.h documents the layout):
+// Every buffer is self-describing (compress/internal.h and docs/compress.md
+// document the layout):
 // decompress() needs no side information, checks every length, count and index
 // before touching memory, and throws Error(kMalformed) naming what was wrong.
 //
