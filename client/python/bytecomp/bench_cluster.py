@@ -206,10 +206,12 @@ class Bench:
         print("bench-cluster: " + msg, flush=True)
 
     # -- planning --------------------------------------------------------------
-    def steps_for(self, bw):
+    def steps_for(self, bw, model):
+        """Timed steps; at the fastest bandwidth the first model (the one the
+        loss comparison is about) runs --loss-steps in all."""
         a = self.args
         n = a.warmup + a.steps
-        if a.loss_steps and bw == self.loss_bandwidth():
+        if a.loss_steps and bw == self.loss_bandwidth() and model == a.models[0]:
             n = max(n, a.loss_steps)
         return n - a.warmup
 
@@ -228,7 +230,7 @@ class Bench:
         total = 40.0  # torchrun, imports, process group
         for s in systems:
             comm = 0.0 if rate is None else wire * WIRE_SHARE.get(s, 1.0) * 8 / rate
-            total += (a.warmup + self.steps_for(bw)) * (compute + comm)
+            total += (a.warmup + self.steps_for(bw, model)) * (compute + comm)
             if s.startswith("ddp"):
                 total += 0 if rate is None else MODEL_BYTES[model] * 8 / rate  # constructor broadcast
         return total
@@ -268,7 +270,7 @@ class Bench:
         out = os.path.join(tmp, "out-%s-%s-%d" % (model, bw, attempt))
         d = MODEL_DEFAULTS[model]
         args = ["--model", model, "--systems", ",".join(systems), "--warmup", str(a.warmup),
-                "--steps", str(self.steps_for(bw)), "--batch", str(a.batch or d["batch"]),
+                "--steps", str(self.steps_for(bw, model)), "--batch", str(a.batch or d["batch"]),
                 "--seq", str(d["seq"]), "--strategy-dir", os.path.join(tmp, "strategies"),
                 "--out", out] + extra
         est = self.estimate_s(model, bw, systems)
@@ -284,20 +286,26 @@ class Bench:
         world = a.nodes * a.nproc_per_node
         return {s: summarize(ranks, s, world, a.loss_steps) for s in systems}, rc, lines
 
+    def total_estimate_s(self, runnable):
+        a = self.args
+        total = sum(self.estimate_s(m, b, ["compute"] + runnable) for m in a.models
+                    for b in a.bandwidths)
+        if a.digits:
+            total += self.estimate_s("digits", a.digits, runnable) + 60
+        return total
+
     def run(self):
         a = self.args
         self.auto_reason = detect_auto(a.build_root) if "bc_auto" in a.systems else None
         if self.auto_reason:
             self.log("bc_auto: null (%s)" % self.auto_reason)
-        runnable = [s for s in a.systems if s != "bc_auto" or self.auto_reason is None]
-        if "bc_auto" in runnable:
-            # A daemon that accepts mode: auto plans itself; the job then runs
-            # without a per-job strategy file.
-            pass
-        total = sum(self.estimate_s(m, b, ["compute"] + runnable) for m in a.models
-                    for b in a.bandwidths)
-        if a.digits:
-            total += self.estimate_s("digits", a.digits, runnable) + 60
+        # bc_auto runs only where the daemon plans by itself; this script has
+        # no strategy file for it, so even then it reports the daemon's support.
+        runnable = [s for s in a.systems if s != "bc_auto"]
+        if self.auto_reason is None and "bc_auto" in a.systems:
+            self.auto_reason = ("the daemon accepts strategy: {mode: auto}, but bench-cluster "
+                                "does not run it yet (its daemons run per-job strategy files)")
+        total = self.total_estimate_s(runnable)
         self.log("%d node(s) x %d process(es), servers %s, %d thread(s) per training process; "
                  "models %s; bandwidths %s; systems %s" % (
                      a.nodes, a.nproc_per_node, a.servers, a.threads, ",".join(a.models),
@@ -392,7 +400,7 @@ class Bench:
         lb = self.loss_bandwidth()
         for s in self.args.systems:
             vals = []
-            for m in self.results:
+            for m in list(self.results)[:1]:
                 r = self.results[m].get(lb, {}).get(s)
                 ref = self.results[m].get(lb, {}).get("ddp_fp32")
                 if r and ref and r.get("loss_at_k") is not None and ref.get("loss_at_k"):
@@ -534,6 +542,8 @@ def parse(argv):
     ap.add_argument("--out", default=None, help="directory for results.json, results.md, "
                     "cluster.png (default build/bench-cluster)")
     ap.add_argument("--keep-strategies", action="store_true")
+    ap.add_argument("--estimate-only", action="store_true",
+                    help="print the duration estimate and exit (nothing is started)")
     a = ap.parse_args(argv)
     if a.quick:
         a.nodes, a.models, a.bandwidths = 2, "resnet18", "1gbit,unshaped"
@@ -574,11 +584,15 @@ def parse(argv):
 
 def main(argv=None):
     a = parse(argv)
+    bench = Bench(a)
+    if a.estimate_only:
+        t = bench.total_estimate_s([s for s in a.systems if s != "bc_auto"])
+        print("bench-cluster: estimated duration %.0f min" % (t / 60))
+        return 0
     why = netns.check_permission()
     if why:
         print("bench-cluster: refusing to run: %s" % why, file=sys.stderr)
         return 77
-    bench = Bench(a)
 
     def on_term(sig, _frame):
         raise KeyboardInterrupt("signal %d" % sig)
