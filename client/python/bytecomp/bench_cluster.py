@@ -197,6 +197,7 @@ class Bench:
         self.args = args
         self.results = {}      # model -> bw -> system -> summary
         self.compute = {}      # model -> bw -> ms
+        self.compute_ends = {}  # model -> bw -> [start ms, end ms]
         self.goodput = {}      # bw -> {ratio, ...}
         self.digits = {}       # system -> summary
         self.notes = []
@@ -288,8 +289,8 @@ class Bench:
 
     def total_estimate_s(self, runnable):
         a = self.args
-        total = sum(self.estimate_s(m, b, ["compute"] + runnable) for m in a.models
-                    for b in a.bandwidths)
+        total = sum(self.estimate_s(m, b, ["compute", "compute_end"] + runnable)
+                    for m in a.models for b in a.bandwidths)
         if a.digits:
             total += self.estimate_s("digits", a.digits, runnable) + 60
         return total
@@ -333,9 +334,14 @@ class Bench:
                         systems.append("bc_pushpull")
                         extra = ["--pushpull-bytes", str(self.pushpull_bytes(bw)),
                                  "--pushpull-rounds", str(a.pushpull_rounds)]
-                    systems += [x for x in runnable if x in RISKY]
+                    systems += ["compute_end"] + [x for x in runnable if x in RISKY]
                     res, rc = self.launch(cluster, model, bw, systems, extra, tmp)
-                    self.compute.setdefault(model, {})[bw] = res["compute"].get("step_ms")
+                    # The machine's load drifts during a launch: the bound is
+                    # the mean of the compute-only runs at its start and end.
+                    ends = [res[k].get("step_ms") for k in ("compute", "compute_end")]
+                    ends = [x for x in ends if x is not None]
+                    self.compute.setdefault(model, {})[bw] = statistics.mean(ends) if ends else None
+                    self.compute_ends.setdefault(model, {})[bw] = ends
                     if "bc_pushpull" in res:
                         self.goodput[bw] = self.goodput_of(res["bc_pushpull"], bw)
                     self.results.setdefault(model, {})[bw] = {
@@ -417,8 +423,9 @@ class Bench:
         for m, bws in self.results.items():
             for bw, systems in bws.items():
                 comp = self.compute[m].get(bw)
-                rows.append("| %s | %s | compute-only | %s | 1.00 | | | | | | |" % (
-                    m, bw, fmt(comp)))
+                ends = self.compute_ends.get(m, {}).get(bw, [])
+                rows.append("| %s | %s | compute-only | %s (start/end %s) | 1.00 | | | | | | |"
+                            % (m, bw, fmt(comp), "/".join("%.0f" % x for x in ends)))
                 ref32 = systems.get("ddp_fp32", {}).get("step_ms")
                 ref16 = systems.get("ddp_fp16", {}).get("step_ms")
                 lref = systems.get("ddp_fp32", {}).get("loss_at_k")
@@ -621,6 +628,7 @@ def main(argv=None):
         f.write(header + "\n" + table + "\n")
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump({"summary": summary, "details": bench.results, "compute": bench.compute,
+                   "compute_start_end": bench.compute_ends,
                    "goodput": bench.goodput, "digits": bench.digits,
                    "args": {k: v for k, v in vars(a).items()}}, f, indent=1, default=str)
     png = bench.plot(os.path.join(a.out, "cluster.png"))

@@ -8,7 +8,8 @@ Runs every system of --systems one after the other in the same processes
 (same model init, same batches per rank: synthetic, fixed seed), so all
 systems see the same machine load and the same data:
 
-  compute        no communication: the compute-only bound
+  compute        no communication: the compute-only bound (compute_end:
+                 the same again, last, so the bound sees the launch's load)
   ddp_fp32       torch DDP over gloo
   ddp_fp16       DDP + fp16_compress_hook
   ddp_powersgd   DDP + powerSGD_hook (rank 1, from the 3rd step)
@@ -85,20 +86,36 @@ def build_model(name):
 
 
 def make_batches(name, rank, batch, pool, seed, seq):
-    """`pool` fixed batches of this rank: the same for every system."""
+    """`pool` fixed batches of this rank: the same for every system. Labels
+    come from a fixed random teacher (the same on every rank), so the loss
+    falls by learning, not only by memorising a few batches: a comparison
+    of losses after k steps then says how well a system follows DDP."""
+    teacher = torch.Generator().manual_seed(12345)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     out = []
-    for _ in range(pool):
-        if name == "resnet18":
+    if name == "resnet18":
+        w = torch.randn(3 * 8 * 8, 10, generator=teacher)
+        for _ in range(pool):
             x = torch.randn(batch, 3, 32, 32, generator=g)
-            y = torch.randint(0, 10, (batch,), generator=g)
-        elif name == "transformer":
+            y = (F.avg_pool2d(x, 4).reshape(batch, -1) @ w).argmax(1)
+            out.append((x, y))
+    elif name == "transformer":
+        w = torch.randn(8000, 10, generator=teacher)
+        for _ in range(pool):
             x = torch.randint(0, 8000, (batch, seq), generator=g)
-            y = torch.randint(0, 10, (batch,), generator=g)
-        else:
-            tokens = torch.randint(0, 20000, (batch, seq + 1), generator=g)
-            x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        out.append((x, y))
+            out.append((x, w[x].sum(1).argmax(1)))
+    else:
+        # A fixed random Markov chain: the next word is succ[word] with
+        # probability 0.9, else uniform.
+        succ = torch.randperm(20000, generator=teacher)
+        for _ in range(pool):
+            tokens = torch.empty(batch, seq + 1, dtype=torch.int64)
+            tokens[:, 0] = torch.randint(0, 20000, (batch,), generator=g)
+            for t in range(1, seq + 1):
+                jump = torch.rand(batch, generator=g) < 0.1
+                tokens[:, t] = torch.where(jump, torch.randint(0, 20000, (batch,), generator=g),
+                                           succ[tokens[:, t - 1]])
+            out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return out
 
 
@@ -161,7 +178,7 @@ class Counters:
 # -- systems -----------------------------------------------------------------
 def wrap(system, model, opt, args):
     """Returns (module to call, optimizer to step)."""
-    if system == "compute":
+    if system in ("compute", "compute_end"):
         return model, opt
     if system.startswith("ddp_"):
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -312,7 +329,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=16, help="sequence length (transformer, lstm)")
     ap.add_argument("--target-accuracy", type=float, default=95.0, help="digits: percent")
     ap.add_argument("--max-epochs", type=int, default=20, help="digits")
-    ap.add_argument("--pool", type=int, default=4, help="distinct batches per rank")
+    ap.add_argument("--pool", type=int, default=16, help="distinct batches per rank")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--pushpull-bytes", type=int, default=16 << 20)
