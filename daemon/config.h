@@ -41,6 +41,13 @@ struct DaemonConfig {
   // (tcp://host:port, port 0 = ephemeral; ipc:///path); sent to them through
   // the coordinator at each job's admission. Empty: no peer allgather.
   std::string peer_listen;
+  // metrics (reloadable): Prometheus textfile (bytecompd.prom) in this
+  // directory every interval_ms; empty: no file (bytecompctl metrics still
+  // answers).
+  std::string metrics_textfile_dir;
+  uint32_t metrics_interval_ms = 5000;
+  // The files read (main file, then drop-ins); empty: built-in defaults.
+  std::vector<std::string> sources;
 
   // Throws config::ConfigError naming file, line, key and accepted values.
   // Applies the `logging:` section (and BYTECOMP_LOG) as a side effect.

@@ -114,6 +114,8 @@ const char* type_name(uint16_t t) {
     case MsgType::kAbort: return "ABORT";
     case MsgType::kBye: return "BYE";
     case MsgType::kStrategy: return "STRATEGY";
+    case MsgType::kCtlRequest: return "CTL_REQUEST";
+    case MsgType::kCtlReply: return "CTL_REPLY";
   }
   return "unknown";
 }
@@ -216,6 +218,37 @@ std::vector<uint8_t> encode(const StrategyMsg& m) {
   }
   w.raw(m.text);
   return w.finish();
+}
+
+std::vector<uint8_t> encode(const CtlRequest& m) {
+  Writer w(MsgType::kCtlRequest);
+  w.u16(m.ctl_version);
+  w.str(m.command, kMaxCtlCommandBytes);
+  w.str(m.arg, kMaxCtlArgBytes);
+  return w.finish();
+}
+std::vector<uint8_t> encode(const CtlReply& m) {
+  if (m.data.size() > kMaxCtlChunkBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "CTL_REPLY part of " + std::to_string(m.data.size()) +
+                    " bytes exceeds the limit of " + std::to_string(kMaxCtlChunkBytes));
+  }
+  Writer w(MsgType::kCtlReply);
+  w.u32(m.code);
+  w.u8(m.last ? 1 : 0);
+  w.u32(static_cast<uint32_t>(m.data.size()));
+  w.raw(m.data);
+  return w.finish();
+}
+std::vector<std::vector<uint8_t>> encode_ctl_reply(uint32_t code, std::string_view text) {
+  std::vector<std::vector<uint8_t>> out;
+  size_t at = 0;
+  do {
+    const size_t n = std::min(kMaxCtlChunkBytes, text.size() - at);
+    out.push_back(encode(CtlReply{code, at + n == text.size(), std::string(text.substr(at, n))}));
+    at += n;
+  } while (at < text.size());
+  return out;
 }
 
 Decoded decode(std::span<const uint8_t> bytes) {
@@ -355,6 +388,34 @@ Decoded decode(std::span<const uint8_t> bytes) {
       }
       m.text = r.raw("text", n);
       r.end();
+      d.msg = std::move(m);
+      break;
+    }
+    case MsgType::kCtlRequest: {
+      CtlRequest m;
+      m.ctl_version = static_cast<uint16_t>(r.get(2, "ctl_version"));
+      m.command = r.str("command", kMaxCtlCommandBytes);
+      m.arg = r.str("arg", kMaxCtlArgBytes);
+      r.end();
+      if (m.command.empty()) r.fail("empty command");
+      d.msg = std::move(m);
+      break;
+    }
+    case MsgType::kCtlReply: {
+      CtlReply m;
+      m.code = r.u32("code");
+      const uint8_t last = r.u8("last");
+      const uint32_t n = r.u32("data_bytes");
+      if (n > kMaxCtlChunkBytes) {
+        r.fail("data_bytes " + std::to_string(n) + " exceeds " + std::to_string(kMaxCtlChunkBytes));
+      }
+      m.data = r.raw("data", n);
+      r.end();
+      if (last > 1) r.fail("last flag " + std::to_string(last) + " is not 0 or 1");
+      if (m.code > static_cast<uint32_t>(ErrorCode::kInternal)) {
+        r.fail("error code " + std::to_string(m.code) + " out of range");
+      }
+      m.last = last == 1;
       d.msg = std::move(m);
       break;
     }

@@ -22,6 +22,13 @@
 //   D ABORT        (the job was aborted; D closes afterwards)
 //   C BYE          (graceful leave; C closes)
 //
+// Operator requests (bytecompctl) use the same socket and header, on a
+// connection that never sends HELLO; the daemon answers each with one or more
+// CTL_REPLY datagrams (the last one flagged) or ERROR:
+//   C CTL_REQUEST  -> D CTL_REPLY x N | ERROR
+// CTL_REQUEST carries its own version (kCtlVersion), so the operator
+// commands can evolve without touching the clients' protocol version.
+//
 // Thread-safety: the functions here are pure; thread-safe.
 #pragma once
 
@@ -61,7 +68,17 @@ enum class MsgType : uint16_t {
   kAbort = 7,
   kBye = 8,
   kStrategy = 9,  // added within version 1: older daemons refuse it by type
+  kCtlRequest = 10,  // added within version 1 (bytecompctl), as kStrategy
+  kCtlReply = 11,
 };
+
+// Version of the operator requests' payload (CtlRequest.ctl_version).
+inline constexpr uint16_t kCtlVersion = 1;
+inline constexpr size_t kMaxCtlCommandBytes = 32;
+inline constexpr size_t kMaxCtlArgBytes = 1024;
+// Reply bytes per CTL_REPLY datagram, and over all parts of one reply.
+inline constexpr size_t kMaxCtlChunkBytes = kMaxMessageBytes - kHeaderBytes - 4 - 1 - 4;
+inline constexpr size_t kMaxCtlReplyBytes = 16u << 20;
 
 // Element types and devices: the shared vocabulary (common/types.h).
 using DType = bytecomp::DType;
@@ -118,7 +135,23 @@ struct StrategyMsg {
   std::string text;
 };
 
-using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye, StrategyMsg>;
+// An operator request: `command` (e.g. "status"), its argument (a job id or
+// ""), in the version of the operator protocol the tool speaks.
+struct CtlRequest {
+  uint16_t ctl_version = kCtlVersion;
+  std::string command;
+  std::string arg;
+};
+// One part of the answer (UTF-8 text, JSON or Prometheus text by command);
+// `code` is an ErrorCode value (0: ok), `last` ends the reply.
+struct CtlReply {
+  uint32_t code = 0;
+  bool last = true;
+  std::string data;
+};
+
+using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye, StrategyMsg,
+                             CtlRequest, CtlReply>;
 
 struct Decoded {
   MsgType type;
@@ -136,6 +169,11 @@ std::vector<uint8_t> encode(const Ready& m);
 std::vector<uint8_t> encode(const ErrorMsg& m, MsgType type = MsgType::kError);
 std::vector<uint8_t> encode(const Bye& m);
 std::vector<uint8_t> encode(const StrategyMsg& m);
+std::vector<uint8_t> encode(const CtlRequest& m);
+std::vector<uint8_t> encode(const CtlReply& m);
+// Cuts `text` into CTL_REPLY datagrams of at most kMaxCtlChunkBytes each,
+// the last one flagged (one empty datagram for empty text).
+std::vector<std::vector<uint8_t>> encode_ctl_reply(uint32_t code, std::string_view text);
 
 // Thrown by decode() when only the header's version differs, so either side
 // can report a version mismatch rather than garbage.

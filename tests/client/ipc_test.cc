@@ -279,3 +279,50 @@ TEST(Protocol, StrategyMessageRoundTripsAndIsChecked) {
   EXPECT_THROW(ipc::encode(ipc::StrategyMsg{"x", std::string(ipc::kMaxStrategyBytes + 1, 'a')}),
                Error);
 }
+
+namespace {
+
+TEST(Protocol, CtlRequestAndReplyRoundTripAndAreChecked) {
+  const auto req = ipc::encode(ipc::CtlRequest{ipc::kCtlVersion, "strategy", "job-1"});
+  const auto d = ipc::decode(req);
+  ASSERT_EQ(d.type, ipc::MsgType::kCtlRequest);
+  EXPECT_EQ(std::get<ipc::CtlRequest>(d.msg).ctl_version, ipc::kCtlVersion);
+  EXPECT_EQ(std::get<ipc::CtlRequest>(d.msg).command, "strategy");
+  EXPECT_EQ(std::get<ipc::CtlRequest>(d.msg).arg, "job-1");
+  for (size_t cut = 1; cut < req.size() - 16; ++cut) {
+    auto b = req;
+    b.resize(req.size() - cut);
+    b[8] = static_cast<uint8_t>(b.size() - 16);
+    EXPECT_NE(malformed(b).find("CTL_REQUEST"), std::string::npos) << cut;
+  }
+  EXPECT_NE(malformed(ipc::encode(ipc::CtlRequest{1, "", ""})).find("empty command"),
+            std::string::npos);
+
+  // A long answer is cut into parts that fit a datagram, the last flagged.
+  std::string text(3 * ipc::kMaxCtlChunkBytes + 5, 'x');
+  for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<char>('a' + i % 26);
+  const auto parts = ipc::encode_ctl_reply(0, text);
+  ASSERT_EQ(parts.size(), 4u);
+  std::string joined;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    EXPECT_LE(parts[i].size(), ipc::kMaxMessageBytes);
+    const auto r = ipc::decode(parts[i]);
+    ASSERT_EQ(r.type, ipc::MsgType::kCtlReply);
+    const auto& m = std::get<ipc::CtlReply>(r.msg);
+    EXPECT_EQ(m.last, i + 1 == parts.size());
+    EXPECT_EQ(m.code, 0u);
+    joined += m.data;
+  }
+  EXPECT_EQ(joined, text);
+  const auto empty = ipc::encode_ctl_reply(7, "");
+  ASSERT_EQ(empty.size(), 1u);
+  EXPECT_TRUE(std::get<ipc::CtlReply>(ipc::decode(empty[0]).msg).last);
+  auto bad = ipc::encode(ipc::CtlReply{0, true, "ok"});
+  bad[16 + 4] = 2;  // the last flag
+  EXPECT_NE(malformed(bad).find("last flag 2"), std::string::npos);
+  bad = ipc::encode(ipc::CtlReply{0, true, "ok"});
+  bad[16] = 99;  // the code
+  EXPECT_NE(malformed(bad).find("error code 99"), std::string::npos);
+}
+
+}  // namespace
