@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/record.h"
+
 namespace bytecomp::ipc {
 namespace {
 
@@ -212,6 +214,7 @@ std::vector<uint8_t> encode(const StrategyMsg& m) {
 }
 
 Decoded decode(std::span<const uint8_t> bytes) {
+  record_input("ipc", bytes.data(), bytes.size());
   Reader h(bytes, "control");
   if (bytes.size() < kHeaderBytes) {
     h.fail("datagram of " + std::to_string(bytes.size()) + " bytes is shorter than the " +

@@ -623,8 +623,13 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
       note_alive(h.src);
       continue;
     }
-    // Payload frames: each payload in order, every frame non-empty and
-    // within what its payload still lacks.
+    std::vector<wire::FrameSpan> spans;
+    if (!wire::split_frames(
+            h, idx, parts.size(), [&](size_t f) { return zmq_msg_size(&parts[f]->m); }, spans,
+            error)) {
+      log_malformed(origin, error);
+      continue;
+    }
     std::vector<Buffer> payloads;
     payloads.reserve(h.payload_sizes.size());
     struct Pieces {
@@ -633,34 +638,15 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
       std::vector<std::shared_ptr<ZmqMsg>> frames;
     };
     std::vector<Pieces> pieces;
-    bool ok = true;
-    for (size_t p = 0; p < h.payload_sizes.size() && ok; ++p) {
-      uint64_t want = h.payload_sizes[p];
-      if (want == 0) {
+    for (size_t p = 0; p < spans.size(); ++p) {
+      const uint64_t want = h.payload_sizes[p];
+      const size_t first = spans[p].first;
+      const size_t idx_end = first + spans[p].count;
+      if (spans[p].count == 0) {
         payloads.emplace_back();
         continue;
       }
-      size_t first = idx;
-      uint64_t got = 0;
-      while (got < want) {
-        if (idx >= parts.size()) {
-          error = "payload " + std::to_string(p) + " declared " + std::to_string(want) +
-                  " bytes but the message ends after " + std::to_string(got);
-          ok = false;
-          break;
-        }
-        size_t sz = zmq_msg_size(&parts[idx]->m);
-        if (sz == 0 || sz > want - got) {
-          error = "payload " + std::to_string(p) + " frame of " + std::to_string(sz) +
-                  " bytes does not fit the " + std::to_string(want - got) + " bytes left";
-          ok = false;
-          break;
-        }
-        got += sz;
-        ++idx;
-      }
-      if (!ok) break;
-      if (idx - first == 1) {
+      if (spans[p].count == 1) {
         // One frame: hand ZeroMQ's buffer over without copying.
         std::shared_ptr<ZmqMsg> holder(std::move(parts[first]));
         payloads.push_back(Buffer::wrap(zmq_msg_data(&holder->m), zmq_msg_size(&holder->m),
@@ -668,18 +654,10 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
       } else {
         // Several frames: copied into one buffer later, off this thread.
         std::vector<std::shared_ptr<ZmqMsg>> frames;
-        for (size_t f = first; f < idx; ++f) frames.emplace_back(std::move(parts[f]));
+        for (size_t f = first; f < idx_end; ++f) frames.emplace_back(std::move(parts[f]));
         pieces.push_back({payloads.size(), want, std::move(frames)});
         payloads.emplace_back();
       }
-    }
-    if (ok && idx != parts.size()) {
-      error = std::to_string(parts.size() - idx) + " frames beyond the declared payloads";
-      ok = false;
-    }
-    if (!ok) {
-      log_malformed(origin, error);
-      continue;
     }
     if (is_router && !inbound_.count(conn_node)) {
       Route& r = inbound_[conn_node];
