@@ -142,6 +142,25 @@ class ZmqTransport final : public TransportBase {
   void* monitor_ = nullptr;
   int wake_fd_ = -1;
   std::set<std::string> authorized_keys_;  // raw 32-byte CURVE keys
+  // Refusals already logged at warn (loop thread only): a refused peer
+  // reconnects every reconnect interval, which must not flood the log. ZAP
+  // refusals are told apart by peer address and key; handshake failures
+  // carry no peer address, so by endpoint, event and code. Bounded: past
+  // kMaxRefusalsLogged distinct refusals the rest go to debug.
+  static constexpr size_t kMaxRefusalsLogged = 256;
+  std::set<std::string> refusals_logged_;
+  // True the first time `key` is refused (then it is logged at warn).
+  bool first_refusal(const std::string& key) {
+    if (refusals_logged_.size() >= kMaxRefusalsLogged) return false;
+    return refusals_logged_.insert(key).second;
+  }
+  void log_refusal(bool first, const std::string& what) {
+    if (first) {
+      BC_LOG(LogZmq(), kWarn) << "node " << self() << ": " << what;
+    } else {
+      BC_LOG(LogZmq(), kDebug) << "node " << self() << ": " << what;
+    }
+  }
 
   std::mutex control_mu_;
   std::deque<std::function<void()>> control_;
@@ -706,11 +725,17 @@ void ZmqTransport::handle_zap() {
     std::array<char, 41> z85{};
     zmq_z85_encode(z85.data(), reinterpret_cast<const uint8_t*>(frames[6].data()), 32);
     reason = std::string("client key ") + z85.data() + " is not the cluster key";
-    if (!ok)
-      BC_LOG(LogZmq(), kWarn) << "node " << self() << ": refused connection from "
-                              << (frames.size() > 3 ? frames[3] : "?") << ": " << reason;
+    if (!ok) {
+      const std::string from = frames.size() > 3 ? frames[3] : "?";
+      const bool first = first_refusal("zap " + from + " " + z85.data());
+      log_refusal(first, "refused connection from " + from + ": " + reason +
+                             (first ? " (its further attempts are logged at debug level)" : ""));
+    }
   } else {
-    BC_LOG(LogZmq(), kWarn) << "node " << self() << ": refused connection: " << reason;
+    const bool first = first_refusal("zap " + (frames.size() > 3 ? frames[3] : "?") + " " +
+                                     (frames.size() > 5 ? frames[5] : "?"));
+    log_refusal(first, "refused connection: " + reason +
+                           (first ? " (further attempts are logged at debug level)" : ""));
   }
   std::string request_id = frames.size() > 1 ? frames[1] : "";
   const std::string code = ok ? "200" : "400";
@@ -744,8 +769,11 @@ void ZmqTransport::handle_monitor() {
                        : event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL
                            ? "protocol error (not a ZMTP/CURVE peer, or wrong key)"
                            : "handshake failed";
-    BC_LOG(LogZmq(), kWarn) << "node " << self() << ": refused a connection on " << addr << ": "
-                            << what << " (code " << value << ")";
+    const bool first =
+        first_refusal("handshake " + addr + " " + std::to_string(event) + " " + std::to_string(value));
+    log_refusal(first, "refused a connection on " + addr + ": " + what + " (code " +
+                           std::to_string(value) + ")" +
+                           (first ? " (the same refusal again is logged at debug level)" : ""));
   }
 }
 
