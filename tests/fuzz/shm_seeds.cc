@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
           auto& h = side == 0 ? clients[r].submit : clients[r].complete;
           const uint64_t off = side == 0 ? l.submit_ring_offset(r) : l.complete_ring_offset(r);
           ipc::Ring ring(h, reinterpret_cast<ipc::RingEntry*>(base + off), l.ring_capacity);
-          for (uint32_t i = 0; i < pushes; ++i) ring.push({i, side == 0 ? 0u : 0u, 7});
+          for (uint32_t i = 0; i < pushes; ++i) ring.push({i, 0, 7});
         }
         const size_t from = side == 1 ? 0 : l.clients_offset;
         const size_t to = side == 1 ? l.data_offset : l.tensors_offset;
