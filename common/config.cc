@@ -10,6 +10,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/record.h"
+
 namespace bytecomp::config {
 namespace {
 
@@ -46,6 +48,11 @@ Document Document::load_file(const std::string& path) {
                       std::string(std::strerror(errno)) + ")");
   std::stringstream buf;
   buf << in.rdbuf();
+  if (recording_inputs()) {
+    const std::string text = buf.str();
+    record_input_always("config-" + std::filesystem::path(path).filename().string(), text.data(),
+                        text.size());
+  }
   return parse(buf.str(), path);
 }
 

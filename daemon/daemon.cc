@@ -693,6 +693,13 @@ void Daemon::disconnect(Conn& c, const std::string& why) {
   if (c.closed) return;
   c.closed = true;
   ::shutdown(c.fd, SHUT_RDWR);
+  // Input left unread at close resets the connection, and the client's
+  // recv then reports ECONNRESET before our last message (a refusal's
+  // reason, e.g. to a client that sent HELLO before we accepted it): read
+  // it away. After the shutdown nothing more can arrive.
+  char sink[512];
+  while (::recv(c.fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {
+  }
   Job* j = c.job;
   c.job = nullptr;
   if (j == nullptr) return;

@@ -12,6 +12,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "common/record.h"
 
 namespace bytecomp::planner {
 
@@ -291,6 +292,7 @@ void emit_option(YAML::Emitter& out, const Option& o) {
 }  // namespace
 
 Strategy Strategy::parse(std::string_view text, std::string name) {
+  record_input("strategy", text.data(), text.size());
   Document doc = Document::parse(text, name);
   YAML::Node raw;
   try {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/record.h"
+
 namespace bytecomp::ipc {
 namespace {
 
@@ -252,6 +254,7 @@ std::vector<std::vector<uint8_t>> encode_ctl_reply(uint32_t code, std::string_vi
 }
 
 Decoded decode(std::span<const uint8_t> bytes) {
+  record_input("ipc", bytes.data(), bytes.size());
   Reader h(bytes, "control");
   if (bytes.size() < kHeaderBytes) {
     h.fail("datagram of " + std::to_string(bytes.size()) + " bytes is shorter than the " +
