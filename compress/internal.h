@@ -12,6 +12,7 @@
 
 #include "common/thread_pool.h"
 #include "compress/compressor.h"
+#include "compress/hd.h"
 
 namespace bytecomp::compress::detail {
 
@@ -121,23 +122,9 @@ void for_chunks(ThreadPool* pool, size_t n, const std::function<void(size_t, siz
 
 // --- randomness ---------------------------------------------------------------
 
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-// Counter-based 32-bit hash (vectorises: 32-bit multiplies only).
-inline uint32_t hash32(uint32_t seed, uint32_t i) {
-  uint32_t h = i * 0x9E3779B1u ^ seed;
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return h;
-}
-inline float uniform01(uint32_t h) { return static_cast<float>(h >> 8) * (1.0f / 16777216.0f); }
+using hd::hash32;      // counter-based 32-bit hash (compress/hd.h)
+using hd::splitmix64;
+using hd::uniform01;
 
 // --- states ---------------------------------------------------------------------
 
