@@ -50,11 +50,17 @@ struct Parsed {
   uint64_t count = 0;
   std::span<const std::byte> params;   // params_len bytes (padded)
   std::span<const std::byte> payload;  // exactly payload_len bytes
+  uint64_t payload_len = 0;
 };
 
 // Checks magic, version, algorithm id, flags, lengths (no overflow, nothing
 // missing, nothing trailing) and the checksum. Throws Error(kMalformed).
 Parsed parse_wire(std::span<const std::byte> in);
+// The same checks from the buffer's first min(total_size, kMaxHeadBytes)
+// bytes and its total size, for buffers whose payload the host cannot read
+// (device memory): payload stays empty, payload_len is set.
+constexpr size_t kMaxHeadBytes = kHeaderBytes + 256;
+Parsed parse_wire_head(std::span<const std::byte> head, uint64_t total_size);
 // Writes the header and params; payload must already be at
 // out[kHeaderBytes + pad8(params.size())]. Returns the total length.
 size_t write_wire(std::span<std::byte> out, Algo algo, uint64_t count,
