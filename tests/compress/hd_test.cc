@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "compress/compressor.h"
+#include "compress/cuda/cuda.h"
 #include "compress/hd.h"
 #include "compress/reduce.h"
 #include "testutil.h"
@@ -313,6 +314,55 @@ TEST(HostDevice, SizesMatchCompressorBounds) {
   EXPECT_EQ(hd::dgc_ratio_at(0.001, 10, 35), 0.004);
   EXPECT_EQ(hd::dgc_ratio_at(0.001, 10, 40), 0.001);
   EXPECT_EQ(hd::dgc_ratio_at(0.5, 10, 15), 0.5);
+}
+
+}  // namespace
+
+namespace {
+
+// The factory's device hook, on any machine (no GPU needed).
+TEST(DeviceFactory, DispatchesByDevice) {
+  namespace bc = bytecomp::compress;
+  using bytecomp::Error;
+  using bytecomp::ErrorCode;
+  auto spec = bc::parse_compressor_spec("topk:0.02");
+  auto c = bc::make_compressor(spec, bc::Device::kCPU);
+  EXPECT_EQ(c->spec(), bc::make_compressor(spec)->spec());
+  try {
+    bc::make_compressor(bc::CompressorSpec{"nope", {}}, bc::Device::kCUDA);
+    ADD_FAILURE() << "unknown name accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("unknown compressor 'nope'"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(bc::cuda::supported("nope"));
+  for (const auto& info : bc::list_compressors()) {
+    SCOPED_TRACE(info.name);
+    EXPECT_EQ(bc::cuda::supported(info.name), bc::cuda::built());
+    bc::CompressorSpec s{info.name, {}};
+    if (!bc::cuda::built()) {
+      EXPECT_THROW(bc::make_compressor(s, bc::Device::kCUDA), Error);
+      continue;
+    }
+    auto g = bc::make_compressor(s, bc::Device::kCUDA);
+    auto cpu = bc::make_compressor(s);
+    EXPECT_EQ(g->spec(), cpu->spec());
+    EXPECT_EQ(g->additive(), cpu->additive());
+    EXPECT_EQ(g->deterministic_size(), cpu->deterministic_size());
+    for (size_t n : {0, 1, 1000, 25000000})
+      EXPECT_EQ(g->max_compressed_bytes(n), cpu->max_compressed_bytes(n));
+    // A CPU tensor is refused before any CUDA call, naming the device.
+    std::vector<float> x(10, 1.0f);
+    std::vector<std::byte> out(g->max_compressed_bytes(10));
+    auto st = cpu->make_state(10);
+    try {
+      g->compress(bc::ConstTensorView::cpu(x.data(), 10), out, *st, {});
+      ADD_FAILURE() << "cpu tensor accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("accepted: cuda"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
