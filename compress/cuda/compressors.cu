@@ -771,6 +771,8 @@ class CudaState final : public TensorState {
   size_t count() const override { return n_; }
   void reset() override {
     DeviceGuard dg(device_);
+    // Not a steady-state call: wait for the state's pending work on any stream.
+    ck(cudaDeviceSynchronize(), "reset");
     for (DevBuf* b : {&r, &m, &u, &v, &lazy})
       if (b->bytes()) ck(cudaMemset(b->as<void>(), 0, b->bytes()), "reset");
     ck(cudaDeviceSynchronize(), "reset");
@@ -783,6 +785,7 @@ class CudaState final : public TensorState {
                                                    " elements, state has " + std::to_string(n_));
     if (n_ == 0) return;
     DeviceGuard dg(device_);
+    ck(cudaDeviceSynchronize(), "copy_residual");  // the last compress() may be on any stream
     const DevBuf& src = v.bytes() ? v : r;
     if (lazy.bytes()) {
       DevBuf tmp(n_ * sizeof(float));

@@ -17,6 +17,11 @@
 // after the first calls (decompress keeps a small pinned scratch per
 // concurrent caller).
 //
+// States: make_state() binds the state to the current CUDA device; calls
+// with one state must be ordered (same stream, or the caller orders them):
+// the residual and the lazy sign scalars are read by the next call.
+// reset() and copy_residual() synchronise the device (not steady-state calls).
+//
 // Thread-safety: as compressor.h (any number of threads, distinct states).
 #pragma once
 
