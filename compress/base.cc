@@ -72,8 +72,14 @@ uint32_t header_crc(std::span<const std::byte> hdr_and_params) {
 }  // namespace
 
 Parsed parse_wire(std::span<const std::byte> in) {
-  if (in.size() < kHeaderBytes)
-    malformed(std::to_string(in.size()) + " bytes is shorter than the " +
+  Parsed p = parse_wire_head(in.first(std::min(in.size(), kMaxHeadBytes)), in.size());
+  p.payload = in.subspan(kHeaderBytes + p.params.size());
+  return p;
+}
+
+Parsed parse_wire_head(std::span<const std::byte> in, uint64_t total_size) {
+  if (total_size < kHeaderBytes || in.size() < std::min<uint64_t>(total_size, kMaxHeadBytes))
+    malformed(std::to_string(total_size) + " bytes is shorter than the " +
               std::to_string(kHeaderBytes) + "-byte header");
   const std::byte* b = in.data();
   if (load<uint32_t>(b) != kMagic) malformed("bad magic (not a ByteComp compressed tensor)");
@@ -95,7 +101,7 @@ Parsed parse_wire(std::span<const std::byte> in) {
     malformed("params_len " + std::to_string(params_len) + " (accepted: multiple of 8, <= 256)");
   if (count > kMaxCount)
     malformed("element count " + std::to_string(count) + " exceeds " + std::to_string(kMaxCount));
-  uint64_t avail = in.size() - kHeaderBytes;
+  uint64_t avail = total_size - kHeaderBytes;
   if (params_len > avail)
     malformed("params_len " + std::to_string(params_len) + " but only " + std::to_string(avail) +
               " bytes follow the header");
@@ -115,7 +121,7 @@ Parsed parse_wire(std::span<const std::byte> in) {
   p.dtype = DType::kFloat32;
   p.count = count;
   p.params = in.subspan(kHeaderBytes, params_len);
-  p.payload = in.subspan(kHeaderBytes + params_len);
+  p.payload_len = payload_len;
   return p;
 }
 

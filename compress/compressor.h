@@ -212,6 +212,10 @@ class Compressor {
 // Builds a compressor; throws Error(kInvalidArgument) naming the unknown
 // compressor or parameter, or the bad value, with what is accepted.
 std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec);
+// The implementation for tensors on `device`: the CPU library, or the CUDA
+// kernels (compress/cuda/cuda.h; same wire format). Throws
+// Error(kInvalidArgument) for a device this build has no kernels for.
+std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec, Device device);
 
 // What a compressed buffer says about itself (after full header validation).
 struct WireInfo {

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "common/config.h"
+#include "compress/cuda/cuda.h"
 #include "compress/internal.h"
 
 namespace bytecomp::compress {
@@ -329,6 +330,17 @@ std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec) {
   canon.name = d.name;
   for (const auto& p : d.params) canon.params[p.name] = canonical(p, v[p.name]);
   return d.build(std::move(canon), v);
+}
+
+// --- device dispatch (issue 15: CUDA compressors) ---
+std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec, Device device) {
+  if (device == Device::kCpu) return make_compressor(spec);
+  detail::Values v;
+  const Def& d = validate(spec, v);
+  CompressorSpec canon;
+  canon.name = d.name;
+  for (const auto& p : d.params) canon.params[p.name] = canonical(p, v[p.name]);
+  return cuda::make_compressor(canon, v);
 }
 
 }  // namespace bytecomp::compress
