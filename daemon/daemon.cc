@@ -946,8 +946,10 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
 void Daemon::sample(Job& j) {
   // Local rank 0's completion ring: its head counts every push_pull the
   // engine completed; the entry before it is the latest. The engine may be
-  // writing the ring meanwhile, so the entry only counts when the head shows
-  // it was not overwritten while it was copied.
+  // overwriting that slot meanwhile (with one tensor the ring has one slot),
+  // and then it writes a completion that is being published right now: the
+  // iteration read is never older than the latest at the time of the head's
+  // load, which is what the gauge claims. One aligned 8-byte load.
   auto* base = static_cast<char*>(j.segment->data());
   auto* clients = reinterpret_cast<ipc::ClientArea*>(base + j.layout.clients_offset);
   const auto& head = clients[0].complete.head.value;
@@ -956,11 +958,8 @@ void Daemon::sample(Job& j) {
   const uint32_t cap = j.layout.ring_capacity;
   if (h == 0 || cap == 0) return;
   const auto* ring = reinterpret_cast<const ipc::RingEntry*>(base + j.layout.complete_ring_offset(0));
-  const uint64_t iteration = ring[(h - 1) & (cap - 1)].iteration;
-  std::atomic_thread_fence(std::memory_order_acquire);
-  if (head.load(std::memory_order_relaxed) - (h - 1) < cap) {
-    j.last_iteration = static_cast<int64_t>(iteration);
-  }
+  auto& slot = const_cast<uint64_t&>(ring[(h - 1) & (cap - 1)].iteration);
+  j.last_iteration = static_cast<int64_t>(std::atomic_ref<uint64_t>(slot).load(std::memory_order_relaxed));
 }
 
 JobView Daemon::job_view(Job& j, bool with_tensors) {

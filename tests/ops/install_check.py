@@ -43,6 +43,11 @@ def documented_files():
     return out
 
 
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def meson_install(destdir):
     r = subprocess.run(["meson", "install", "-C", BUILD, "--no-rebuild", "--destdir", destdir],
                        capture_output=True, text=True, timeout=300)
@@ -78,7 +83,7 @@ class InstallTest(unittest.TestCase):
             self.assertTrue(os.access(p, os.X_OK), p)
 
     def test_units_point_at_the_installed_binaries(self):
-        unit = open(self.under(os.path.join(DIRS["unitdir"], "bytecompd.service"))).read()
+        unit = read(self.under(os.path.join(DIRS["unitdir"], "bytecompd.service")))
         self.assertIn(f"ExecStart={DIRS['bindir']}/bytecompd ", unit)
         self.assertIn("Type=notify", unit)
         self.assertIn("WatchdogSec=", unit)
@@ -86,7 +91,7 @@ class InstallTest(unittest.TestCase):
 
     def test_pkg_config_file(self):
         pc = self.under(os.path.join(DIRS["libdir"], "pkgconfig", "bytecomp.pc"))
-        text = open(pc).read()
+        text = read(pc)
         self.assertIn("-lbytecomp", text)
         self.assertIn(f"prefix={DIRS['prefix']}", text)
 
@@ -94,9 +99,9 @@ class InstallTest(unittest.TestCase):
         daemon_yaml = self.under("/etc/bytecomp/daemon.yaml")
         with open(daemon_yaml, "a") as f:
             f.write("# edited by the operator\n")
-        edited = open(daemon_yaml).read()
+        edited = read(daemon_yaml)
         meson_install(self.dest)
-        self.assertEqual(open(daemon_yaml).read(), edited)
+        self.assertEqual(read(daemon_yaml), edited)
         # and an absent one is installed again
         os.remove(self.under("/etc/bytecomp/server.yaml"))
         meson_install(self.dest)
@@ -114,7 +119,7 @@ class InstallTest(unittest.TestCase):
         bindir = DIRS["bindir"]
         paths = []
         for u in ("bytecompd.service", "bytecomp-server.service", "bytecomp-server@.service"):
-            text = open(self.under(os.path.join(DIRS["unitdir"], u))).read()
+            text = read(self.under(os.path.join(DIRS["unitdir"], u)))
             text = text.replace(f"={bindir}/", f"={self.under(bindir)}/")
             p = os.path.join(work, u)
             with open(p, "w") as f:

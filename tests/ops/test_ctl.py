@@ -451,6 +451,49 @@ class WithDaemon(unittest.TestCase):
         self.assertFalse(ctl_json(self.d.socket, "status")["draining"])
 
 
+class TwoNodes(unittest.TestCase):
+    """bytecompctl on each node's daemon while a two-node job runs (daemons
+    and server started by bytecomp-run)."""
+
+    def test_jobs_and_status_on_both_nodes(self):
+        iterations = 6
+        run_id = "ctl" + uuid.uuid4().hex[:8]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.path.join(SOURCE, "client", "python")
+        env["BYTECOMP_LOG"] = "warn"
+        r = subprocess.run(["/usr/bin/python3", os.path.join(SOURCE, "scripts", "bytecomp-run"),
+                            "--nodes", "2", "--nproc-per-node", "1", "--job-id", run_id,
+                            "--timeout-ms", "20000", "--time-limit", "120",
+                            os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "ctl_worker.py"), str(iterations)],
+                           capture_output=True, text=True, env=env, timeout=180)
+        out = r.stdout + r.stderr
+        self.assertEqual(r.returncode, 0, out)
+        self.assertEqual(out.count("DONE"), 2, out)
+        seen = {}
+        for line in out.splitlines():
+            m = re.search(r"CTL (\d) (\{.*\})$", line)
+            if m:
+                seen[int(m.group(1))] = json.loads(m.group(2))
+        self.assertEqual(sorted(seen), [0, 1], out)
+        for node, a in seen.items():
+            st = a["status"]
+            self.assertTrue(st["multi_node"])
+            self.assertEqual(st["jobs"]["running"], len(st["job_ids"]))
+            ours = [j for j in a["jobs"]["jobs"] if j["id"].startswith(run_id)]
+            self.assertTrue(ours, a)
+            for j in ours:
+                self.assertEqual((j["state"], j["num_nodes"], j["node_rank"]),
+                                 ("running", 2, node))
+                self.assertEqual(len(j["nodes"]), 2)
+                # Multi-node compression is the engine's (not counted here).
+                self.assertIsNone(j["compress"])
+            # The allreduce job finished `iterations` rounds of its tensor(s)
+            # (and bytecomp.torch's own set-up rounds).
+            self.assertGreaterEqual(max(j["pushpulls"] for j in ours), iterations)
+            self.assertGreaterEqual(max(j["iteration"] for j in ours), iterations - 1)
+
+
 class Watchdog(unittest.TestCase):
     """READY=1 and repeated WATCHDOG=1 on a NOTIFY_SOCKET the test owns."""
 
