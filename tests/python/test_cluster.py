@@ -6,6 +6,7 @@ reason) where network namespaces cannot be created."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -93,6 +94,29 @@ class TorchrunOnNamespaces(unittest.TestCase):
             self.assertNotIn(name, netns.list_namespaces())
         finally:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def test_ctrl_c_removes_everything(self):
+        """SIGINT while the cluster runs: exit 130, no namespace, process or
+        shared-memory segment of the run is left."""
+        p = subprocess.Popen([sys.executable, BENCH, "--quick", "--systems", "bc_none",
+                              "--out", tempfile.mkdtemp(prefix="bc-test-int-")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        tag = "%s%d" % (netns.PREFIX, p.pid)
+        try:
+            seen = helpers.wait_until(
+                lambda: len([n for n in netns.list_namespaces() if n.startswith(tag)]) >= 3
+                and helpers.processes_with_env("BYTECOMP_RUN_ID", tag), 60)
+            self.assertTrue(seen, "the run never built its cluster")
+            p.send_signal(signal.SIGINT)
+            out, _ = p.communicate(timeout=90)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+        self.assertEqual(p.returncode, 130, out[-3000:])
+        self.assertIn("interrupted", out)
+        self.assertEqual(_leftovers(tag), ([], [], []))
 
     def test_bad_bandwidth_is_refused_by_name(self):
         with self.assertRaisesRegex(ValueError, "bandwidth '12parsecs'"):

@@ -254,6 +254,11 @@ class Bench:
             left = [s for s in todo if s not in done]
             if not left:
                 break
+            if rc == 124:
+                for s in left:
+                    results[s] = {"error": "not finished within the launch's time limit "
+                                           "(4x its estimate + 2 min)"}
+                break
             culprit = left[0]
             results[culprit] = {"error": "the training processes died during this system "
                                          "(launch exit %s): %s" % (rc, crash_message(lines))}
