@@ -137,12 +137,17 @@ class Quick(unittest.TestCase):
         """scripts/bench-cluster --quick: every system has a figure or, where
         it failed, a null whose reason the table gives; the last line parses."""
         out = tempfile.mkdtemp(prefix="bc-test-quick-")
-        before = set(netns.list_namespaces())
         try:
-            p = subprocess.run([sys.executable, BENCH, "--quick", "--out", out],
-                               capture_output=True, text=True, timeout=900)
-            self.assertEqual(p.returncode, 0, p.stdout[-4000:] + p.stderr[-4000:])
-            last = json.loads(p.stdout.strip().splitlines()[-1])
+            p = subprocess.Popen([sys.executable, BENCH, "--quick", "--out", out],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                stdout, stderr = p.communicate(timeout=840)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate(timeout=30)
+            self.assertEqual(p.returncode, 0, stdout[-4000:] + stderr[-4000:])
+            last = json.loads(stdout.strip().splitlines()[-1])
             self.assertEqual(set(last), {"results", "compute_only_ms", "goodput_vs_link",
                                          "loss_rel_diff_vs_ddp"})
             table = open(os.path.join(out, "results.md")).read()
@@ -159,8 +164,7 @@ class Quick(unittest.TestCase):
                         self.assertGreater(ms, 0)
             self.assertGreater(last["compute_only_ms"]["resnet18"], 0)
             self.assertTrue(os.path.getsize(os.path.join(out, "cluster.png")) > 1000)
-            self.assertEqual([n for n in set(netns.list_namespaces()) - before
-                              if n.startswith(netns.PREFIX)], [])
+            self.assertEqual(_leftovers("%s%d" % (netns.PREFIX, p.pid)), ([], [], []))
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
