@@ -254,6 +254,11 @@ class Bench:
             left = [s for s in todo if s not in done]
             if not left:
                 break
+            if rc == 124:
+                for s in left:
+                    results[s] = {"error": "not finished within the launch's time limit "
+                                           "(4x its estimate + 2 min)"}
+                break
             culprit = left[0]
             results[culprit] = {"error": "the training processes died during this system "
                                          "(launch exit %s): %s" % (rc, crash_message(lines))}
@@ -324,7 +329,7 @@ class Bench:
             self.log("strategies in %s" % os.path.join(tmp, "strategies"))
         cluster = NamespacedCluster(a.nodes, a.nproc_per_node, servers=a.servers,
                                     n_dedicated=a.dedicated_servers, threads=a.threads,
-                                    build_root=a.build_root)
+                                    build_root=a.build_root, partition_bytes=a.partition_bytes)
         with cluster:
             for i, model in enumerate(a.models):
                 for bw in a.bandwidths:
@@ -542,6 +547,9 @@ def parse(argv):
     ap.add_argument("--target-accuracy", type=float, default=95.0)
     ap.add_argument("--max-epochs", type=int, default=20)
     ap.add_argument("--pushpull-rounds", type=int, default=5)
+    ap.add_argument("--partition-bytes", default="1MiB",
+                    help="the servers' and daemons' partition size (default 1MiB, as "
+                         "bytecomp-run)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: resnet18, 1gbit and unshaped, 2 nodes, small batch, "
                          "no loss run, no digits (under 3 minutes on a quiet machine)")

@@ -50,7 +50,7 @@ def default_threads(training_processes):
 class NamespacedCluster:
     def __init__(self, nodes, nproc_per_node=1, servers="colocated", n_dedicated=1,
                  threads=None, build_root=None, out=sys.stdout, timeout_ms=180000,
-                 start_timeout_s=120.0, partition_bytes="4MiB", keep_tmp=False):
+                 start_timeout_s=120.0, partition_bytes="1MiB", keep_tmp=False):
         if nodes < 1 or nproc_per_node < 1:
             raise ValueError("nodes and nproc_per_node must be >= 1 (got %d, %d)" %
                              (nodes, nproc_per_node))
@@ -121,10 +121,11 @@ class NamespacedCluster:
         return ("version: 1\n"
                 "control:\n  socket: %s\n  socket_mode: 384\n  setup_timeout_ms: %d\n"
                 "shm:\n  instance: %s\n"
-                "scheduler:\n  threads: 1\n"
+                "scheduler:\n  threads: 1\n  partition_bytes: %s\n"
                 "internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n"
                 "logging:\n  levels: warn\n"
-                % (sock, int(self.start_timeout_s * 1000), instance, cluster_file,
+                % (sock, int(self.start_timeout_s * 1000), instance, self.partition_bytes,
+                   cluster_file,
                    DAEMON_ID_BASE + n, nodes))
 
     def _write(self, rel, text):

@@ -176,6 +176,13 @@ class Counters:
 
 
 # -- systems -----------------------------------------------------------------
+def momentum_of(system):
+    """SGD momentum 0.9, except under dgc: its momentum correction (u = 0.9 u
+    + g on the daemons) is the momentum, as the DGC paper prescribes; SGD
+    momentum on top of it would apply momentum twice."""
+    return 0.0 if system == "bc_dgc" else 0.9
+
+
 def wrap(system, model, opt, args):
     """Returns (module to call, optimizer to step)."""
     if system in ("compute", "compute_end"):
@@ -220,7 +227,7 @@ def run_training(system, args, rank, counters):
     torch.manual_seed(args.seed)
     model = build_model(args.model)
     batches = make_batches(args.model, rank, args.batch, args.pool, args.seed, args.seq)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum_of(system))
     fwd, opt = wrap(system, model, opt, args)
     steps = args.warmup + args.steps
     times, losses = [], []
@@ -254,7 +261,7 @@ def run_digits(system, args, rank, size):
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data()
     model = build_model("digits")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum_of(system))
     fwd, opt = wrap(system, model, opt, args)
     global_batch = args.batch * size
     steps = len(y_train) // global_batch
