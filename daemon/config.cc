@@ -90,6 +90,10 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   strategy.get("file", c.strategy_file);
   strategy.finish();
 
+  config::Reader engine = root.section("engine");
+  engine.get("phase_timestamps", c.phase_timestamps);
+  engine.finish();
+
   // Last, so a bad key elsewhere leaves the log levels untouched.
   config::apply_logging_section(root);
   root.finish();

@@ -728,6 +728,7 @@ void Daemon::reload() {
     config_.setup_timeout_ms = next.setup_timeout_ms;
     config_.partition_bytes = next.partition_bytes;
     config_.max_inflight_bytes = next.max_inflight_bytes;
+    config_.phase_timestamps = next.phase_timestamps;
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
     config_.strategy_file = next.strategy_file;

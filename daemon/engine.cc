@@ -9,6 +9,9 @@
 namespace bytecomp::daemon {
 
 BC_LOG_CATEGORY(LogEngine, "daemon.engine");
+// One line per phase record at a job's end (debug): a trace of the last
+// PhaseLog::kIterations iterations.
+BC_LOG_CATEGORY(LogPhases, "daemon.phases");
 
 namespace {
 // Bound on one idle sleep; stop() also posts the doorbell, so this only
@@ -25,6 +28,7 @@ void Inbox::ring() {
 }
 
 void Inbox::deliver(Arrival a) {
+  if (stamp_) a.at_ns = monotonic_ns();
   std::lock_guard lock(mu_);
   if (doorbell_ == nullptr) return;
   arrivals_.push_back(std::move(a));
@@ -85,7 +89,7 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
       peer_opts_(o.peers),
       keep_mapped_(std::move(o.keep_mapped)),
       reducer_(o.reducer ? std::move(o.reducer) : std::make_unique<ShmSimdReducer>()),
-      inbox_(std::make_shared<Inbox>(&header_->doorbell)) {
+      inbox_(std::make_shared<Inbox>(&header_->doorbell, tunables.phase_timestamps.load())) {
   if (o.plans.size() != tensors_.size()) {
     throw Error(ErrorCode::kInternal, "engine of job " + job_ + ": " +
                                           std::to_string(o.plans.size()) + " plans for " +
@@ -102,11 +106,13 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
         layout_.ring_capacity);
   }
   for (Round& r : rounds_) r.from.assign(layout_.local_size, false);
+  phase_timestamps_ = tunables.phase_timestamps.load();
   if (!join_) {
     // Multi-node paths open on the engine thread, after the join.
+    setup_phases();
     local_ = std::make_unique<LocalPath>(
-        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_}, node_rank_,
-        std::move(o.plans));
+        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_},
+        node_rank_, std::move(o.plans));
     path_of_.assign(tensors_.size(), local_.get());
   }
   thread_ = std::thread([this] { loop(); });
@@ -121,7 +127,10 @@ void Engine::stop() {
   } catch (...) {
     // Scribbled over by a client; the idle timeout ends the loop.
   }
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    thread_.join();
+    log_phases();
+  }
   // Late PS callbacks must not touch the segment once it is unmapped.
   inbox_->close();
   if (ps_path_) ps_path_->close();
@@ -207,6 +216,30 @@ void Engine::adopt_pending() {
                              << switch_iteration_;
 }
 
+void Engine::setup_phases() {
+  std::vector<uint32_t> parts;
+  for (const TensorSpec& t : tensors_) {
+    parts.push_back(static_cast<uint32_t>(
+        std::max<uint64_t>(1, (t.bytes + partition_bytes_ - 1) / partition_bytes_)));
+  }
+  phases_.setup(parts, phase_timestamps_);
+}
+
+std::vector<PhaseRecord> Engine::phase_records() const { return phases_.snapshot(); }
+
+void Engine::log_phases() const {
+  if (!LogPhases().enabled(log::Level::kDebug)) return;
+  for (const PhaseRecord& r : phases_.snapshot()) {
+    log::Line line(LogPhases(), log::Level::kDebug);
+    line.stream() << "job " << job_ << " tensor '" << tensors_[r.tensor].name << "' partition "
+                  << r.partition << " iteration " << r.iteration << " path "
+                  << (r.tensor < path_of_.size() ? path_of_[r.tensor]->name() : "?") << ":";
+    for (size_t p = 0; p < kPhaseCount; ++p) {
+      line.stream() << ' ' << phase_name(static_cast<Phase>(p)) << '=' << r.ns[p];
+    }
+  }
+}
+
 int64_t Engine::latest_begun() const {
   int64_t latest = -1;
   for (const Round& r : rounds_) {
@@ -265,7 +298,8 @@ bool Engine::open_paths() {
   });
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                              << ps_->info().rank << " of " << ps_->info().nodes.size();
-  const PathContext ctx{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_};
+  setup_phases();
+  const PathContext ctx{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_};
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
     peer_path_ = PeerPath::open(ctx, ps_, peer_opts_);
@@ -358,6 +392,7 @@ bool Engine::drain() {
       }
       if (round.arrived == 0) {
         round.iteration = e.iteration;
+        round.first_ns = phases_.enabled() ? monotonic_ns() : 0;
       } else if (round.iteration != e.iteration) {
         fail(ErrorCode::kInvalidArgument,
              "local ranks disagree on the iteration of tensor '" + name + "': rank " +
@@ -375,6 +410,12 @@ bool Engine::drain() {
         }
         round.partitions_left = sched_.add(e.tensor, round.iteration, tensors_[e.tensor].bytes,
                                            partition_bytes_);
+        if (phases_.enabled()) {
+          const uint64_t now = monotonic_ns();
+          for (size_t p = 0; p < round.partitions_left; ++p) {
+            phases_.begin(e.tensor, static_cast<uint32_t>(p), round.iteration, round.first_ns, now);
+          }
+        }
       }
     }
   }
@@ -424,7 +465,14 @@ void Engine::run_batch(const std::vector<Task>& batch) {
   pool_.parallel_for(
       batch.size(), 1,
       [&](size_t b, size_t e) {
-        for (size_t i = b; i < e; ++i) path_of_[batch[i].tensor]->start(batch[i], bufs[i]);
+        for (size_t i = b; i < e; ++i) {
+          const Task& t = batch[i];
+          const auto part = static_cast<uint32_t>(t.begin / partition_bytes_);
+          phases_.stamp(t.tensor, part, t.iteration, Phase::kStart);
+          ExecutionPath& path = *path_of_[t.tensor];
+          path.start(t, bufs[i]);
+          if (path.synchronous()) phases_.end(t.tensor, part, t.iteration);
+        }
       },
       batch.size());
   // Asynchronous paths' tasks complete in process_arrivals().
@@ -453,8 +501,11 @@ bool Engine::process_arrivals() {
         std::vector<char*> bufs;
         for (size_t i = b; i < e; ++i) {
           const auto& a = arrived[i];
+          const auto part = static_cast<uint32_t>(a.begin / partition_bytes_);
+          phases_.stamp(a.tensor, part, a.iteration, Phase::kArrived, a.at_ns);
           buffers_of(a.tensor, bufs);
           errors[i] = path_of_[a.tensor]->finish(a, bufs);
+          if (errors[i].empty()) phases_.end(a.tensor, part, a.iteration);
         }
       },
       arrived.size());

@@ -40,6 +40,10 @@
 //                    parallel_for(); distinct partitions only.
 //   transport threads run the PS and peer callbacks, which touch only the
 //                    Inbox (and PeerPath's plans).
+// Phase timestamps (daemon/engine_phases.h): the core stamps kFirstRank and
+// kAllRanks (drain), kStart (before a path's start()) and kArrived (the
+// Inbox's delivery time) and publishes a record after a path finished it;
+// the paths stamp what happens inside start() and finish().
 // Locks: pending_mu_ (pending plans/strategy), abort_mu_ (the first abort),
 // the Inbox's mutex; each is held only to move a value and none is taken
 // while another is held, so there is no lock order to keep. The engine
@@ -65,6 +69,7 @@
 #include "daemon/config.h"
 #include "daemon/engine_path.h"
 #include "daemon/engine_peer.h"
+#include "daemon/engine_phases.h"
 #include "daemon/engine_types.h"
 #include "daemon/local_reduce.h"
 #include "daemon/plan.h"
@@ -130,9 +135,16 @@ class Engine {
 
   ipc::SegmentHeader* header() const { return header_; }
 
+  // A copy of the phase timestamps of the last PhaseLog::kIterations
+  // iterations (daemon/engine_phases.h), by tensor, partition, iteration;
+  // empty with engine.phase_timestamps off or before a multi-node job
+  // joined. Thread-safe; allocates (not for the hot path).
+  std::vector<PhaseRecord> phase_records() const;
+
  private:
   struct Round {
     uint64_t iteration = 0;
+    uint64_t first_ns = 0;  // first local rank's submission seen
     uint32_t arrived = 0;
     bool running = false;  // all arrived, partitions queued or executing
     size_t partitions_left = 0;
@@ -154,6 +166,9 @@ class Engine {
   void complete(uint32_t tensor);
   void fail(ErrorCode code, const std::string& reason);
   int64_t latest_begun() const;
+  // Once partition_bytes_ is final.
+  void setup_phases();
+  void log_phases() const;
 
   std::string job_;
   char* base_;
@@ -189,6 +204,9 @@ class Engine {
   // receipt (whether or not their round is complete). Single node: unused
   // (a batch is bounded by the bound itself and finishes in run_batch()).
   uint64_t inflight_bytes_ = 0;
+  bool phase_timestamps_ = true;
+  // Written by the engine thread and the workers, read by phase_records().
+  PhaseLog phases_;
   // The paths (declared after what they borrow, so destroyed first) and
   // each tensor's; the plans of set_plans() go to local_.
   std::unique_ptr<LocalPath> local_;

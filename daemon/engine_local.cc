@@ -35,14 +35,18 @@ void LocalPath::start(const Task& t, std::span<char* const> bufs) {
   Run& run = runs_[t.tensor];
   const TensorSpec& spec = (*ctx_.tensors)[t.tensor];
   IntraNodeReducer& reducer = *ctx_.reducer;
-  if (!run.plan.compressor) {
-    reducer.reduce(spec.dtype, bufs, t.begin, t.end);
-    return;
-  }
+  PhaseLog& phases = *ctx_.phases;
   // Distinct partitions own distinct states and scratch buffers, so tasks of
   // one tensor run in parallel safely.
   const size_t part = static_cast<size_t>(t.begin / ctx_.partition_bytes);
+  const auto index = static_cast<uint32_t>(part);
+  if (!run.plan.compressor) {
+    reducer.reduce(spec.dtype, bufs, t.begin, t.end);
+    if (phases.enabled()) phases.stamp_through(t.tensor, index, t.iteration, Phase::kReduced, monotonic_ns());
+    return;
+  }
   reducer.sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   float* sum = reinterpret_cast<float*>(bufs[0] + t.begin);
   const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
   compress::CompressContext cctx;
@@ -54,11 +58,20 @@ void LocalPath::start(const Task& t, std::span<char* const> bufs) {
   std::vector<std::byte>& wire = run.scratch[part];
   const size_t len = run.plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), wire,
                                                    *run.states[part], cctx);
+  if (phases.enabled()) {
+    // No inter-node phase: sent and arrived when compressed.
+    const uint64_t now = monotonic_ns();
+    phases.stamp(t.tensor, index, t.iteration, Phase::kCompressed, now);
+    phases.stamp(t.tensor, index, t.iteration, Phase::kSent, now);
+    phases.stamp(t.tensor, index, t.iteration, Phase::kArrived, now);
+  }
   // Inter-node phase: with one node the aggregate of the compressed
   // partitions is this node's own.
   run.plan.compressor->decompress(std::span<const std::byte>(wire.data(), len),
                                   compress::TensorView::cpu(sum, n), false, cctx);
+  phases.stamp(t.tensor, index, t.iteration, Phase::kDecompressed);
   reducer.copy_from_first(bufs, t.begin, t.end);
+  phases.stamp(t.tensor, index, t.iteration, Phase::kCopiedOut);
 }
 
 std::string LocalPath::finish(const Inbox::Arrival& a, std::span<char* const>) {

@@ -28,6 +28,7 @@
 #include <boost/interprocess/sync/interprocess_semaphore.hpp>
 
 #include "common/error.h"
+#include "daemon/engine_phases.h"
 #include "daemon/engine_types.h"
 #include "daemon/local_reduce.h"
 #include "daemon/scheduler.h"
@@ -48,8 +49,11 @@ class Inbox {
     uint64_t begin, end;
     Status status;
     transport::Buffer result;  // ps: the pull's answer; peer: empty (PeerJob::take() has it)
+    uint64_t at_ns = 0;        // monotonic_ns() when delivered (0: not stamped)
   };
-  explicit Inbox(boost::interprocess::interprocess_semaphore* doorbell) : doorbell_(doorbell) {}
+  // `stamp`: deliver() records each arrival's time (phase timestamps on).
+  Inbox(boost::interprocess::interprocess_semaphore* doorbell, bool stamp)
+      : doorbell_(doorbell), stamp_(stamp) {}
   void deliver(Arrival a);
   // A push of `bytes` (tensor bytes) was acknowledged by its server (or a
   // peer payload by every peer).
@@ -64,6 +68,7 @@ class Inbox {
   void ring();  // mu_ held
   std::mutex mu_;
   boost::interprocess::interprocess_semaphore* doorbell_;  // null once closed
+  const bool stamp_;
   std::vector<Arrival> arrivals_;
   uint64_t acked_ = 0;
   Status failure_;
@@ -77,6 +82,9 @@ struct PathContext {
   uint64_t partition_bytes = 0;  // fixed for the life of the job
   IntraNodeReducer* reducer = nullptr;
   std::shared_ptr<Inbox> inbox;
+  // Paths stamp kReduced..kSent in start() and kDecompressed, kCopiedOut in
+  // finish(); the core stamps the rest (see Engine).
+  PhaseLog* phases = nullptr;
 };
 
 // One way of running a tensor partition. Threading: start() and finish()

@@ -145,6 +145,8 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
   const auto index = static_cast<uint32_t>(t.begin / ctx_.partition_bytes);
   const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
   ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  PhaseLog& phases = *ctx_.phases;
+  phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
   const TensorPlan plan = peer_plans_->at(t.tensor, t.iteration);
   PeerHeader h;
@@ -171,11 +173,14 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
     h.format = PeerFormat::kRawFp32;
     data = transport::Buffer::copy_of(sum, n * 4);  // the segment may go away first
   }
+  phases.stamp(t.tensor, index, t.iteration, Phase::kCompressed);
   // The bytes-in-flight bound is released when every peer has acknowledged
   // receipt, not when the round completes: a round completes only once
   // every node contributed, and the nodes may start partitions in different
   // orders, so a bound held until then deadlocks them (each node's bound
   // full of partitions that wait for the other's).
+  // Before contributing: the round may complete (and be delivered) inside.
+  phases.stamp(t.tensor, index, t.iteration, Phase::kSent);
   std::weak_ptr<Inbox> inbox = ctx_.inbox;
   peer_->contribute(t.tensor, index, t.iteration, h, std::move(data),
                     [inbox, bytes = t.end - t.begin] {
@@ -244,7 +249,9 @@ std::string PeerPath::finish(const Inbox::Arrival& a, std::span<char* const> buf
         }
       }
     }
+    ctx_.phases->stamp(a.tensor, index, a.iteration, Phase::kDecompressed);
     ctx_.reducer->copy_from_first(bufs, a.begin, a.end);
+    ctx_.phases->stamp(a.tensor, index, a.iteration, Phase::kCopiedOut);
   } catch (const std::exception& e) {
     return e.what();
   }

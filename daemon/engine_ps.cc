@@ -44,6 +44,8 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
                                           spec.name + "' does not match the servers' assignment");
   }
   ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  PhaseLog& phases = *ctx_.phases;
+  phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
   PsPart& part = ps_part(t.tensor, t.begin, t.iteration);
   transport::Buffer payload;
@@ -68,6 +70,10 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
     // No keep-alive given (the segment's owner cannot share it): copy.
     payload = transport::Buffer::copy_of(sum, n * 4);
   }
+  phases.stamp(t.tensor, index, t.iteration, Phase::kCompressed);
+  // Before the push: once the pull is issued its answer may be delivered
+  // (the Inbox's time is kArrived) before this thread stamps anything.
+  phases.stamp(t.tensor, index, t.iteration, Phase::kSent);
   std::weak_ptr<Inbox> inbox = ctx_.inbox;
   ps_->push(key, t.iteration, std::move(payload),
             [inbox, name = spec.name, bytes = t.end - t.begin](const Status& s) {
@@ -89,7 +95,9 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
 std::string PsPath::finish(const Inbox::Arrival& a, std::span<char* const> bufs) {
   const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
   float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
-  PsPart& part = ps_parts_[a.tensor][static_cast<size_t>(a.begin / ctx_.partition_bytes)];
+  const auto index = static_cast<uint32_t>(a.begin / ctx_.partition_bytes);
+  PsPart& part = ps_parts_[a.tensor][index];
+  PhaseLog& phases = *ctx_.phases;
   const server::PullFormat fmt = part.plan.pull;
   try {
     if (fmt == server::PullFormat::kFp32) {
@@ -107,7 +115,9 @@ std::string PsPath::finish(const Inbox::Arrival& a, std::span<char* const> bufs)
       part.compressor->decompress(a.result.span(), compress::TensorView::cpu(out, n), false,
                                   cctx);
     }
+    phases.stamp(a.tensor, index, a.iteration, Phase::kDecompressed);
     ctx_.reducer->copy_from_first(bufs, a.begin, a.end);
+    phases.stamp(a.tensor, index, a.iteration, Phase::kCopiedOut);
   } catch (const std::exception& e) {
     return e.what();
   }

@@ -72,7 +72,7 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
                               (peer_listen_ ? "  peer_listen: " + endpoint() + "\n" : "") +
                                   strategy,
                               scheduler);
-      nodes_[n]->start();
+      nodes_[n]->start(daemon_env_);
     }
   }
   void TearDown() override {
@@ -158,6 +158,7 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
 
   static inline int counter_ = 0;
   bool peer_listen_ = true;  // give the daemons a peer endpoint
+  std::vector<std::string> daemon_env_;  // the daemons' environment (e.g. BYTECOMP_LOG)
   // Heartbeat bound of every process of the cluster (servers and daemons,
   // their server and peer connections). 3 s: a daemon compressing on two
   // loaded cores (load 10+) has gone 1 s without a heartbeat, and a peer
