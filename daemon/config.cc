@@ -99,6 +99,9 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   }
   metrics.finish();
   c.sources = doc.sources();
+  config::Reader engine = root.section("engine");
+  engine.get("phase_timestamps", c.phase_timestamps);
+  engine.finish();
 
   // Last, so a bad key elsewhere leaves the log levels untouched.
   config::apply_logging_section(root);

@@ -616,20 +616,27 @@ void Daemon::maybe_start(Job& j) {
     j.strategy_source = strategy ? strategy_source : std::string();
     if (strategy && join) (void)make_plans(*strategy, strategy_source, specs);
     j.segment = std::make_shared<Segment>(name, layout.total_bytes, j.uid, j.gid);
-    j.engine = std::make_unique<Engine>(
-        j.id, j.segment->data(), layout, std::move(specs), std::move(plans), j.node_rank, pool_,
-        tunables_,
-        [jp, wake](ErrorCode code, const std::string& reason) {
-          {
-            std::lock_guard lock(jp->fail_mu);
-            jp->failed = true;
-            jp->fail_code = code;
-            jp->fail_reason = reason;
-          }
-          const uint64_t one = 1;
-          (void)::write(wake, &one, sizeof one);
-        },
-        std::move(join), PeerOptions{peer_hub_.get(), request_timeout_}, j.segment);
+    Engine::Options eo;
+    eo.job = j.id;
+    eo.segment = j.segment->data();
+    eo.layout = layout;
+    eo.tensors = std::move(specs);
+    eo.plans = std::move(plans);
+    eo.node_rank = j.node_rank;
+    eo.on_failure = [jp, wake](ErrorCode code, const std::string& reason) {
+      {
+        std::lock_guard lock(jp->fail_mu);
+        jp->failed = true;
+        jp->fail_code = code;
+        jp->fail_reason = reason;
+      }
+      const uint64_t one = 1;
+      (void)::write(wake, &one, sizeof one);
+    };
+    eo.join = std::move(join);
+    eo.peers = PeerOptions{peer_hub_.get(), request_timeout_};
+    eo.keep_mapped = j.segment;
+    j.engine = std::make_unique<Engine>(std::move(eo), pool_, tunables_);
     for (Conn* m : j.members) {
       m->state = Conn::State::kRunning;
       send_msg(m->fd, ipc::encode(ipc::Ready{name, layout.total_bytes}));
@@ -804,6 +811,7 @@ std::pair<bool, std::string> Daemon::reload() {
     config_.setup_timeout_ms = next.setup_timeout_ms;
     config_.partition_bytes = next.partition_bytes;
     config_.max_inflight_bytes = next.max_inflight_bytes;
+    config_.phase_timestamps = next.phase_timestamps;
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
     config_.strategy_file = next.strategy_file;

@@ -65,15 +65,17 @@ void dispatch(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin, uin
 
 }  // namespace
 
-void reduce_range(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin, uint64_t end) {
+void ShmSimdReducer::reduce(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin,
+                            uint64_t end) {
   dispatch(dtype, bufs, begin, end, true);
 }
 
-void sum_to_first(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin, uint64_t end) {
+void ShmSimdReducer::sum_to_first(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin,
+                                  uint64_t end) {
   dispatch(dtype, bufs, begin, end, false);
 }
 
-void copy_from_first(std::span<char* const> bufs, uint64_t begin, uint64_t end) {
+void ShmSimdReducer::copy_from_first(std::span<char* const> bufs, uint64_t begin, uint64_t end) {
   for (size_t r = 1; r < bufs.size(); ++r) std::memcpy(bufs[r] + begin, bufs[0] + begin, end - begin);
 }
 
