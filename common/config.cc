@@ -1,5 +1,6 @@
 #include "common/config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -8,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+
+#include "common/record.h"
 
 namespace bytecomp::config {
 namespace {
@@ -46,6 +49,11 @@ Document Document::load_file(const std::string& path) {
                       std::string(std::strerror(errno)) + ")");
   std::stringstream buf;
   buf << in.rdbuf();
+  if (recording_inputs()) {
+    const std::string text = buf.str();
+    record_input_always("config-" + std::filesystem::path(path).filename().string(), text.data(),
+                        text.size());
+  }
   return parse(buf.str(), path);
 }
 
@@ -74,18 +82,92 @@ Document Document::locate(const std::optional<std::string>& explicit_path,
     if (!std::filesystem::exists(*explicit_path))
       throw ConfigError(*explicit_path + ": configuration file given with "
                         "--config does not exist");
-    return load_file(*explicit_path);
+    Document doc = load_file(*explicit_path);
+    doc.merge_drop_ins(*explicit_path + ".d");
+    return doc;
   }
   const char* dir_env = std::getenv("BYTECOMP_SYSCONFDIR");
   std::filesystem::path dir = (dir_env && *dir_env) ? dir_env : "/etc/bytecomp";
   std::filesystem::path p = dir / file_name;
-  if (std::filesystem::exists(p)) return load_file(p.string());
-  return defaults();
+  Document doc = std::filesystem::exists(p) ? load_file(p.string()) : defaults();
+  doc.merge_drop_ins(p.string() + ".d");
+  return doc;
+}
+
+namespace {
+
+void record(Document::Origins& o, const YAML::Node& n, const std::string& file) {
+  o.nodes.emplace_back(n, file);
+  if (n.IsMap()) {
+    for (const auto& kv : n) record(o, kv.second, file);
+  } else if (n.IsSequence()) {
+    for (const auto& item : n) record(o, item, file);
+  }
+}
+
+// Mappings merge key by key; anything else replaces what was there.
+void merge_into(YAML::Node dst, const YAML::Node& src, Document::Origins& o,
+                const std::string& file) {
+  for (const auto& kv : src) {
+    const std::string key = kv.first.Scalar();
+    // The const lookup: a non-const operator[] would add an undefined entry.
+    const YAML::Node& cdst = dst;
+    YAML::Node have = cdst[key];
+    if (have.IsDefined() && have.IsMap() && kv.second.IsMap()) {
+      merge_into(have, kv.second, o, file);
+      continue;
+    }
+    record(o, kv.second, file);
+    if (have.IsDefined()) {
+      dst[key] = kv.second;
+    } else {
+      // The drop-in's key node keeps its line for "unknown key" errors.
+      dst.force_insert(kv.first, kv.second);
+    }
+  }
+}
+
+}  // namespace
+
+const std::string* Document::Origins::find(const YAML::Node& n) const {
+  for (const auto& [node, file] : nodes) {
+    if (node.is(n)) return &file;
+  }
+  return nullptr;
+}
+
+void Document::merge(const Document& drop_in) {
+  const YAML::Node& src = drop_in.node_;
+  Reader check = drop_in.root("");  // version: 1, with the drop-in's location
+  (void)check;
+  if (defaults_) {
+    // Defaults plus drop-ins: the drop-ins carry the version.
+    defaults_ = false;
+    node_ = YAML::Node(YAML::NodeType::Map);
+  }
+  merge_into(node_, src, *origins_, drop_in.name_);
+  sources_.push_back(drop_in.name_);
+}
+
+void Document::merge_drop_ins(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return;
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.size() > 5 && n.compare(n.size() - 5, 5, ".yaml") == 0 && n.front() != '.' &&
+        e.is_regular_file(ec)) {
+      files.push_back(e.path().string());
+    }
+  }
+  if (ec) throw ConfigError(dir + ": cannot list the drop-in directory (" + ec.message() + ")");
+  std::sort(files.begin(), files.end());
+  for (const auto& f : files) merge(load_file(f));
 }
 
 Reader Document::root(std::string env_prefix) const {
   bool env = !env_prefix.empty();
-  Reader r(name_, "", node_, std::move(env_prefix), env);
+  Reader r(name_, "", node_, std::move(env_prefix), env, origins_);
   if (!defaults_) {
     if (!r.has("version"))
       r.fail("", "missing required key 'version'", "version: 1");
@@ -104,12 +186,21 @@ Reader Document::root(std::string env_prefix) const {
 // ------------------------------------------------------------------ Reader
 
 Reader::Reader(std::string file, std::string path, YAML::Node node,
-               std::string env_prefix, bool env_enabled)
+               std::string env_prefix, bool env_enabled,
+               std::shared_ptr<const Document::Origins> origins)
     : file_(std::move(file)),
       path_(std::move(path)),
       node_(std::move(node)),
       env_prefix_(std::move(env_prefix)),
-      env_enabled_(env_enabled) {}
+      env_enabled_(env_enabled),
+      origins_(std::move(origins)) {}
+
+const std::string& Reader::file_of(const YAML::Node& n) const {
+  if (origins_ && n.IsDefined()) {
+    if (const std::string* f = origins_->find(n)) return *f;
+  }
+  return file_;
+}
 
 std::string Reader::key_path(std::string_view key) const {
   if (path_.empty()) return std::string(key);
@@ -164,7 +255,7 @@ std::string Reader::where(const Value& v, std::string_view key) const {
   if (v.from_env)
     return "environment variable " + v.env_name + " (overrides '" +
            key_path(key) + "' of " + file_ + ")";
-  return location(file_, v.node.Mark()) + ": key '" + key_path(key) + "'";
+  return location(file_of(v.node), v.node.Mark()) + ": key '" + key_path(key) + "'";
 }
 
 void Reader::fail_value(const Value& v, std::string_view key,
@@ -178,11 +269,15 @@ void Reader::fail_value(const Value& v, std::string_view key,
 void Reader::fail(std::string_view key, const std::string& problem,
                   const std::string& accepted) const {
   YAML::Mark mark = node_.Mark();
+  const std::string* file = &file_of(node_);
   if (!key.empty() && node_.IsMap()) {
     YAML::Node n = node_[std::string(key)];
-    if (n.IsDefined()) mark = n.Mark();
+    if (n.IsDefined()) {
+      mark = n.Mark();
+      file = &file_of(n);
+    }
   }
-  std::string msg = location(file_, mark);
+  std::string msg = location(*file, mark);
   std::string kp = key_path(key);
   if (!kp.empty()) msg += ": key '" + kp + "'";
   msg += ": " + problem;
@@ -350,7 +445,7 @@ Reader Reader::section(std::string_view key) {
     val.node = n;
     fail_value(val, key, "expected a mapping of keys", "key: value pairs");
   }
-  return Reader(file_, key_path(key), n, env_prefix_, env_enabled_);
+  return Reader(file_, key_path(key), n, env_prefix_, env_enabled_, origins_);
 }
 
 std::vector<Reader> Reader::list(std::string_view key) {
@@ -368,9 +463,9 @@ std::vector<Reader> Reader::list(std::string_view key) {
   for (const auto& item : n) {
     std::string p = key_path(key) + "[" + std::to_string(i++) + "]";
     if (!item.IsMap())
-      throw ConfigError(location(file_, item.Mark()) + ": key '" + p +
+      throw ConfigError(location(file_of(item), item.Mark()) + ": key '" + p +
                         "': expected a mapping of keys");
-    out.push_back(Reader(file_, p, item, env_prefix_, false));
+    out.push_back(Reader(file_, p, item, env_prefix_, false, origins_));
   }
   return out;
 }
@@ -385,7 +480,7 @@ void Reader::finish() const {
       if (!accepted.empty()) accepted += ", ";
       accepted += s;
     }
-    throw ConfigError(location(file_, kv.first.Mark()) + ": unknown key '" +
+    throw ConfigError(location(file_of(kv.second), kv.first.Mark()) + ": unknown key '" +
                       key_path(k) + "'" +
                       (accepted.empty() ? std::string(" (this section takes no keys)")
                                         : " (accepted: " + accepted + ")"));

@@ -5,6 +5,12 @@
 //   2. /etc/bytecomp/<name> (the directory can be moved with the environment
 //      variable BYTECOMP_SYSCONFDIR, used by tests and unprivileged installs);
 //   3. built-in defaults (an empty document: every key keeps its default).
+// Then drop-ins: every `*.yaml` in the directory `<file>.d/` next to the file
+// found (or that would have been: /etc/bytecomp/daemon.yaml.d/ applies over
+// the built-in defaults too), in byte order of their names, each starting
+// with `version: 1`. A drop-in's mappings merge into the document key by key;
+// any other value (a scalar or a list) replaces the one before it. Errors in
+// a key that came from a drop-in name the drop-in's file and line.
 // Then environment variables override single keys: the key path upper-cased,
 // dots and dashes turned into '_', behind the program's prefix, e.g.
 // `transport.io_threads` of bytecompd is BYTECOMPD_TRANSPORT_IO_THREADS.
@@ -67,15 +73,37 @@ class Document {
   // unless the document is the built-in defaults.
   Reader root(std::string env_prefix) const;
 
+  // Merges `drop_in` (a parsed drop-in file) over this document, as
+  // locate() does for `<file>.d/*.yaml`. Throws ConfigError when the drop-in
+  // lacks `version: 1`.
+  void merge(const Document& drop_in);
+  // Merges every `*.yaml` in `dir` (absent: nothing) in name order.
+  void merge_drop_ins(const std::string& dir);
+
   const std::string& name() const { return name_; }
   bool is_defaults() const { return defaults_; }
+  // The files this document was read from, main file first, then the
+  // drop-ins in merge order (empty for the built-in defaults alone).
+  const std::vector<std::string>& sources() const { return sources_; }
+
+  // Which file a node came from (for a key merged from a drop-in: the
+  // drop-in).
+  struct Origins {
+    std::vector<std::pair<YAML::Node, std::string>> nodes;
+    const std::string* find(const YAML::Node& n) const;
+  };
 
  private:
   Document(std::string name, YAML::Node node, bool defaults)
-      : name_(std::move(name)), node_(std::move(node)), defaults_(defaults) {}
+      : name_(std::move(name)), node_(std::move(node)), defaults_(defaults),
+        origins_(std::make_shared<Origins>()) {
+    if (!defaults_) sources_.push_back(name_);
+  }
   std::string name_;
   YAML::Node node_;
   bool defaults_ = false;
+  std::vector<std::string> sources_;
+  std::shared_ptr<Origins> origins_;
 };
 
 class Reader {
@@ -121,7 +149,10 @@ class Reader {
  private:
   friend class Document;
   Reader(std::string file, std::string path, YAML::Node node,
-         std::string env_prefix, bool env_enabled);
+         std::string env_prefix, bool env_enabled,
+         std::shared_ptr<const Document::Origins> origins);
+  // `file_` unless `n` came from a drop-in.
+  const std::string& file_of(const YAML::Node& n) const;
 
   struct Value {
     std::string text;       // scalar text
@@ -145,6 +176,7 @@ class Reader {
   YAML::Node node_;
   std::string env_prefix_;
   bool env_enabled_ = false;
+  std::shared_ptr<const Document::Origins> origins_;
   std::set<std::string, std::less<>> seen_;
 };
 

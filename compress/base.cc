@@ -8,24 +8,11 @@
 
 namespace bytecomp::compress {
 
-std::string_view to_string(DType d) noexcept {
-  switch (d) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-  }
-  return "unknown-dtype";
-}
-
-std::string_view to_string(Device d) noexcept {
-  switch (d) {
-    case Device::kCPU: return "cpu";
-    case Device::kCUDA: return "cuda";
-  }
-  return "unknown-device";
-}
-
-size_t dtype_size(DType d) noexcept { return d == DType::kFloat32 ? 4 : 2; }
+// The compressed buffer format's dtype codes are the DType values of these
+// three; a change here is a new wire version.
+static_assert(static_cast<uint8_t>(DType::kFloat32) == 0 && static_cast<uint8_t>(DType::kFloat16) == 1 &&
+                  static_cast<uint8_t>(DType::kBFloat16) == 2,
+              "compressed buffers store DType values as their dtype codes");
 
 void TensorState::copy_residual(std::span<float>) const {
   throw Error(ErrorCode::kInvalidArgument, "copy_residual: this compressor keeps no residual");
@@ -85,8 +72,14 @@ uint32_t header_crc(std::span<const std::byte> hdr_and_params) {
 }  // namespace
 
 Parsed parse_wire(std::span<const std::byte> in) {
-  if (in.size() < kHeaderBytes)
-    malformed(std::to_string(in.size()) + " bytes is shorter than the " +
+  Parsed p = parse_wire_head(in.first(std::min(in.size(), kMaxHeadBytes)), in.size());
+  p.payload = in.subspan(kHeaderBytes + p.params.size());
+  return p;
+}
+
+Parsed parse_wire_head(std::span<const std::byte> in, uint64_t total_size) {
+  if (total_size < kHeaderBytes || in.size() < std::min<uint64_t>(total_size, kMaxHeadBytes))
+    malformed(std::to_string(total_size) + " bytes is shorter than the " +
               std::to_string(kHeaderBytes) + "-byte header");
   const std::byte* b = in.data();
   if (load<uint32_t>(b) != kMagic) malformed("bad magic (not a ByteComp compressed tensor)");
@@ -108,7 +101,7 @@ Parsed parse_wire(std::span<const std::byte> in) {
     malformed("params_len " + std::to_string(params_len) + " (accepted: multiple of 8, <= 256)");
   if (count > kMaxCount)
     malformed("element count " + std::to_string(count) + " exceeds " + std::to_string(kMaxCount));
-  uint64_t avail = in.size() - kHeaderBytes;
+  uint64_t avail = total_size - kHeaderBytes;
   if (params_len > avail)
     malformed("params_len " + std::to_string(params_len) + " but only " + std::to_string(avail) +
               " bytes follow the header");
@@ -128,7 +121,7 @@ Parsed parse_wire(std::span<const std::byte> in) {
   p.dtype = DType::kFloat32;
   p.count = count;
   p.params = in.subspan(kHeaderBytes, params_len);
-  p.payload = in.subspan(kHeaderBytes + params_len);
+  p.payload_len = payload_len;
   return p;
 }
 
@@ -221,7 +214,7 @@ std::unique_ptr<TensorState> Base::make_state(size_t n) const {
 
 namespace {
 void check_cpu_f32(const char* what, const std::string& name, Device dev, DType dt) {
-  if (dev != Device::kCPU)
+  if (dev != Device::kCpu)
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(what) + ": compressor '" + name + "' has no kernels for device " +
                     std::string(to_string(dev)) + " yet (accepted: cpu)");

@@ -79,18 +79,18 @@ const std::vector<CatalogueEntry>& catalogue() {
   //  cpu, cuda, wire_bytes, bytes_per_element, build
   static const std::vector<CatalogueEntry> c = {
       {"fp16", "cast to IEEE half precision (round to nearest even)", {kEfOff, kEfBeta}, true,
-       false, true, true, false, half_bytes, half_slope,
+       false, true, true, true, half_bytes, half_slope,
        [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_fp16(s), v); }},
       {"bf16", "cast to bfloat16 (round to nearest even)", {kEfOff, kEfBeta}, true, false, true,
-       true, false, half_bytes, half_slope,
+       true, true, half_bytes, half_slope,
        [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_bf16(s), v); }},
       {"randomk", "k random elements, indices from a seed shared by all workers (none sent)",
-       {kRatio, kEfOn, kEfBeta}, true, false, true, true, false, randomk_bytes, randomk_slope,
+       {kRatio, kEfOn, kEfBeta}, true, false, true, true, true, randomk_bytes, randomk_slope,
        [](CompressorSpec s, const ParamValues& v) {
          return with_ef(s, detail::make_randomk(s, v["ratio"]), v);
        }},
       {"topk", "exactly the k largest magnitudes (ties: lower index first)",
-       {kRatio, kEfOn, kEfBeta}, false, false, true, true, false, topk_bytes, sparse_slope,
+       {kRatio, kEfOn, kEfBeta}, false, false, true, true, true, topk_bytes, sparse_slope,
        [](CompressorSpec s, const ParamValues& v) {
          return with_ef(s, detail::make_topk(s, v["ratio"]), v);
        }},
@@ -104,40 +104,40 @@ const std::vector<CatalogueEntry>& catalogue() {
          false, true},
         {"refine", ParamKind::kInt, 0, 8, "2",
          "threshold refinement passes when too few are selected", false}},
-       false, false, false, true, false, dgc_bytes, sparse_slope,
+       false, false, false, true, true, dgc_bytes, sparse_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_dgc(s, v["ratio"], v["momentum"], v["sample_ratio"],
                                  static_cast<uint64_t>(v["warmup_iters"]),
                                  static_cast<unsigned>(v["refine"]));
        }},
       {"signsgd", "sign of each element (majority vote: decompress-sum, then compress again)",
-       {kEfOff, kEfBeta}, false, false, true, true, false, sign_bytes<0>, sign_slope,
+       {kEfOff, kEfBeta}, false, false, true, true, true, sign_bytes<0>, sign_slope,
        [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_signsgd(s), v); }},
       {"signum", "sign of the momentum",
        {{"momentum", ParamKind::kUnit, 0, 0.999, "0.9", "momentum", true}}, false, false, true,
-       true, false, sign_bytes<0>, sign_slope,
+       true, true, sign_bytes<0>, sign_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_signum(s, v["momentum"]);
        }},
       {"efsignsgd", "scaled sign (mean magnitude) with error feedback", {kEfBeta}, false, true,
-       true, true, false, sign_bytes<4>, sign_slope,
+       true, true, true, sign_bytes<4>, sign_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_feedback(s, detail::make_scaledsign(s), v["ef_beta"]);
        }},
       {"onebit", "1-bit SGD: sign plus the means of the positive and negative parts, error feedback",
-       {kEfBeta}, false, true, true, true, false, sign_bytes<8>, sign_slope,
+       {kEfBeta}, false, true, true, true, true, sign_bytes<8>, sign_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_feedback(s, detail::make_onebit(s), v["ef_beta"]);
        }},
       {"qsgd", "stochastic rounding to s levels of the L2 norm, bit-packed",
        {{"levels", ParamKind::kInt, 1, 127, "16", "quantisation levels s", true, true}, kEfOff,
         kEfBeta},
-       false, false, true, true, false, qsgd_bytes, qsgd_slope,
+       false, false, true, true, true, qsgd_bytes, qsgd_slope,
        [](CompressorSpec s, const ParamValues& v) {
          return with_ef(s, detail::make_qsgd(s, static_cast<unsigned>(v["levels"])), v);
        }},
       {"terngrad", "stochastic ternary {-s,0,s} after 2.5-sigma clipping, 2 bits per element",
-       {kEfOff, kEfBeta}, false, false, true, true, false, terngrad_bytes, terngrad_slope,
+       {kEfOff, kEfBeta}, false, false, true, true, true, terngrad_bytes, terngrad_slope,
        [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_terngrad(s), v); }},
   };
   return c;

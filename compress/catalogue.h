@@ -59,7 +59,8 @@ struct CatalogueEntry {
   bool builtin_feedback;
   // The compressed size depends only on n (not on the values).
   bool deterministic_size;
-  // Devices it has kernels for.
+  // Devices it has kernels for (cuda: compress/cuda/, present in builds with
+  // CUDA; cuda::built() says whether this one has them).
   bool cpu = true;
   bool cuda = false;
   // Wire-size model: bytes compress() emits for n elements at `p`, header

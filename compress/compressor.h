@@ -16,12 +16,13 @@
 // compress() writes into a caller-provided buffer that must be 8-byte aligned;
 // decompress() accepts any alignment (misaligned input is copied first).
 //
-// Every buffer is self-describing (compress/wire.h documents the layout):
+// Every buffer is self-describing (compress/internal.h and docs/compress.md
+// document the layout):
 // decompress() needs no side information, checks every length, count and index
 // before touching memory, and throws Error(kMalformed) naming what was wrong.
 //
 // Devices: TensorView carries a device and a stream so CUDA kernels can be added
-// later behind the same calls. The CPU implementations accept Device::kCPU and
+// later behind the same calls. The CPU implementations accept Device::kCpu and
 // DType::kFloat32 tensors and throw Error(kInvalidArgument) otherwise.
 //
 // Thread-safety: a Compressor is immutable after construction; any number of
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/types.h"
 
 namespace bytecomp {
 class ThreadPool;
@@ -50,12 +52,13 @@ class Reader;
 
 namespace bytecomp::compress {
 
-enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-enum class Device : uint8_t { kCPU = 0, kCUDA = 1 };
-
-std::string_view to_string(DType d) noexcept;
-std::string_view to_string(Device d) noexcept;
-size_t dtype_size(DType d) noexcept;
+// Element types and devices: the shared vocabulary (common/types.h). The
+// compressed buffer format writes a DType's value as its dtype code (float32
+// 0, float16 1, bfloat16 2; pinned in base.cc).
+using DType = bytecomp::DType;
+using Device = bytecomp::Device;
+using bytecomp::dtype_size;
+using bytecomp::to_string;
 
 // A borrowed tensor: `count` elements of `dtype` at `data` on `device`.
 // `stream` is the device stream work is ordered on (cudaStream_t for CUDA;
@@ -64,22 +67,22 @@ struct TensorView {
   void* data = nullptr;
   size_t count = 0;
   DType dtype = DType::kFloat32;
-  Device device = Device::kCPU;
+  Device device = Device::kCpu;
   void* stream = nullptr;
 
-  static TensorView cpu(float* p, size_t n) { return {p, n, DType::kFloat32, Device::kCPU, nullptr}; }
+  static TensorView cpu(float* p, size_t n) { return {p, n, DType::kFloat32, Device::kCpu, nullptr}; }
 };
 
 struct ConstTensorView {
   const void* data = nullptr;
   size_t count = 0;
   DType dtype = DType::kFloat32;
-  Device device = Device::kCPU;
+  Device device = Device::kCpu;
   void* stream = nullptr;
 
   ConstTensorView() = default;
   ConstTensorView(const void* d, size_t n, DType t = DType::kFloat32,
-                  Device dev = Device::kCPU, void* s = nullptr)
+                  Device dev = Device::kCpu, void* s = nullptr)
       : data(d), count(n), dtype(t), device(dev), stream(s) {}
   ConstTensorView(const TensorView& v)  // NOLINT: implicit by design
       : data(v.data), count(v.count), dtype(v.dtype), device(v.device), stream(v.stream) {}
@@ -209,6 +212,10 @@ class Compressor {
 // Builds a compressor; throws Error(kInvalidArgument) naming the unknown
 // compressor or parameter, or the bad value, with what is accepted.
 std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec);
+// The implementation for tensors on `device`: the CPU library, or the CUDA
+// kernels (compress/cuda/cuda.h; same wire format). Throws
+// Error(kInvalidArgument) for a device this build has no kernels for.
+std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec, Device device);
 
 // What a compressed buffer says about itself (after full header validation).
 struct WireInfo {

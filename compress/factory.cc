@@ -7,6 +7,7 @@
 
 #include "common/config.h"
 #include "compress/catalogue.h"
+#include "compress/cuda/cuda.h"
 #include "compress/internal.h"
 
 namespace bytecomp::compress {
@@ -230,6 +231,21 @@ std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec) {
   canon.name = d.name;
   for (const auto& p : d.params) canon.params[p.name] = canonical(p, v[p.name]);
   return d.build(std::move(canon), v);
+}
+
+// --- device dispatch (issue 15: CUDA compressors) ---
+std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec, Device device) {
+  if (device == Device::kCpu) return make_compressor(spec);
+  ParamValues v;
+  const CatalogueEntry& d = validate(spec, v);
+  if (!d.supports(device)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "compressor '" + d.name + "' has no " + std::string(to_string(device)) + " kernels");
+  }
+  CompressorSpec canon;
+  canon.name = d.name;
+  for (const auto& p : d.params) canon.params[p.name] = canonical(p, v[p.name]);
+  return cuda::make_compressor(canon, v);
 }
 
 }  // namespace bytecomp::compress

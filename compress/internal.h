@@ -15,6 +15,7 @@
 #include "common/thread_pool.h"
 #include "compress/catalogue.h"
 #include "compress/compressor.h"
+#include "compress/hd.h"
 
 namespace bytecomp::compress::detail {
 
@@ -52,11 +53,17 @@ struct Parsed {
   uint64_t count = 0;
   std::span<const std::byte> params;   // params_len bytes (padded)
   std::span<const std::byte> payload;  // exactly payload_len bytes
+  uint64_t payload_len = 0;
 };
 
 // Checks magic, version, algorithm id, flags, lengths (no overflow, nothing
 // missing, nothing trailing) and the checksum. Throws Error(kMalformed).
 Parsed parse_wire(std::span<const std::byte> in);
+// The same checks from the buffer's first min(total_size, kMaxHeadBytes)
+// bytes and its total size, for buffers whose payload the host cannot read
+// (device memory): payload stays empty, payload_len is set.
+constexpr size_t kMaxHeadBytes = kHeaderBytes + 256;
+Parsed parse_wire_head(std::span<const std::byte> head, uint64_t total_size);
 // Writes the header and params; payload must already be at
 // out[kHeaderBytes + pad8(params.size())]. Returns the total length.
 size_t write_wire(std::span<std::byte> out, Algo algo, uint64_t count,
@@ -124,23 +131,9 @@ void for_chunks(ThreadPool* pool, size_t n, const std::function<void(size_t, siz
 
 // --- randomness ---------------------------------------------------------------
 
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-// Counter-based 32-bit hash (vectorises: 32-bit multiplies only).
-inline uint32_t hash32(uint32_t seed, uint32_t i) {
-  uint32_t h = i * 0x9E3779B1u ^ seed;
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return h;
-}
-inline float uniform01(uint32_t h) { return static_cast<float>(h >> 8) * (1.0f / 16777216.0f); }
+using hd::hash32;      // counter-based 32-bit hash (compress/hd.h)
+using hd::splitmix64;
+using hd::uniform01;
 
 // --- states ---------------------------------------------------------------------
 
@@ -270,18 +263,13 @@ size_t collect_at_least(const float* v, size_t b, size_t e, uint32_t tkey, uint3
 using Values = ParamValues;
 
 // Elements a sparsifier keeps of n at `ratio` (round to nearest, at least 1).
-inline size_t k_of(size_t n, double ratio) {
-  if (n == 0) return 0;
-  double k = std::floor(ratio * static_cast<double>(n) + 0.5);
-  return std::clamp<size_t>(static_cast<size_t>(k), 1, n);
-}
+inline size_t k_of(size_t n, double ratio) { return hd::sparse_k(n, ratio); }
 // Bytes of a topk/dgc buffer carrying k (index, value) pairs.
 inline size_t sparse_bytes(size_t k) { return kHeaderBytes + 8 + 8 * k; }
 // The most pairs DGC sends for n elements (its threshold is estimated from a
 // sample, so it may keep up to 30% more than k).
 inline size_t dgc_max_k(size_t n, double ratio, bool warmup) {
-  size_t k = k_of(n, warmup ? std::max(ratio, 0.25) : ratio);
-  return std::min(n, k + k * 3 / 10 + 1);
+  return hd::dgc_max_k(n, ratio, warmup ? 1 : 0);
 }
 
 // Constructors of the concrete compressors (defined next to each).

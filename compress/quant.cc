@@ -16,8 +16,7 @@ constexpr size_t kSub = 4096;  // elements per codes buffer (on the stack)
 uint32_t chunk_seed(const CompressContext& ctx, uint64_t salt, size_t first_index) {
   // A chunk never crosses a 2^32 boundary, so the high index bits are folded
   // into the seed and the hash works on the low 32 bits.
-  return static_cast<uint32_t>(splitmix64(ctx.private_seed ^ splitmix64(ctx.iteration + salt) ^
-                                          ((first_index >> 32) * 0x9E3779B97F4A7C15ull)));
+  return hd::quant_chunk_seed(ctx.private_seed, ctx.iteration, salt, first_index);
 }
 
 using namespace simd;
@@ -63,14 +62,9 @@ BC_CLONES void k_moments(const float* x, size_t n, float* sum, float* sumsq, flo
 // level = floor(|x| * scale + u), u ~ U[0,1): unbiased, <= levels.
 BC_CLONES void k_qsgd_codes(const float* x, size_t n, uint32_t seed, uint32_t first, float scale,
                             uint32_t levels, uint32_t sign_shift, uint8_t* codes) {
-  const float cap = static_cast<float>(levels);
   for (size_t i = 0; i < n; ++i) {
     float u = uniform01(hash32(seed, first + static_cast<uint32_t>(i)));
-    float t = std::fabs(x[i]) * scale + u;
-    t = t < cap ? t : cap;  // also maps NaN to the cap: the cast below stays defined
-    uint32_t l = static_cast<uint32_t>(t);
-    uint32_t neg = std::signbit(x[i]) ? 1u : 0u;
-    codes[i] = static_cast<uint8_t>(l | (neg << sign_shift));
+    codes[i] = hd::qsgd_code(x[i], u, scale, levels, sign_shift);
   }
 }
 
@@ -79,11 +73,7 @@ BC_CLONES void k_tern_codes(const float* x, size_t n, uint32_t seed, uint32_t fi
                             float inv, uint8_t* codes) {
   for (size_t i = 0; i < n; ++i) {
     float u = uniform01(hash32(seed, first + static_cast<uint32_t>(i)));
-    float a = std::fabs(x[i]);
-    a = a < scale ? a : scale;
-    uint32_t nz = u < a * inv ? 1u : 0u;
-    uint32_t neg = std::signbit(x[i]) ? 2u : 0u;
-    codes[i] = static_cast<uint8_t>(nz | neg);
+    codes[i] = hd::tern_code(x[i], u, scale, inv);
   }
 }
 
@@ -92,12 +82,7 @@ template <Mode M>
 inline void codes_to_float(const uint8_t* c, size_t n, uint32_t lmask, uint32_t shift, float unit,
                            float* out) {
   for (size_t i = 0; i < n; ++i) {
-    uint32_t code = c[i];
-    float v = static_cast<float>(static_cast<int32_t>(code & lmask)) * unit;
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    u ^= ((code >> shift) & 1u) << 31;
-    std::memcpy(&v, &u, 4);
+    float v = hd::code_value(c[i], lmask, shift, unit);
     if constexpr (M == Mode::kSet) out[i] = v;
     else if constexpr (M == Mode::kAdd) out[i] += v;
     else out[i] -= v;
@@ -157,7 +142,7 @@ class Qsgd final : public Base {
     float scale = norm > 0 ? static_cast<float>(levels_) / norm : 0.0f;
     std::byte* payload = out + kHeaderBytes + pad8(kParams);
     for_chunks(ctx.pool, n, [&](size_t, size_t cb, size_t ce) {
-      uint32_t seed = chunk_seed(ctx, 0x5153u, cb);
+      uint32_t seed = chunk_seed(ctx, hd::kQsgdSalt, cb);
       alignas(64) uint8_t codes[kSub];
       for (size_t b = cb; b < ce; b += kSub) {
         size_t e = std::min(ce, b + kSub);
@@ -222,7 +207,7 @@ class TernGrad final : public Base {
     float inv = scale > 0 ? 1.0f / scale : 0.0f;
     std::byte* payload = out + kHeaderBytes + 8;
     for_chunks(ctx.pool, n, [&](size_t, size_t cb, size_t ce) {
-      uint32_t seed = chunk_seed(ctx, 0x7467u, cb);
+      uint32_t seed = chunk_seed(ctx, hd::kTernSalt, cb);
       alignas(64) uint8_t codes[kSub];
       for (size_t b = cb; b < ce; b += kSub) {
         size_t e = std::min(ce, b + kSub);

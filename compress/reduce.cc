@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/thread_pool.h"
+#include "compress/hd.h"
 #include "compress/simd.h"
 
 namespace bytecomp::compress {
@@ -64,9 +65,6 @@ void sum_many(float* dst, std::span<const float* const> srcs, size_t b, size_t e
 }
 
 // --- half precision -------------------------------------------------------
-
-uint32_t bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
 BC_TARGET_F16C void f16c_to_half(uint16_t* dst, const float* src, size_t n) {
   size_t i = 0;
@@ -193,39 +191,12 @@ void sum_half_many(uint16_t* dst, std::span<const uint16_t* const> srcs, size_t 
 
 // --- scalar conversions -----------------------------------------------------
 
-uint16_t fp32_to_fp16(float f) noexcept {
-  // Round-to-nearest-even, bit-identical to F16C's vcvtps2ph (F. Giesen's
-  // construction: let the FPU round subnormals, integer-round normals).
-  uint32_t x = bits(f);
-  uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u)  // inf or NaN (NaN made quiet, payload truncated)
-    return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u | ((ax >> 13) & 0x3ffu) : 0x7c00u));
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (ax < 0x38800000u) {  // result is subnormal or zero
-    float t = from_bits(ax) + from_bits(((127u - 15u) + (23u - 10u) + 1u) << 23);
-    return static_cast<uint16_t>(sign | (bits(t) - (((127u - 15u) + (23u - 10u) + 1u) << 23)));
-  }
-  uint32_t odd = (ax >> 13) & 1u;
-  ax += ((15u - 127u) << 23) + 0xfffu + odd;
-  return static_cast<uint16_t>(sign | (ax >> 13));
-}
-
-float fp16_to_fp32(uint16_t h) noexcept {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t em = h & 0x7fffu;
-  if (em >= 0x7c00u) return from_bits(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
-  if (em >= 0x0400u) return from_bits(sign | ((em << 13) + ((127u - 15u) << 23)));
-  return from_bits(sign | bits(static_cast<float>(em) * 5.9604644775390625e-08f));
-}
-
-uint16_t fp32_to_bf16(float f) noexcept {
-  uint32_t x = bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
-
-float bf16_to_fp32(uint16_t h) noexcept { return from_bits(static_cast<uint32_t>(h) << 16); }
+// Shared with the CUDA kernels (compress/hd.h); bit-identical to F16C's
+// vcvtps2ph.
+uint16_t fp32_to_fp16(float f) noexcept { return hd::fp32_to_fp16_bits(f); }
+float fp16_to_fp32(uint16_t h) noexcept { return hd::fp16_bits_to_fp32(h); }
+uint16_t fp32_to_bf16(float f) noexcept { return hd::fp32_to_bf16_bits(f); }
+float bf16_to_fp32(uint16_t h) noexcept { return hd::bf16_bits_to_fp32(h); }
 
 // --- fp32 -------------------------------------------------------------------
 

@@ -91,19 +91,13 @@ class RandomK final : public Base {
   bool additive() const override { return true; }
   bool deterministic_size() const override { return true; }
 
+  // The seed -> index mapping is shared with the CUDA kernels (compress/hd.h).
   static uint64_t seed_of(const CompressContext& ctx) {
-    return splitmix64(ctx.shared_seed ^ splitmix64(ctx.iteration ^ 0x72616E646B00ull));
+    return hd::randomk_seed(ctx.shared_seed, ctx.iteration);
   }
-  // Element i of the k indices: a uniform pick within the i-th of k equal
-  // strata of [0, n). Sorted, distinct, and computable in any order.
-  static uint64_t lo(uint64_t i, uint64_t n, uint64_t k) {
-    return static_cast<uint64_t>(static_cast<u128>(i) * n / k);
-  }
+  static uint64_t lo(uint64_t i, uint64_t n, uint64_t k) { return hd::randomk_lo(i, n, k); }
   static uint64_t index(uint64_t seed, uint64_t i, uint64_t n, uint64_t k) {
-    uint64_t a = lo(i, n, k), len = lo(i + 1, n, k) - a;
-    uint32_t h = hash32(static_cast<uint32_t>(seed ^ (seed >> 32) ^ ((i >> 32) * 0x9E3779B1u)),
-                        static_cast<uint32_t>(i));
-    return a + static_cast<uint64_t>((static_cast<u128>(h) * len) >> 32);
+    return hd::randomk_index(seed, i, n, k);
   }
 
   size_t encode(const float* x, size_t n, std::byte* out, TensorState&,
@@ -293,9 +287,8 @@ std::vector<uint32_t> select_topk(const float* v, size_t n, size_t k, ThreadPool
   });
   std::vector<uint32_t> idx;
   if (k == 0) return idx;
-  size_t t = kBuckets - 1;
   uint64_t above = 0;
-  while (above + total[t] < k) above += total[t--];
+  size_t t = hd::select_bucket<uint64_t>(total.data(), static_cast<uint32_t>(kBuckets), k, &above);
   size_t need = k - above;
   // Offsets of each chunk's sure picks and candidates.
   std::vector<uint64_t> sure_off(chunks + 1, 0), cand_off(chunks + 1, 0);
@@ -395,13 +388,8 @@ class Dgc final : public Base {
         refine_(refine) {}
 
   // Warm-up: exponentially shrinking ratios (DGC paper, section 3.3).
-  double ratio_at(uint64_t iteration) const {
-    static constexpr double kStages[] = {0.25, 0.0625, 0.015625, 0.004};
-    if (warmup_ == 0) return ratio_;
-    uint64_t stage = iteration / warmup_;
-    return stage < 4 ? std::max(ratio_, kStages[stage]) : ratio_;
-  }
-  size_t max_k(size_t n) const { return dgc_max_k(n, ratio_, warmup_ != 0); }
+  double ratio_at(uint64_t iteration) const { return hd::dgc_ratio_at(ratio_, warmup_, iteration); }
+  size_t max_k(size_t n) const { return hd::dgc_max_k(n, ratio_, warmup_); }
 
   size_t max_compressed_bytes(size_t n) const override { return sparse_bytes(max_k(n)); }
   bool additive() const override { return false; }

@@ -90,6 +90,19 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   strategy.get("file", c.strategy_file);
   strategy.finish();
 
+  config::Reader metrics = root.section("metrics");
+  metrics.get("textfile_dir", c.metrics_textfile_dir)
+      .get("interval_ms", c.metrics_interval_ms, Range<uint32_t>{500, 3600000});
+  if (!c.metrics_textfile_dir.empty() && c.metrics_textfile_dir.front() != '/') {
+    metrics.fail("textfile_dir", "'" + c.metrics_textfile_dir + "' is not an absolute path",
+                 "an absolute directory path, or empty for no file");
+  }
+  metrics.finish();
+  c.sources = doc.sources();
+  config::Reader engine = root.section("engine");
+  engine.get("phase_timestamps", c.phase_timestamps);
+  engine.finish();
+
   // Last, so a bad key elsewhere leaves the log levels untouched.
   config::apply_logging_section(root);
   root.finish();

@@ -41,6 +41,16 @@ struct DaemonConfig {
   // (tcp://host:port, port 0 = ephemeral; ipc:///path); sent to them through
   // the coordinator at each job's admission. Empty: no peer allgather.
   std::string peer_listen;
+  // metrics (reloadable): Prometheus textfile (bytecompd.prom) in this
+  // directory every interval_ms; empty: no file (bytecompctl metrics still
+  // answers).
+  std::string metrics_textfile_dir;
+  uint32_t metrics_interval_ms = 5000;
+  // The files read (main file, then drop-ins); empty: built-in defaults.
+  std::vector<std::string> sources;
+  // engine: reloadable, new jobs only. Per-partition phase timestamps
+  // (daemon/engine_phases.h).
+  bool phase_timestamps = true;
 
   // Throws config::ConfigError naming file, line, key and accepted values.
   // Applies the `logging:` section (and BYTECOMP_LOG) as a side effect.
@@ -52,8 +62,10 @@ struct Tunables {
   std::atomic<uint32_t> setup_timeout_ms{60000};
   std::atomic<uint64_t> partition_bytes{4ull << 20};
   std::atomic<uint64_t> max_inflight_bytes{64ull << 20};
+  std::atomic<bool> phase_timestamps{true};
 
   void apply(const DaemonConfig& c) {
+    phase_timestamps.store(c.phase_timestamps);
     setup_timeout_ms.store(c.setup_timeout_ms);
     partition_bytes.store(c.partition_bytes);
     max_inflight_bytes.store(c.max_inflight_bytes);

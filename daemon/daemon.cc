@@ -8,6 +8,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -21,6 +23,7 @@
 #include "client/ipc/protocol.h"
 #include "client/ipc/shm_layout.h"
 #include "common/log.h"
+#include "daemon/counting_compressor.h"
 #include "daemon/engine.h"
 #include "daemon/shm_segment.h"
 
@@ -44,6 +47,7 @@ struct Daemon::Conn {
   std::vector<ipc::Declare> decls;
   uint64_t declared_bytes = 0;
   std::optional<ipc::StrategyMsg> strategy;  // bytecomp_set_strategy
+  bool ctl = false;  // an operator's connection (CTL_REQUEST)
   std::string who() const {
     return "local rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
   }
@@ -76,6 +80,16 @@ struct Daemon::Job {
   bool failed = false;
   ErrorCode fail_code = ErrorCode::kOk;
   std::string fail_reason;
+  // What bytecompctl and the metrics show (daemon/ctl.h).
+  Clock::time_point created = Clock::now();
+  ipc::Layout layout;
+  std::shared_ptr<JobByteCounters> bytes = std::make_shared<JobByteCounters>();
+  std::shared_ptr<const planner::Strategy> active_strategy;  // null: uncompressed
+  std::string strategy_mode = "none";
+  std::string strategy_source;
+  uint64_t pushpulls = 0;
+  int64_t last_iteration = -1;
+  bool aborted = false;
 };
 
 namespace {
@@ -93,6 +107,25 @@ constexpr uint64_t kMaxDeclaredBytes = 64ull << 20;
 void send_msg(int fd, const std::vector<uint8_t>& m) {
   // Never block the control thread on a slow client.
   (void)::send(fd, m.data(), m.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+// Operator replies may span several datagrams; the control thread waits a
+// bounded time for a slow reader rather than dropping parts of the answer.
+bool send_all(int fd, const std::vector<std::vector<uint8_t>>& msgs,
+              std::chrono::milliseconds budget) {
+  const auto deadline = Clock::now() + budget;
+  for (const auto& m : msgs) {
+    for (;;) {
+      if (::send(fd, m.data(), m.size(), MSG_NOSIGNAL | MSG_DONTWAIT) >= 0) break;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return false;
+      pollfd p{fd, POLLOUT, 0};
+      (void)::poll(&p, 1, static_cast<int>(left.count()));
+    }
+  }
+  return true;
 }
 
 std::string describe(const ipc::Declare& d) {
@@ -201,14 +234,18 @@ Daemon::~Daemon() {
 }
 
 int Daemon::run(int signal_fd) {
+  notifier_.ready();
   for (;;) {
+    notifier_.tick();
+    if (!config_.metrics_textfile_dir.empty() && Clock::now() >= next_metrics_) write_metrics();
     std::vector<pollfd> fds;
     fds.push_back({signal_fd, POLLIN, 0});
     fds.push_back({wake_fd_, POLLIN, 0});
     fds.push_back({listen_fd_, POLLIN, 0});
     for (auto& [fd, c] : conns_) fds.push_back({fd, POLLIN, 0});
-    // The timeout only serves the setup deadlines.
-    const int r = ::poll(fds.data(), fds.size(), 250);
+    // The timeout serves the setup deadlines, the watchdog and the metrics.
+    const int r = ::poll(fds.data(), fds.size(),
+                         static_cast<int>(notifier_.poll_timeout(std::chrono::milliseconds(250)).count()));
     if (r < 0 && errno != EINTR) {
       BC_LOG(LogDaemon(), kError) << "poll: " << std::strerror(errno);
       return 1;
@@ -217,8 +254,9 @@ int Daemon::run(int signal_fd) {
       signalfd_siginfo si{};
       if (::read(signal_fd, &si, sizeof si) == sizeof si) {
         if (si.ssi_signo == SIGHUP) {
-          reload();
+          (void)reload();
         } else {
+          notifier_.stopping();
           BC_LOG(LogDaemon(), kInfo) << "signal " << si.ssi_signo << ": shutting down, aborting "
                                      << jobs_.size() << " job(s)";
           while (!jobs_.empty()) {
@@ -273,6 +311,7 @@ void Daemon::accept_one() {
 
 void Daemon::reject(Conn& c, ErrorCode code, const std::string& message) {
   BC_LOG(LogDaemon(), kWarn) << "pid " << c.pid << ": " << message;
+  ++counters_.rejects[std::string(to_string(code))];
   send_msg(c.fd, ipc::encode(ipc::ErrorMsg{static_cast<uint32_t>(code), message}));
   disconnect(c, message);
 }
@@ -319,6 +358,12 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
       const auto& h = std::get<ipc::Hello>(d.msg);
       const std::string key = std::to_string(c.uid) + "/" + h.job_id;
       auto it = jobs_.find(key);
+      if (it == jobs_.end() && draining_) {
+        return reject(c, ErrorCode::kUnavailable,
+                      "bytecompd is draining (bytecompctl drain): it accepts no new jobs, job '" +
+                          h.job_id + "' was refused; " + std::to_string(jobs_.size()) +
+                          " job(s) already admitted go on");
+      }
       if (it == jobs_.end()) {
         auto j = std::make_unique<Job>();
         j->key = key;
@@ -450,6 +495,8 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
       maybe_start(j);
       return;
     }
+    case ipc::MsgType::kCtlRequest:
+      return on_ctl(c, std::get<ipc::CtlRequest>(d.msg));
     case ipc::MsgType::kBye:
       if (c.state == S::kNew) return disconnect(c, "BYE before HELLO");
       c.bye = true;
@@ -559,29 +606,42 @@ void Daemon::maybe_start(Job& j) {
     Job* jp = &j;
     const int wake = wake_fd_;
     // Multi-node jobs follow the coordinator's plans (ps_->plan_at).
-    std::vector<TensorPlan> plans = strategy && !join
-                                        ? make_plans(*strategy, strategy_source, specs)
-                                        : uncompressed_plans(specs.size());
+    std::vector<TensorPlan> plans = counting_plans(
+        strategy && !join ? make_plans(*strategy, strategy_source, specs)
+                          : uncompressed_plans(specs.size()),
+        j.bytes);
+    j.layout = layout;
+    j.active_strategy = strategy;
+    j.strategy_mode = j.own_strategy ? "job" : strategy ? "daemon" : "none";
+    j.strategy_source = strategy ? strategy_source : std::string();
     if (strategy && join) (void)make_plans(*strategy, strategy_source, specs);
     j.segment = std::make_shared<Segment>(name, layout.total_bytes, j.uid, j.gid);
-    j.engine = std::make_unique<Engine>(
-        j.id, j.segment->data(), layout, std::move(specs), std::move(plans), j.node_rank, pool_,
-        tunables_,
-        [jp, wake](ErrorCode code, const std::string& reason) {
-          {
-            std::lock_guard lock(jp->fail_mu);
-            jp->failed = true;
-            jp->fail_code = code;
-            jp->fail_reason = reason;
-          }
-          const uint64_t one = 1;
-          (void)::write(wake, &one, sizeof one);
-        },
-        std::move(join), PeerOptions{peer_hub_.get(), request_timeout_}, j.segment);
+    Engine::Options eo;
+    eo.job = j.id;
+    eo.segment = j.segment->data();
+    eo.layout = layout;
+    eo.tensors = std::move(specs);
+    eo.plans = std::move(plans);
+    eo.node_rank = j.node_rank;
+    eo.on_failure = [jp, wake](ErrorCode code, const std::string& reason) {
+      {
+        std::lock_guard lock(jp->fail_mu);
+        jp->failed = true;
+        jp->fail_code = code;
+        jp->fail_reason = reason;
+      }
+      const uint64_t one = 1;
+      (void)::write(wake, &one, sizeof one);
+    };
+    eo.join = std::move(join);
+    eo.peers = PeerOptions{peer_hub_.get(), request_timeout_};
+    eo.keep_mapped = j.segment;
+    j.engine = std::make_unique<Engine>(std::move(eo), pool_, tunables_);
     for (Conn* m : j.members) {
       m->state = Conn::State::kRunning;
       send_msg(m->fd, ipc::encode(ipc::Ready{name, layout.total_bytes}));
     }
+    ++counters_.jobs_started;
     BC_LOG(LogDaemon(), kInfo) << "job " << j.id << " running: " << j.reference.size()
                                << " tensors, segment " << name << " (" << layout.total_bytes
                                << " bytes)";
@@ -606,6 +666,8 @@ void Daemon::abort_job(Job& j, ErrorCode code, std::string reason) {
     j.engine->stop();
   }
   BC_LOG(LogDaemon(), kWarn) << "job " << j.id << " aborted: " << reason;
+  j.aborted = true;
+  ++counters_.aborts[std::string(to_string(code))];
   const auto msg = ipc::encode(ipc::ErrorMsg{static_cast<uint32_t>(code), reason},
                                j.engine ? ipc::MsgType::kAbort : ipc::MsgType::kError);
   for (Conn* m : j.members) {
@@ -621,6 +683,12 @@ void Daemon::finish_job(Job& j) {
   for (Conn* m : j.members) {
     if (m != nullptr) m->job = nullptr;
   }
+  // Every rank that left with BYE has its results: the counts are final.
+  if (j.engine && j.segment) sample(j);
+  counters_.pushpulls += j.pushpulls;
+  counters_.compress_input_bytes += j.bytes->input_bytes.load();
+  counters_.compress_output_bytes += j.bytes->output_bytes.load();
+  if (j.engine && !j.aborted) ++counters_.jobs_finished;
   j.engine.reset();
   if (j.segment) j.segment->unlink();
   j.segment.reset();
@@ -632,6 +700,13 @@ void Daemon::disconnect(Conn& c, const std::string& why) {
   if (c.closed) return;
   c.closed = true;
   ::shutdown(c.fd, SHUT_RDWR);
+  // Input left unread at close resets the connection, and the client's
+  // recv then reports ECONNRESET before our last message (a refusal's
+  // reason, e.g. to a client that sent HELLO before we accepted it): read
+  // it away. After the shutdown nothing more can arrive.
+  char sink[512];
+  while (::recv(c.fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {
+  }
   Job* j = c.job;
   c.job = nullptr;
   if (j == nullptr) return;
@@ -702,7 +777,13 @@ void Daemon::sweep_closed() {
   }
 }
 
-void Daemon::reload() {
+std::pair<bool, std::string> Daemon::reload() {
+  notifier_.reloading();
+  // READY=1 again however the reload ends (systemd waits for it).
+  struct ReadyAgain {
+    ServiceNotifier& n;
+    ~ReadyAgain() { n.ready(); }
+  } ready_again{notifier_};
   try {
     // Everything is read and checked before anything is applied, so a bad
     // file leaves the daemon exactly as it was.
@@ -712,18 +793,32 @@ void Daemon::reload() {
       strategy = std::make_shared<const planner::Strategy>(
           planner::Strategy::load_file(next.strategy_file));
     }
+    std::string kept;
     for (auto [changed, key] : {std::pair{next.socket_path != config_.socket_path, "control.socket"},
                                 {next.instance != config_.instance, "shm.instance"},
                                 {next.threads != config_.threads, "scheduler.threads"},
-                                {next.socket_mode != config_.socket_mode, "control.socket_mode"}}) {
-      if (changed) BC_LOG(LogDaemon(), kWarn) << "SIGHUP: " << key << " changes need a restart";
+                                {next.socket_mode != config_.socket_mode, "control.socket_mode"},
+                                {next.cluster_file != config_.cluster_file, "internode.cluster_file"},
+                                {next.node_id != config_.node_id, "internode.node_id"},
+                                {next.nodes != config_.nodes, "internode.nodes"},
+                                {next.peer_listen != config_.peer_listen, "internode.peer_listen"}}) {
+      if (changed) {
+        BC_LOG(LogDaemon(), kWarn) << "SIGHUP: " << key
+                                   << " changed, which needs a restart: keeping the running value";
+        kept += std::string(kept.empty() ? "" : ", ") + key;
+      }
     }
     config_.setup_timeout_ms = next.setup_timeout_ms;
     config_.partition_bytes = next.partition_bytes;
     config_.max_inflight_bytes = next.max_inflight_bytes;
+    config_.phase_timestamps = next.phase_timestamps;
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
     config_.strategy_file = next.strategy_file;
+    config_.metrics_textfile_dir = next.metrics_textfile_dir;
+    config_.metrics_interval_ms = next.metrics_interval_ms;
+    config_.sources = next.sources;
+    next_metrics_ = {};
     tunables_.apply(config_);
     strategy_ = strategy;
     strategy_text_ = strategy_ ? read_text(config_.strategy_file) : std::string();
@@ -737,6 +832,9 @@ void Daemon::reload() {
           try {
             if (strategy_) (void)make_plans(*strategy_, config_.strategy_file, j->specs);
             j->engine->request_strategy(strategy_text_);
+            j->active_strategy = strategy_;
+            j->strategy_mode = strategy_ ? "daemon" : "none";
+            j->strategy_source = config_.strategy_file;
           } catch (const Error& e) {
             BC_LOG(LogDaemon(), kError) << "SIGHUP: job " << j->id << " keeps its strategy: "
                                         << e.what();
@@ -745,21 +843,209 @@ void Daemon::reload() {
         continue;
       }
       try {
-        j->engine->set_plans(strategy_ ? make_plans(*strategy_, config_.strategy_file, j->specs)
-                                       : uncompressed_plans(j->specs.size()));
+        j->engine->set_plans(counting_plans(
+            strategy_ ? make_plans(*strategy_, config_.strategy_file, j->specs)
+                      : uncompressed_plans(j->specs.size()),
+            j->bytes));
+        j->active_strategy = strategy_;
+        j->strategy_mode = strategy_ ? "daemon" : "none";
+        j->strategy_source = config_.strategy_file;
       } catch (const Error& e) {
         BC_LOG(LogDaemon(), kError) << "SIGHUP: job " << j->id << " keeps its strategy: "
                                     << e.what();
       }
     }
-    BC_LOG(LogDaemon(), kInfo) << "SIGHUP: reloaded (partition_bytes " << config_.partition_bytes
-                               << " for new jobs, max_inflight_bytes "
-                               << config_.max_inflight_bytes << ", setup_timeout_ms "
-                               << config_.setup_timeout_ms << ", strategy '"
-                               << config_.strategy_file << "', log levels)";
+    std::ostringstream done;
+    done << "reloaded (partition_bytes " << config_.partition_bytes
+         << " for new jobs, max_inflight_bytes " << config_.max_inflight_bytes
+         << ", setup_timeout_ms " << config_.setup_timeout_ms << ", strategy '"
+         << config_.strategy_file << "', metrics '" << config_.metrics_textfile_dir
+         << "', log levels)";
+    if (!kept.empty()) done << "; needs a restart, not applied: " << kept;
+    BC_LOG(LogDaemon(), kInfo) << "SIGHUP: " << done.str();
+    ++counters_.reloads;
+    return {true, done.str()};
   } catch (const Error& e) {
     BC_LOG(LogDaemon(), kError) << "SIGHUP: configuration not reloaded, keeping the old one: "
                                 << e.what();
+    ++counters_.reload_failures;
+    return {false, std::string("configuration not reloaded, keeping the old one: ") + e.what()};
+  }
+}
+
+// ------------------------------------------------------- operator requests
+
+void Daemon::reply_ctl(Conn& c, ErrorCode code, const std::string& text) {
+  if (text.size() > ipc::kMaxCtlReplyBytes) {
+    return reply_ctl(c, ErrorCode::kResourceExhausted,
+                     "the answer of " + std::to_string(text.size()) +
+                         " bytes exceeds the limit of " + std::to_string(ipc::kMaxCtlReplyBytes));
+  }
+  if (!send_all(c.fd, ipc::encode_ctl_reply(static_cast<uint32_t>(code), text),
+                std::chrono::milliseconds(2000))) {
+    BC_LOG(LogDaemon(), kWarn) << "pid " << c.pid << ": bytecompctl did not read its answer";
+  }
+  disconnect(c, "control request answered");
+}
+
+void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
+  ++counters_.ctl_requests;
+  if (c.state != Conn::State::kNew || c.ctl) {
+    return reject(c, ErrorCode::kMalformed,
+                  "CTL_REQUEST on a connection that already sent a request or joined a job");
+  }
+  c.ctl = true;
+  if (req.ctl_version != ipc::kCtlVersion) {
+    return reply_ctl(c, ErrorCode::kInvalidArgument,
+                     "bytecompctl speaks operator protocol version " +
+                         std::to_string(req.ctl_version) + ", this bytecompd " +
+                         BYTECOMP_VERSION + " speaks " + std::to_string(ipc::kCtlVersion) +
+                         ": use the bytecompctl of the daemon's release");
+  }
+  // Root and the daemon's own user see every job and may change the daemon;
+  // other users see their own jobs.
+  const bool privileged = c.uid == 0 || c.uid == ::geteuid();
+  const std::string& cmd = req.command;
+  auto deny = [&] {
+    reply_ctl(c, ErrorCode::kInvalidArgument,
+              "permission denied: '" + cmd + "' needs root or bytecompd's user (uid " +
+                  std::to_string(::geteuid()) + "); you are uid " + std::to_string(c.uid));
+  };
+  if (cmd == "status") return reply_ctl(c, ErrorCode::kOk, status_json(view(privileged, c.uid)));
+  if (cmd == "jobs") return reply_ctl(c, ErrorCode::kOk, jobs_json(view(privileged, c.uid)));
+  if (cmd == "strategy") {
+    for (auto& [key, j] : jobs_) {
+      if (j->id == req.arg && (privileged || j->uid == c.uid)) {
+        return reply_ctl(c, ErrorCode::kOk, strategy_json(job_view(*j, true)));
+      }
+    }
+    return reply_ctl(c, ErrorCode::kInvalidArgument,
+                     req.arg.empty() ? "strategy needs a job id (bytecompctl jobs lists them)"
+                                     : "no job '" + req.arg +
+                                           "' on this bytecompd (bytecompctl jobs lists them)");
+  }
+  if (cmd == "metrics") {
+    if (!config_.metrics_textfile_dir.empty()) write_metrics();
+    return reply_ctl(c, ErrorCode::kOk, metrics_text(view(privileged, c.uid)));
+  }
+  if (cmd == "reload") {
+    if (!privileged) return deny();
+    auto [ok, what] = reload();
+    return reply_ctl(c, ok ? ErrorCode::kOk : ErrorCode::kConfig, what + "\n");
+  }
+  if (cmd == "drain") {
+    if (!privileged) return deny();
+    if (req.arg != "on" && req.arg != "off") {
+      return reply_ctl(c, ErrorCode::kInvalidArgument,
+                       "drain takes 'on' or 'off', got '" + req.arg + "'");
+    }
+    draining_ = req.arg == "on";
+    BC_LOG(LogDaemon(), kInfo) << (draining_ ? "draining: no new jobs accepted, "
+                                             : "drain ended: accepting new jobs, ")
+                               << jobs_.size() << " job(s) admitted";
+    notifier_.status(draining_ ? "draining" : "serving");
+    return reply_ctl(c, ErrorCode::kOk, status_json(view(true, c.uid)));
+  }
+  reply_ctl(c, ErrorCode::kInvalidArgument,
+            "unknown command '" + cmd +
+                "' (accepted: status, jobs, strategy, metrics, reload, drain)");
+}
+
+void Daemon::sample(Job& j) {
+  // Local rank 0's completion ring: its head counts every push_pull the
+  // engine completed; the entry before it is the latest. The engine may be
+  // overwriting that slot meanwhile (with one tensor the ring has one slot),
+  // and then it writes a completion that is being published right now: the
+  // iteration read is never older than the latest at the time of the head's
+  // load, which is what the gauge claims. One aligned 8-byte load.
+  auto* base = static_cast<char*>(j.segment->data());
+  auto* clients = reinterpret_cast<ipc::ClientArea*>(base + j.layout.clients_offset);
+  const auto& head = clients[0].complete.head.value;
+  const uint64_t h = head.load(std::memory_order_acquire);
+  j.pushpulls = h;
+  const uint32_t cap = j.layout.ring_capacity;
+  if (h == 0 || cap == 0) return;
+  const auto* ring = reinterpret_cast<const ipc::RingEntry*>(base + j.layout.complete_ring_offset(0));
+  auto& slot = const_cast<uint64_t&>(ring[(h - 1) & (cap - 1)].iteration);
+  j.last_iteration = static_cast<int64_t>(std::atomic_ref<uint64_t>(slot).load(std::memory_order_relaxed));
+}
+
+JobView Daemon::job_view(Job& j, bool with_tensors) {
+  JobView v;
+  v.id = j.id;
+  v.uid = j.uid;
+  v.state = j.engine ? "running" : "forming";
+  v.local_size = j.local_size;
+  for (Conn* m : j.members) v.connected += m != nullptr;
+  v.started = j.started;
+  v.node_rank = j.node_rank;
+  v.num_nodes = j.num_nodes;
+  if (j.num_nodes > 1) {
+    v.nodes.assign(config_.nodes.begin(),
+                   config_.nodes.begin() + std::min<size_t>(config_.nodes.size(), j.num_nodes));
+  }
+  v.tensors = static_cast<uint32_t>(j.reference.size());
+  for (const auto& d : j.reference) v.tensor_bytes += d.count * ipc::dtype_size(d.dtype);
+  v.age_seconds = std::chrono::duration<double>(Clock::now() - j.created).count();
+  v.strategy_mode = j.strategy_mode;
+  v.strategy_source = j.strategy_source;
+  if (j.engine) {
+    v.strategy_switch_iteration = j.engine->plans_switch_iteration();
+    if (j.segment) sample(j);
+  }
+  v.pushpulls = j.pushpulls;
+  v.last_iteration = j.last_iteration;
+  // Multi-node jobs compress with the coordinator's plans, inside the engine.
+  v.compress_counted = j.engine && j.num_nodes == 1;
+  v.compress_input_bytes = j.bytes->input_bytes.load();
+  v.compress_output_bytes = j.bytes->output_bytes.load();
+  if (with_tensors) {
+    const planner::Option none;
+    for (const auto& d : j.reference) {
+      const uint64_t bytes = d.count * ipc::dtype_size(d.dtype);
+      const planner::Option& o =
+          j.active_strategy ? j.active_strategy->resolve(d.name, bytes) : none;
+      v.tensor_list.push_back({d.name, ipc::dtype_name(d.dtype), d.count, bytes, o.describe(),
+                               o.compressor});
+    }
+  }
+  return v;
+}
+
+DaemonView Daemon::view(bool all_users, uid_t uid) {
+  DaemonView v;
+  v.version = BYTECOMP_VERSION;
+  v.pid = ::getpid();
+  v.start_time = std::chrono::duration<double>(started_wall_.time_since_epoch()).count();
+  v.uptime_seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+  v.config_sources = config_.sources;
+  v.socket = config_.socket_path;
+  v.instance = instance_;
+  v.node_id = config_.node_id;
+  v.multi_node = ps_client_ != nullptr;
+  v.draining = draining_;
+  v.watchdog_seconds = std::chrono::duration<double>(notifier_.interval()).count();
+  if (!config_.metrics_textfile_dir.empty()) {
+    v.metrics_file = config_.metrics_textfile_dir + "/bytecompd.prom";
+  }
+  v.metrics_interval_ms = config_.metrics_interval_ms;
+  for (auto& [key, j] : jobs_) {
+    if (all_users || j->uid == uid) v.jobs.push_back(job_view(*j, false));
+  }
+  v.counters = counters_;
+  return v;
+}
+
+void Daemon::write_metrics() {
+  next_metrics_ = Clock::now() + std::chrono::milliseconds(config_.metrics_interval_ms);
+  const std::string path = config_.metrics_textfile_dir + "/bytecompd.prom";
+  try {
+    write_atomically(path, metrics_text(view(true, 0)));
+    ++counters_.metrics_writes;
+  } catch (const Error& e) {
+    // Once per interval at most: the next attempt is next_metrics_ away.
+    BC_LOG(LogDaemon(), kWarn) << "metrics: " << e.what();
+    ++counters_.metrics_write_failures;
   }
 }
 

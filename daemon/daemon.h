@@ -12,6 +12,12 @@
 // every client at once), ABORT is sent on each socket, and the segment is
 // removed. When every rank has left with BYE the job ends quietly.
 //
+// Operators (bytecompctl) talk to the same socket with CTL_REQUEST messages
+// on a connection that never says HELLO: one request per connection, answered
+// from run()'s thread (daemon/ctl.h renders the answers and the metrics).
+// While draining, a HELLO for a new job is refused; running and forming jobs
+// go on.
+//
 // Thread-safety: construct, run() and destroy from one thread. Engines call
 // back (on_failure) from their threads: that only sets a flag and writes the
 // eventfd that run() polls.
@@ -27,9 +33,12 @@
 #include <string>
 #include <vector>
 
+#include "client/ipc/protocol.h"
 #include "common/error.h"
+#include "common/service.h"
 #include "common/thread_pool.h"
 #include "daemon/config.h"
+#include "daemon/ctl.h"
 #include "daemon/peer_allgather.h"
 #include "planner/strategy/strategy.h"
 #include "server/ps_client.h"
@@ -65,8 +74,16 @@ class Daemon {
   void finish_job(Job& j);
   void reap_failed_jobs();
   void check_setup_deadlines();
-  void reload();
+  // Re-reads the configuration; (applied, what happened). Logs either way.
+  std::pair<bool, std::string> reload();
   void sweep_closed();
+  // bytecompctl (daemon/ctl.h).
+  void on_ctl(Conn& c, const ipc::CtlRequest& req);
+  void reply_ctl(Conn& c, ErrorCode code, const std::string& text);
+  DaemonView view(bool all_users, uid_t uid);
+  JobView job_view(Job& j, bool with_tensors);
+  void sample(Job& j);
+  void write_metrics();
   // Loads config_.strategy_file (nullptr when none); throws Error.
   std::shared_ptr<const planner::Strategy> load_strategy() const;
 
@@ -86,6 +103,12 @@ class Daemon {
   uint64_t next_job_seq_ = 0;
   std::map<int, std::unique_ptr<Conn>> conns_;           // by fd
   std::map<std::string, std::unique_ptr<Job>> jobs_;     // by "uid/job id"
+  ServiceNotifier notifier_;
+  DaemonCounters counters_;
+  bool draining_ = false;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::chrono::system_clock::time_point started_wall_ = std::chrono::system_clock::now();
+  std::chrono::steady_clock::time_point next_metrics_{};
 };
 
 }  // namespace bytecomp::daemon

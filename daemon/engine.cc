@@ -1,16 +1,17 @@
 #include "daemon/engine.h"
 
-#include <cstring>
+#include <algorithm>
 
 #include "common/log.h"
-#include "compress/reduce.h"
-#include "daemon/local_reduce.h"
-#include "planner/strategy/answer.h"
-#include "planner/strategy/partition.h"
+#include "daemon/engine_local.h"
+#include "daemon/engine_ps.h"
 
 namespace bytecomp::daemon {
 
 BC_LOG_CATEGORY(LogEngine, "daemon.engine");
+// One line per phase record at a job's end (debug): a trace of the last
+// PhaseLog::kIterations iterations.
+BC_LOG_CATEGORY(LogPhases, "daemon.phases");
 
 namespace {
 // Bound on one idle sleep; stop() also posts the doorbell, so this only
@@ -27,6 +28,7 @@ void Inbox::ring() {
 }
 
 void Inbox::deliver(Arrival a) {
+  if (stamp_) a.at_ns = monotonic_ns();
   std::lock_guard lock(mu_);
   if (doorbell_ == nullptr) return;
   arrivals_.push_back(std::move(a));
@@ -68,41 +70,51 @@ Status Inbox::failure() {
   return failure_;
 }
 
-Engine::Engine(std::string job_name, void* segment, const ipc::Layout& layout,
-               std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans,
-               uint32_t node_rank, ThreadPool& pool, const Tunables& tunables,
-               FailureFn on_failure, JoinFn join, PeerOptions peers,
-               std::shared_ptr<const void> keep_mapped)
-    : job_(std::move(job_name)),
-      base_(static_cast<char*>(segment)),
-      layout_(layout),
-      tensors_(std::move(tensors)),
+Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
+    : job_(std::move(o.job)),
+      base_(static_cast<char*>(o.segment)),
+      layout_(o.layout),
+      tensors_(std::move(o.tensors)),
       pool_(pool),
       tunables_(tunables),
-      on_failure_(std::move(on_failure)),
-      header_(ipc::init_segment(segment, layout)),
-      clients_(reinterpret_cast<ipc::ClientArea*>(base_ + layout.clients_offset)),
+      on_failure_(std::move(o.on_failure)),
+      header_(ipc::init_segment(o.segment, o.layout)),
+      clients_(reinterpret_cast<ipc::ClientArea*>(base_ + o.layout.clients_offset)),
       rounds_(tensors_.size()),
-      left_(new std::atomic<bool>[layout.local_size]),
-      runs_(tensors_.size()),
-      node_rank_(node_rank),
-      partition_bytes_(std::max<uint64_t>(64, tunables.partition_bytes.load() / 64 * 64)) {
-  for (uint32_t t = 0; t < tensors_.size(); ++t) install(t, std::move(plans.at(t)));
-  for (uint32_t r = 0; r < layout.local_size; ++r) {
+      left_(new std::atomic<bool>[o.layout.local_size]),
+      node_rank_(o.node_rank),
+      partition_bytes_(std::max<uint64_t>(64, tunables.partition_bytes.load() / 64 * 64)),
+      next_plans_(tensors_.size()),
+      join_(std::move(o.join)),
+      peer_opts_(o.peers),
+      keep_mapped_(std::move(o.keep_mapped)),
+      reducer_(o.reducer ? std::move(o.reducer) : std::make_unique<ShmSimdReducer>()),
+      inbox_(std::make_shared<Inbox>(&header_->doorbell, tunables.phase_timestamps.load())) {
+  if (o.plans.size() != tensors_.size()) {
+    throw Error(ErrorCode::kInternal, "engine of job " + job_ + ": " +
+                                          std::to_string(o.plans.size()) + " plans for " +
+                                          std::to_string(tensors_.size()) + " tensors");
+  }
+  for (uint32_t r = 0; r < layout_.local_size; ++r) {
     left_[r] = false;
     submit_.emplace_back(clients_[r].submit,
-                         reinterpret_cast<ipc::RingEntry*>(base_ + layout.submit_ring_offset(r)),
-                         layout.ring_capacity);
+                         reinterpret_cast<ipc::RingEntry*>(base_ + layout_.submit_ring_offset(r)),
+                         layout_.ring_capacity);
     complete_.emplace_back(
         clients_[r].complete,
-        reinterpret_cast<ipc::RingEntry*>(base_ + layout.complete_ring_offset(r)),
-        layout.ring_capacity);
+        reinterpret_cast<ipc::RingEntry*>(base_ + layout_.complete_ring_offset(r)),
+        layout_.ring_capacity);
   }
-  for (Round& r : rounds_) r.from.assign(layout.local_size, false);
-  join_ = std::move(join);
-  keep_mapped_ = std::move(keep_mapped);
-  peer_opts_ = peers;
-  inbox_ = std::make_shared<Inbox>(&header_->doorbell);
+  for (Round& r : rounds_) r.from.assign(layout_.local_size, false);
+  phase_timestamps_ = tunables.phase_timestamps.load();
+  if (!join_) {
+    // Multi-node paths open on the engine thread, after the join.
+    setup_phases();
+    local_ = std::make_unique<LocalPath>(
+        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_},
+        node_rank_, std::move(o.plans));
+    path_of_.assign(tensors_.size(), local_.get());
+  }
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -115,10 +127,14 @@ void Engine::stop() {
   } catch (...) {
     // Scribbled over by a client; the idle timeout ends the loop.
   }
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    thread_.join();
+    log_phases();
+  }
   // Late PS callbacks must not touch the segment once it is unmapped.
   inbox_->close();
-  if (peer_) peer_->close();
+  if (ps_path_) ps_path_->close();
+  if (peer_path_) peer_path_->close();
   if (ps_) {
     // Tells the coordinator and fails what is still pending. An aborted job
     // is aborted for every node at once (a job the coordinator already
@@ -143,23 +159,6 @@ void Engine::stop() {
     }
     ps_.reset();
   }
-}
-
-void Engine::install(uint32_t t, TensorPlan plan) {
-  Run& run = runs_[t];
-  run.states.clear();
-  run.scratch.clear();
-  if (plan.compressor) {
-    const uint64_t bytes = tensors_[t].bytes;
-    for (uint64_t b = 0; b < bytes; b += partition_bytes_) {
-      const size_t n = static_cast<size_t>((std::min(bytes, b + partition_bytes_) - b) / 4);
-      run.states.push_back(plan.compressor->make_state(n));
-      run.scratch.emplace_back(plan.compressor->max_compressed_bytes(n));
-    }
-  }
-  BC_LOG(LogEngine(), kDebug) << "job " << job_ << " tensor '" << tensors_[t].name
-                              << "': " << plan.describe();
-  run.plan = std::move(plan);
 }
 
 void Engine::set_plans(std::vector<TensorPlan> plans) {
@@ -193,11 +192,7 @@ void Engine::adopt_pending() {
     if (ps_) yaml.swap(pending_yaml_);
   }
   if (yaml) {
-    int64_t latest = -1;
-    for (const Round& r : rounds_) {
-      latest = std::max(latest, r.last_done);
-      if (r.arrived > 0) latest = std::max(latest, static_cast<int64_t>(r.iteration));
-    }
+    const int64_t latest = latest_begun();
     // Two ahead: the servers may already collect latest + 1 for some tensor.
     const auto at = static_cast<uint64_t>(latest + 2);
     const std::string job = job_;
@@ -214,16 +209,44 @@ void Engine::adopt_pending() {
   if (!p) return;
   // The switch iteration is after every round already begun, so no tensor
   // changes plan in the middle of an iteration some other tensor finished.
+  switch_iteration_ = latest_begun() + 1;
+  for (size_t t = 0; t < next_plans_.size(); ++t) next_plans_[t] = std::move((*p)[t]);
+  switch_published_.store(switch_iteration_);
+  BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": new strategy applies from iteration "
+                             << switch_iteration_;
+}
+
+void Engine::setup_phases() {
+  std::vector<uint32_t> parts;
+  for (const TensorSpec& t : tensors_) {
+    parts.push_back(static_cast<uint32_t>(
+        std::max<uint64_t>(1, (t.bytes + partition_bytes_ - 1) / partition_bytes_)));
+  }
+  phases_.setup(parts, phase_timestamps_);
+}
+
+std::vector<PhaseRecord> Engine::phase_records() const { return phases_.snapshot(); }
+
+void Engine::log_phases() const {
+  if (!LogPhases().enabled(log::Level::kDebug)) return;
+  for (const PhaseRecord& r : phases_.snapshot()) {
+    log::Line line(LogPhases(), log::Level::kDebug);
+    line.stream() << "job " << job_ << " tensor '" << tensors_[r.tensor].name << "' partition "
+                  << r.partition << " iteration " << r.iteration << " path "
+                  << (r.tensor < path_of_.size() ? path_of_[r.tensor]->name() : "?") << ":";
+    for (size_t p = 0; p < kPhaseCount; ++p) {
+      line.stream() << ' ' << phase_name(static_cast<Phase>(p)) << '=' << r.ns[p];
+    }
+  }
+}
+
+int64_t Engine::latest_begun() const {
   int64_t latest = -1;
   for (const Round& r : rounds_) {
     latest = std::max(latest, r.last_done);
     if (r.arrived > 0) latest = std::max(latest, static_cast<int64_t>(r.iteration));
   }
-  switch_iteration_ = latest + 1;
-  for (size_t t = 0; t < runs_.size(); ++t) runs_[t].next = std::move((*p)[t]);
-  switch_published_.store(switch_iteration_);
-  BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": new strategy applies from iteration "
-                             << switch_iteration_;
+  return latest;
 }
 
 void Engine::rank_left(uint32_t rank) {
@@ -252,37 +275,49 @@ void Engine::fail(ErrorCode code, const std::string& reason) {
   on_failure_(code, reason);
 }
 
+bool Engine::open_paths() {
+  // Blocks until every node registered (bounded by the cluster's admission
+  // timeout); submissions wait in the rings meanwhile.
+  try {
+    ps_ = join_();
+  } catch (const Error& e) {
+    fail(e.code() == ErrorCode::kOk ? ErrorCode::kUnavailable : e.code(),
+         std::string("joining the parameter servers failed: ") + e.what());
+    return false;
+  }
+  const uint64_t pb = ps_->info().partition_bytes;
+  if (pb % 64 != 0) {
+    fail(ErrorCode::kConfig, "cluster partition_bytes " + std::to_string(pb) +
+                                 " is not a multiple of 64");
+    return false;
+  }
+  partition_bytes_ = pb;
+  std::weak_ptr<Inbox> inbox = inbox_;
+  ps_->on_failure([inbox](const Status& s) {
+    if (auto i = inbox.lock()) i->fail(s);
+  });
+  BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
+                             << ps_->info().rank << " of " << ps_->info().nodes.size();
+  setup_phases();
+  const PathContext ctx{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_};
+  ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
+  try {
+    peer_path_ = PeerPath::open(ctx, ps_, peer_opts_);
+  } catch (const Error& e) {
+    fail(e.code(), e.what());
+    return false;
+  }
+  path_of_.resize(tensors_.size());
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    path_of_[t] = peer_path_ && peer_path_->runs(t) ? static_cast<ExecutionPath*>(peer_path_.get())
+                                                     : ps_path_.get();
+  }
+  return true;
+}
+
 void Engine::loop() {
   try {
-    if (join_) {
-      // Blocks until every node registered (bounded by the cluster's
-      // admission timeout); submissions wait in the rings meanwhile.
-      try {
-        ps_ = join_();
-      } catch (const Error& e) {
-        fail(e.code() == ErrorCode::kOk ? ErrorCode::kUnavailable : e.code(),
-             std::string("joining the parameter servers failed: ") + e.what());
-        return;
-      }
-      const uint64_t pb = ps_->info().partition_bytes;
-      if (pb % 64 != 0) {
-        fail(ErrorCode::kConfig, "cluster partition_bytes " + std::to_string(pb) +
-                                     " is not a multiple of 64");
-        return;
-      }
-      partition_bytes_ = pb;
-      ps_parts_.resize(tensors_.size());
-      for (size_t t = 0; t < tensors_.size(); ++t) {
-        ps_parts_[t].resize(static_cast<size_t>((tensors_[t].bytes + pb - 1) / pb));
-      }
-      std::weak_ptr<Inbox> inbox = inbox_;
-      ps_->on_failure([inbox](const Status& s) {
-        if (auto i = inbox.lock()) i->fail(s);
-      });
-      BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
-                                 << ps_->info().rank << " of " << ps_->info().nodes.size();
-      if (!open_peers()) return;
-    }
+    if (join_ && !open_paths()) return;
     while (!stop_.load()) {
       ipc::timed_wait(header_->doorbell, kIdleWait);
       if (stop_.load()) break;
@@ -291,8 +326,8 @@ void Engine::loop() {
              "inter-node: " + f.message());
         break;
       }
-      if (peer_) {
-        if (const Status late = peer_->check_deadlines(std::chrono::steady_clock::now());
+      if (peer_path_) {
+        if (const Status late = peer_path_->check(std::chrono::steady_clock::now());
             !late.ok()) {
           fail(late.code(), "inter-node: " + late.message());
           break;
@@ -357,6 +392,7 @@ bool Engine::drain() {
       }
       if (round.arrived == 0) {
         round.iteration = e.iteration;
+        round.first_ns = phases_.enabled() ? monotonic_ns() : 0;
       } else if (round.iteration != e.iteration) {
         fail(ErrorCode::kInvalidArgument,
              "local ranks disagree on the iteration of tensor '" + name + "': rank " +
@@ -367,13 +403,19 @@ bool Engine::drain() {
       round.from[r] = true;
       if (++round.arrived == layout_.local_size) {
         round.running = true;
-        Run& run = runs_[e.tensor];
-        if (run.next && static_cast<int64_t>(round.iteration) >= switch_iteration_) {
-          install(e.tensor, std::move(*run.next));
-          run.next.reset();
+        std::optional<TensorPlan>& next = next_plans_[e.tensor];
+        if (next && static_cast<int64_t>(round.iteration) >= switch_iteration_) {
+          if (local_) local_->install(e.tensor, std::move(*next));
+          next.reset();
         }
         round.partitions_left = sched_.add(e.tensor, round.iteration, tensors_[e.tensor].bytes,
                                            partition_bytes_);
+        if (phases_.enabled()) {
+          const uint64_t now = monotonic_ns();
+          for (size_t p = 0; p < round.partitions_left; ++p) {
+            phases_.begin(e.tensor, static_cast<uint32_t>(p), round.iteration, round.first_ns, now);
+          }
+        }
       }
     }
   }
@@ -408,137 +450,37 @@ bool Engine::check_left() {
   return true;
 }
 
+void Engine::buffers_of(uint32_t tensor, std::vector<char*>& out) const {
+  const ipc::TensorSlot& s = layout_.tensors[tensor];
+  out.clear();
+  for (uint32_t r = 0; r < layout_.local_size; ++r) out.push_back(base_ + s.offset + s.stride * r);
+}
+
 void Engine::run_batch(const std::vector<Task>& batch) {
   std::vector<std::vector<char*>> bufs(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
-    const ipc::TensorSlot& s = layout_.tensors[batch[i].tensor];
-    for (uint32_t r = 0; r < layout_.local_size; ++r) bufs[i].push_back(base_ + s.offset + s.stride * r);
-  }
-  if (ps_) {
-    for (const Task& t : batch) inflight_bytes_ += t.end - t.begin;
-    pool_.parallel_for(
-        batch.size(), 1,
-        [&](size_t b, size_t e) {
-          for (size_t i = b; i < e; ++i) {
-            if (is_peer(batch[i].tensor)) {
-              start_peer_task(batch[i], bufs[i]);
-            } else {
-              start_ps_task(batch[i], bufs[i]);
-            }
-          }
-        },
-        batch.size());
-    return;  // completed by process_arrivals()
+    buffers_of(batch[i].tensor, bufs[i]);
+    if (!path_of_[batch[i].tensor]->synchronous()) inflight_bytes_ += batch[i].end - batch[i].begin;
   }
   pool_.parallel_for(
       batch.size(), 1,
       [&](size_t b, size_t e) {
-        for (size_t i = b; i < e; ++i) run_task(batch[i], bufs[i]);
+        for (size_t i = b; i < e; ++i) {
+          const Task& t = batch[i];
+          const auto part = static_cast<uint32_t>(t.begin / partition_bytes_);
+          phases_.stamp(t.tensor, part, t.iteration, Phase::kStart);
+          ExecutionPath& path = *path_of_[t.tensor];
+          path.start(t, bufs[i]);
+          if (path.synchronous()) phases_.end(t.tensor, part, t.iteration);
+        }
       },
       batch.size());
+  // Asynchronous paths' tasks complete in process_arrivals().
   for (const Task& t : batch) {
-    if (--rounds_[t.tensor].partitions_left == 0) complete(t.tensor);
-  }
-}
-
-void Engine::run_task(const Task& t, std::span<char* const> bufs) {
-  Run& run = runs_[t.tensor];
-  const TensorSpec& spec = tensors_[t.tensor];
-  if (!run.plan.compressor) {
-    reduce_range(spec.dtype, bufs, t.begin, t.end);
-    return;
-  }
-  // Distinct partitions own distinct states and scratch buffers, so tasks of
-  // one tensor run in parallel safely.
-  const size_t part = static_cast<size_t>(t.begin / partition_bytes_);
-  sum_to_first(spec.dtype, bufs, t.begin, t.end);
-  float* sum = reinterpret_cast<float*>(bufs[0] + t.begin);
-  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
-  compress::CompressContext ctx;
-  ctx.iteration = t.iteration;
-  // Same on every node for this tensor partition (randomk's indices), and
-  // private per node for stochastic rounding.
-  ctx.shared_seed =
-      strategy::partition_seed(job_, strategy::partition_key(t.tensor, static_cast<uint32_t>(part)));
-  ctx.private_seed = strategy::node_private_seed(ctx.shared_seed, node_rank_);
-  std::vector<std::byte>& wire = run.scratch[part];
-  const size_t len = run.plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), wire,
-                                                   *run.states[part], ctx);
-  // Inter-node phase: with one node the aggregate of the compressed
-  // partitions is this node's own.
-  run.plan.compressor->decompress(std::span<const std::byte>(wire.data(), len),
-                                  compress::TensorView::cpu(sum, n), false, ctx);
-  copy_from_first(bufs, t.begin, t.end);
-}
-
-Engine::PsPart& Engine::ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration) {
-  PsPart& part = ps_parts_.at(tensor).at(static_cast<size_t>(begin / partition_bytes_));
-  // The plan in force at this iteration, the same on every node and server
-  // (strategy changes are announced by the coordinator ahead of time).
-  strategy::TensorPlan plan = ps_->plan_at(tensor, iteration);
-  if (!(plan == part.plan) || (plan.compressed_push() && !part.compressor) ||
-      (plan.pull == strategy::PullFormat::kCompressed && !part.compressor)) {
-    part.plan = plan;
-    part.compressor.reset();
-    part.state.reset();
-    if (plan.compressed_push()) {
-      part.compressor = compress::make_compressor(plan.spec());
+    if (path_of_[t.tensor]->synchronous() && --rounds_[t.tensor].partitions_left == 0) {
+      complete(t.tensor);
     }
   }
-  return part;
-}
-
-void Engine::start_ps_task(const Task& t, std::span<char* const> bufs) {
-  const TensorSpec& spec = tensors_[t.tensor];
-  const auto index = static_cast<uint32_t>(t.begin / partition_bytes_);
-  const uint64_t key = strategy::partition_key(t.tensor, index);
-  const server::Partition* p = ps_->info().assignment.find(key);
-  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
-  if (p == nullptr || p->offset * 4 != t.begin || p->count != n) {
-    throw Error(ErrorCode::kInternal, "partition " + std::to_string(index) + " of tensor '" +
-                                          spec.name + "' does not match the servers' assignment");
-  }
-  sum_to_first(spec.dtype, bufs, t.begin, t.end);
-  const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
-  PsPart& part = ps_part(t.tensor, t.begin, t.iteration);
-  transport::Buffer payload;
-  if (part.plan.compressed_push()) {
-    if (!part.state) part.state = part.compressor->make_state(n);
-    std::vector<std::byte> out(part.compressor->max_compressed_bytes(n));
-    compress::CompressContext ctx;
-    ctx.iteration = t.iteration;
-    ctx.shared_seed = strategy::partition_seed(ps_->info().name, key);
-    ctx.private_seed = strategy::node_private_seed(ctx.shared_seed, ps_->info().rank);
-    const size_t len =
-        part.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state, ctx);
-    out.resize(len);
-    payload = transport::Buffer::take(std::move(out));
-  } else if (keep_mapped_) {
-    // Zero-copy from rank 0's buffer; the release keeps the segment mapped
-    // while the transport holds the bytes (a job may end meanwhile). The
-    // range is next written when this partition's pull answers, which the
-    // server does only after it received every byte of this push.
-    payload = transport::Buffer::wrap(sum, n * 4, [keep = keep_mapped_] {});
-  } else {
-    // No keep-alive given (the segment's owner cannot share it): copy.
-    payload = transport::Buffer::copy_of(sum, n * 4);
-  }
-  std::weak_ptr<Inbox> inbox = inbox_;
-  ps_->push(key, t.iteration, std::move(payload),
-            [inbox, name = spec.name, bytes = t.end - t.begin](const Status& s) {
-              auto i = inbox.lock();
-              if (!i) return;
-              if (s.ok()) {
-                i->acked(bytes);
-              } else {
-                i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
-              }
-            });
-  ps_->pull(key, t.iteration, [inbox, t](const Status& s, transport::Buffer result) {
-    if (auto i = inbox.lock()) {
-      i->deliver({t.tensor, t.iteration, t.begin, t.end, s, std::move(result)});
-    }
-  });
 }
 
 bool Engine::process_arrivals() {
@@ -556,29 +498,14 @@ bool Engine::process_arrivals() {
   pool_.parallel_for(
       arrived.size(), 1,
       [&](size_t b, size_t e) {
+        std::vector<char*> bufs;
         for (size_t i = b; i < e; ++i) {
           const auto& a = arrived[i];
-          if (a.peer) {
-            errors[i] = finish_peer(a);
-            continue;
-          }
-          const ipc::TensorSlot& slot = layout_.tensors[a.tensor];
-          std::vector<char*> bufs;
-          for (uint32_t r = 0; r < layout_.local_size; ++r) {
-            bufs.push_back(base_ + slot.offset + slot.stride * r);
-          }
-          const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
-          float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
-          PsPart& part = ps_parts_[a.tensor][static_cast<size_t>(a.begin / partition_bytes_)];
-          try {
-            compress::CompressContext ctx;
-            ctx.iteration = a.iteration;
-            strategy::decode_answer(part.plan.pull, a.result.span(), out, n, part.compressor.get(),
-                                    ctx);
-            copy_from_first(bufs, a.begin, a.end);
-          } catch (const std::exception& e) {
-            errors[i] = e.what();
-          }
+          const auto part = static_cast<uint32_t>(a.begin / partition_bytes_);
+          phases_.stamp(a.tensor, part, a.iteration, Phase::kArrived, a.at_ns);
+          buffers_of(a.tensor, bufs);
+          errors[i] = path_of_[a.tensor]->finish(a, bufs);
+          if (errors[i].empty()) phases_.end(a.tensor, part, a.iteration);
         }
       },
       arrived.size());

@@ -1,23 +1,55 @@
 // The data path of one job: takes push_pull submissions from the clients'
-// rings, reduces each tensor over the local ranks (partitioned, by priority,
-// over the shared ThreadPool), runs the tensor's plan and posts completions.
+// rings, waits until every local rank submitted a tensor (a round), cuts it
+// into partitions, hands them out by priority within the bytes-in-flight
+// bound, runs each on the tensor's execution path (daemon/engine_path.h:
+// local, ps or peer) and posts completions.
 //
-// Per partition of a compressed tensor: sum into local rank 0's buffer,
-// compress (error-feedback state per tensor partition lives here), the
-// inter-node phase, decompress, copy to every local rank. A job on one node
-// has no inter-node phase to run: the compressed partition is decompressed as
-// is, which is exactly what this node's share of a multi-node round does.
+// Parts and what each owns:
+//   Engine (core)    the rings, the rounds (one per tensor), the Scheduler,
+//                    the bytes-in-flight count, pending strategy changes,
+//                    the abort, the PS job membership (join, leave/abort),
+//                    the Inbox and the engine thread. It chooses a path per
+//                    tensor once the job's placement is known.
+//   ExecutionPath    per-partition state of its tensors (error feedback,
+//                    scratch, plans in force) and what running a partition
+//                    means. Owned by the core (unique_ptr), destroyed with it.
+//   IntraNodeReducer the sum over the local ranks (ShmSimdReducer unless the
+//                    options give another). Owned by the core, lent to paths.
+//   Inbox            shared (shared_ptr) with the transport's callbacks,
+//                    which may outlive the engine; closed in stop().
+//
 // Partition boundaries are fixed for the life of the job (the partition size
-// is read once, at start), so per-partition state stays meaningful.
+// is read once, at start, or taken from the cluster at the join), so
+// per-partition state stays meaningful.
 //
 // Strategy changes (set_plans) take effect at one iteration for every tensor
-// of the job: the first iteration after every round already begun.
+// of the job: the first iteration after every round already begun. They
+// concern single-node jobs (the local path); multi-node jobs follow the
+// coordinator (request_strategy).
 //
-// Thread-safety: the engine runs its own thread. rank_left(), stop() and
-// the constructor/destructor are called from the daemon's control thread;
-// they are thread-safe with respect to the engine thread. `on_failure` is
-// called from the engine thread at most once, after the abort is published
-// in shared memory.
+// Threading model:
+//   control thread   (the daemon's) constructs, calls rank_left(), stop(),
+//                    set_plans(), request_strategy(), publish_abort(),
+//                    plans_switch_iteration() and destroys the engine.
+//   engine thread    runs loop(): the join, opening the paths, draining the
+//                    rings, rounds, scheduling, completions, and
+//                    adopt_pending(). Owns every Round and the Scheduler
+//                    without locks.
+//   pool workers     (the daemon's shared ThreadPool) run path start() and
+//                    finish() for a batch while the engine thread waits in
+//                    parallel_for(); distinct partitions only.
+//   transport threads run the PS and peer callbacks, which touch only the
+//                    Inbox (and PeerPath's plans).
+// Phase timestamps (daemon/engine_phases.h): the core stamps kFirstRank and
+// kAllRanks (drain), kStart (before a path's start()) and kArrived (the
+// Inbox's delivery time) and publishes a record after a path finished it;
+// the paths stamp what happens inside start() and finish().
+// Locks: pending_mu_ (pending plans/strategy), abort_mu_ (the first abort),
+// the Inbox's mutex; each is held only to move a value and none is taken
+// while another is held, so there is no lock order to keep. The engine
+// thread and the workers meet only through parallel_for()'s barrier.
+// `on_failure` is called from the engine thread at most once, after the
+// abort is published in shared memory.
 #pragma once
 
 #include <atomic>
@@ -35,54 +67,19 @@
 #include "common/error.h"
 #include "common/thread_pool.h"
 #include "daemon/config.h"
+#include "daemon/engine_path.h"
+#include "daemon/engine_peer.h"
+#include "daemon/engine_phases.h"
 #include "daemon/engine_types.h"
-#include "daemon/peer_allgather.h"
+#include "daemon/local_reduce.h"
 #include "daemon/plan.h"
 #include "daemon/scheduler.h"
 #include "server/ps_client.h"
 
 namespace bytecomp::daemon {
 
-// Results of asynchronous PS operations, handed from the transport's
-// completion thread to the engine. Shared with the callbacks, which may run
-// after the engine is gone: close() makes them no-ops.
-// Thread-safety: thread-safe.
-class Inbox {
- public:
-  struct Arrival {
-    uint32_t tensor;
-    uint64_t iteration;
-    uint64_t begin, end;
-    Status status;
-    transport::Buffer result;
-    bool peer = false;  // a complete allgather round: PeerJob::take() has it
-  };
-  explicit Inbox(boost::interprocess::interprocess_semaphore* doorbell) : doorbell_(doorbell) {}
-  void deliver(Arrival a);
-  // A push of `bytes` (tensor bytes) was acknowledged by its server.
-  void acked(uint64_t bytes);
-  void fail(const Status& s);
-  void close();
-  std::vector<Arrival> take();
-  uint64_t take_acked();
-  Status failure();
-
- private:
-  void ring();  // mu_ held
-  std::mutex mu_;
-  boost::interprocess::interprocess_semaphore* doorbell_;  // null once closed
-  std::vector<Arrival> arrivals_;
-  uint64_t acked_ = 0;
-  Status failure_;
-};
-
-// Multi-node jobs with allgather tensors: the daemon's peer endpoint (null:
-// none configured; such jobs fail at join) and the bound on a peer's answer
-// and on waiting for the other nodes' payloads of a round.
-struct PeerOptions {
-  PeerHub* hub = nullptr;
-  std::chrono::milliseconds timeout{30000};
-};
+class LocalPath;
+class PsPath;
 
 class Engine {
  public:
@@ -90,14 +87,30 @@ class Engine {
   // Multi-node jobs: joins the PS job (blocking; called on the engine thread).
   using JoinFn = std::function<std::shared_ptr<server::PsJob>()>;
 
-  // `segment` must stay mapped until the engine is destroyed. `keep_mapped`,
-  // when given, owns that mapping: multi-node pushes then send straight from
-  // shared memory, holding it past the engine's end until the bytes left.
-  Engine(std::string job_name, void* segment, const ipc::Layout& layout,
-         std::vector<TensorSpec> tensors, std::vector<TensorPlan> plans, uint32_t node_rank,
-         ThreadPool& pool, const Tunables& tunables, FailureFn on_failure,
-         JoinFn join = nullptr, PeerOptions peers = {},
-         std::shared_ptr<const void> keep_mapped = nullptr);
+  struct Options {
+    std::string job;
+    // Must stay mapped until the engine is destroyed.
+    void* segment = nullptr;
+    ipc::Layout layout;
+    std::vector<TensorSpec> tensors;
+    // One per tensor (single-node jobs; multi-node jobs follow the
+    // coordinator's plans).
+    std::vector<TensorPlan> plans;
+    uint32_t node_rank = 0;
+    FailureFn on_failure;
+    JoinFn join;  // null: a single-node job
+    PeerOptions peers;
+    // When given, owns the segment's mapping: multi-node pushes then send
+    // straight from shared memory, holding it past the engine's end until
+    // the bytes left.
+    std::shared_ptr<const void> keep_mapped;
+    // Null: ShmSimdReducer.
+    std::unique_ptr<IntraNodeReducer> reducer;
+  };
+
+  // `pool` and `tunables` are borrowed for the engine's life. Starts the
+  // engine thread.
+  Engine(Options options, ThreadPool& pool, const Tunables& tunables);
   ~Engine();  // stops and joins
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -122,9 +135,16 @@ class Engine {
 
   ipc::SegmentHeader* header() const { return header_; }
 
+  // A copy of the phase timestamps of the last PhaseLog::kIterations
+  // iterations (daemon/engine_phases.h), by tensor, partition, iteration;
+  // empty with engine.phase_timestamps off or before a multi-node job
+  // joined. Thread-safe; allocates (not for the hot path).
+  std::vector<PhaseRecord> phase_records() const;
+
  private:
   struct Round {
     uint64_t iteration = 0;
+    uint64_t first_ns = 0;  // first local rank's submission seen
     uint32_t arrived = 0;
     bool running = false;  // all arrived, partitions queued or executing
     size_t partitions_left = 0;
@@ -132,40 +152,23 @@ class Engine {
     std::vector<bool> from;
   };
 
-  struct Run {  // a tensor's current plan and its per-partition state
-    TensorPlan plan;
-    std::vector<std::unique_ptr<compress::TensorState>> states;
-    std::vector<std::vector<std::byte>> scratch;
-    std::optional<TensorPlan> next;
-  };
-
   void loop();
-  void install(uint32_t tensor, TensorPlan plan);
+  // Multi-node: the join and the ps/peer paths; false after failing the job.
+  bool open_paths();
   void adopt_pending();
-  void run_task(const Task& t, std::span<char* const> bufs);
-  // Multi-node: local sum, compress, push + pull (completes asynchronously).
-  void start_ps_task(const Task& t, std::span<char* const> bufs);
-  // Multi-node: writes arrived pull results to every local rank.
-  bool process_arrivals();
-  struct PsPart {  // per tensor partition: the plan in force and its state
-    strategy::TensorPlan plan;
-    std::unique_ptr<compress::Compressor> compressor;
-    std::unique_ptr<compress::TensorState> state;
-  };
-  PsPart& ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration);
-  // Peer allgather (daemon/engine_peer.cc). open_peers() runs after the
-  // join; false after failing the job.
-  bool open_peers();
-  bool is_peer(uint32_t tensor) const { return peer_ && peer_tensor_[tensor]; }
-  void start_peer_task(const Task& t, std::span<char* const> bufs);
-  // Sums a complete round into every local rank's buffer; the problem, or "".
-  std::string finish_peer(const Inbox::Arrival& a);
   // Returns false (after failing the job) on a protocol violation.
   bool drain();
   bool check_left();
   void run_batch(const std::vector<Task>& batch);
+  // Writes arrived results to every local rank; false after failing the job.
+  bool process_arrivals();
+  void buffers_of(uint32_t tensor, std::vector<char*>& out) const;
   void complete(uint32_t tensor);
   void fail(ErrorCode code, const std::string& reason);
+  int64_t latest_begun() const;
+  // Once partition_bytes_ is final.
+  void setup_phases();
+  void log_phases() const;
 
   std::string job_;
   char* base_;
@@ -180,7 +183,6 @@ class Engine {
   std::vector<ipc::Ring> complete_;
   std::vector<Round> rounds_;
   std::unique_ptr<std::atomic<bool>[]> left_;
-  std::vector<Run> runs_;
   uint32_t node_rank_;
   uint64_t partition_bytes_;
   std::mutex pending_mu_;
@@ -188,36 +190,29 @@ class Engine {
   std::optional<std::string> pending_yaml_;          // guarded by pending_mu_
   int64_t switch_iteration_ = -1;
   std::atomic<int64_t> switch_published_{-1};
+  std::vector<std::optional<TensorPlan>> next_plans_;  // from switch_iteration_ on
   Scheduler sched_;
   JoinFn join_;
-  // Keeps the segment mapped while the transport sends from it (zero-copy
-  // pushes hold a copy until sent).
+  PeerOptions peer_opts_;
   std::shared_ptr<const void> keep_mapped_;
+  std::unique_ptr<IntraNodeReducer> reducer_;
   std::shared_ptr<server::PsJob> ps_;
   std::shared_ptr<Inbox> inbox_;
-  std::vector<std::vector<PsPart>> ps_parts_;
   // Multi-node: tensor bytes pushed and not yet acknowledged by the servers
   // (a server acknowledges a push once it summed it, whatever the other
   // nodes do), plus peer-allgather partitions until every peer acknowledged
-  // receipt (whether or not their round is complete). Single node: bytes of
-  // the batch being reduced.
+  // receipt (whether or not their round is complete). Single node: unused
+  // (a batch is bounded by the bound itself and finishes in run_batch()).
   uint64_t inflight_bytes_ = 0;
-  // Allgather tensors: their plans by first iteration (strategy changes
-  // arrive on the transport's thread), per-partition error-feedback state.
-  struct PeerPlans {
-    std::mutex mu;
-    std::vector<std::pair<uint64_t, std::vector<TensorPlan>>> by_iteration;
-    TensorPlan at(uint32_t tensor, uint64_t iteration);
-  };
-  struct PeerPart {
-    uint64_t digest = 0;
-    std::unique_ptr<compress::TensorState> state;
-  };
-  PeerOptions peer_opts_;
-  std::shared_ptr<PeerJob> peer_;
-  std::shared_ptr<PeerPlans> peer_plans_;
-  std::vector<bool> peer_tensor_;
-  std::vector<std::vector<PeerPart>> peer_parts_;
+  bool phase_timestamps_ = true;
+  // Written by the engine thread and the workers, read by phase_records().
+  PhaseLog phases_;
+  // The paths (declared after what they borrow, so destroyed first) and
+  // each tensor's; the plans of set_plans() go to local_.
+  std::unique_ptr<LocalPath> local_;
+  std::unique_ptr<PsPath> ps_path_;
+  std::unique_ptr<PeerPath> peer_path_;
+  std::vector<ExecutionPath*> path_of_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   std::mutex abort_mu_;  // serialises publish_abort between the two threads

@@ -1,13 +1,11 @@
-// The engine's side of peer allgather (daemon/peer_allgather.h): opening the
-// job's PeerJob after the join, this node's payload of a partition, and the
-// decompress-and-sum of a complete round in node-rank order.
+#include "planner/strategy/partition.h"
+#include "daemon/engine_peer.h"
+
+#include <algorithm>
 #include <cstring>
 
 #include "common/log.h"
 #include "compress/reduce.h"
-#include "daemon/engine.h"
-#include "daemon/local_reduce.h"
-#include "planner/strategy/partition.h"
 
 namespace bytecomp::daemon {
 
@@ -28,7 +26,7 @@ std::vector<TensorPlan> peer_plans_from(const std::string& yaml,
 
 }  // namespace
 
-TensorPlan Engine::PeerPlans::at(uint32_t tensor, uint64_t iteration) {
+TensorPlan PeerPath::PeerPlans::at(uint32_t tensor, uint64_t iteration) {
   std::lock_guard lock(mu);
   const std::vector<TensorPlan>* plans = &by_iteration.front().second;
   for (const auto& [from, p] : by_iteration) {
@@ -37,35 +35,42 @@ TensorPlan Engine::PeerPlans::at(uint32_t tensor, uint64_t iteration) {
   return plans->at(tensor);
 }
 
-bool Engine::open_peers() {
-  const server::JobInfo& info = ps_->info();
-  peer_tensor_.assign(tensors_.size(), false);
+PeerPath::PeerPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
+                   std::vector<bool> peer_tensor)
+    : ctx_(ctx), ps_(std::move(ps)), peer_tensor_(std::move(peer_tensor)) {}
+
+PeerPath::~PeerPath() { close(); }
+
+std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
+                                         std::shared_ptr<server::PsJob> ps,
+                                         const PeerOptions& opts) {
+  const server::JobInfo& info = ps->info();
+  const std::vector<TensorSpec>& tensors = *ctx.tensors;
+  std::vector<bool> peer_tensor(tensors.size(), false);
   bool any = false;
-  for (uint32_t t = 0; t < tensors_.size(); ++t) {
-    if (ps_->plan_at(t, info.start_iteration).placement == strategy::Placement::kPeer) {
-      peer_tensor_[t] = true;
+  for (uint32_t t = 0; t < tensors.size(); ++t) {
+    if (ps->plan_at(t, info.start_iteration).placement == strategy::Placement::kPeer) {
+      peer_tensor[t] = true;
       any = true;
     }
   }
-  if (!any) return true;
-  if (peer_opts_.hub == nullptr) {
-    fail(ErrorCode::kUnavailable,
-         "the job uses inter: allgather between daemons, but this bytecompd has no peer "
-         "endpoint (set internode.peer_listen in its configuration)");
-    return false;
+  if (!any) return nullptr;
+  if (opts.hub == nullptr) {
+    throw Error(ErrorCode::kUnavailable,
+                "the job uses inter: allgather between daemons, but this bytecompd has no peer "
+                "endpoint (set internode.peer_listen in its configuration)");
   }
+  std::unique_ptr<PeerPath> path(new PeerPath(ctx, ps, std::move(peer_tensor)));
   try {
-    peer_plans_ = std::make_shared<PeerPlans>();
-    peer_plans_->by_iteration.emplace_back(info.start_iteration,
-                                           peer_plans_from(info.strategy_yaml, tensors_));
+    path->peer_plans_ = std::make_shared<PeerPlans>();
+    path->peer_plans_->by_iteration.emplace_back(info.start_iteration,
+                                                 peer_plans_from(info.strategy_yaml, tensors));
   } catch (const std::exception& e) {
-    fail(ErrorCode::kInvalidArgument, std::string("the job's strategy: ") + e.what());
-    return false;
+    throw Error(ErrorCode::kInvalidArgument, std::string("the job's strategy: ") + e.what());
   }
-  std::weak_ptr<PeerPlans> plans = peer_plans_;
-  std::weak_ptr<Inbox> inbox = inbox_;
-  const std::vector<TensorSpec> tensors = tensors_;
-  ps_->on_strategy_change([plans, inbox, tensors](const server::StrategyChange& c) {
+  std::weak_ptr<PeerPlans> plans = path->peer_plans_;
+  std::weak_ptr<Inbox> inbox = ctx.inbox;
+  ps->on_strategy_change([plans, inbox, tensors](const server::StrategyChange& c) {
     auto p = plans.lock();
     if (!p) return;
     try {
@@ -83,23 +88,24 @@ bool Engine::open_peers() {
     }
   });
 
-  const uint64_t pb = partition_bytes_;
+  const uint64_t pb = ctx.partition_bytes;
   PeerJobSpec spec;
   spec.name = info.name;
   spec.uid = info.uid;
   spec.rank = info.rank;
   spec.nodes = info.nodes;
   spec.addresses = info.peer_addresses;
-  spec.timeout = peer_opts_.timeout;
+  spec.timeout = opts.timeout;
   std::vector<uint64_t> bytes;
-  peer_parts_.resize(tensors_.size());
-  for (uint32_t t = 0; t < tensors_.size(); ++t) {
-    spec.tensor_names.push_back(tensors_[t].name);
-    bytes.push_back(tensors_[t].bytes);
-    const auto parts = peer_tensor_[t] ? static_cast<uint32_t>((tensors_[t].bytes + pb - 1) / pb)
-                                       : 0u;
+  path->peer_parts_.resize(tensors.size());
+  for (uint32_t t = 0; t < tensors.size(); ++t) {
+    spec.tensor_names.push_back(tensors[t].name);
+    bytes.push_back(tensors[t].bytes);
+    const auto parts = path->peer_tensor_[t]
+                           ? static_cast<uint32_t>((tensors[t].bytes + pb - 1) / pb)
+                           : 0u;
     spec.partitions.push_back(parts);
-    peer_parts_[t].resize(parts);
+    path->peer_parts_[t].resize(parts);
   }
   spec.partition_count = [bytes, pb](uint32_t tensor, uint32_t index) -> uint64_t {
     const uint64_t begin = uint64_t{index} * pb;
@@ -109,35 +115,39 @@ bool Engine::open_peers() {
     if (auto i = inbox.lock()) {
       const uint64_t begin = uint64_t{index} * pb;
       i->deliver({tensor, iteration, begin, std::min(bytes[tensor], begin + pb), Status::Ok(),
-                  {}, true});
+                  {}});
     }
   };
   auto failed = [inbox](const Status& s) {
     if (auto i = inbox.lock()) i->fail(s);
   };
-  try {
-    peer_ = peer_opts_.hub->open(std::move(spec), ready, failed);
-  } catch (const Error& e) {
-    fail(e.code(), e.what());
-    return false;
-  }
+  path->peer_ = opts.hub->open(std::move(spec), ready, failed);
   // Every node registered its job with its hub before any payload is sent,
   // so none is refused as belonging to an unknown job.
-  if (const Status s = ps_->barrier(peer_opts_.timeout); !s.ok()) {
-    fail(s.code() == ErrorCode::kOk ? ErrorCode::kUnavailable : s.code(),
-         "peer allgather: waiting for every node to open the job failed: " + s.message());
-    return false;
+  if (const Status s = ps->barrier(opts.timeout); !s.ok()) {
+    throw Error(s.code() == ErrorCode::kOk ? ErrorCode::kUnavailable : s.code(),
+                "peer allgather: waiting for every node to open the job failed: " + s.message());
   }
-  BC_LOG(LogEnginePeer(), kInfo) << "job " << job_ << ": allgather with "
+  BC_LOG(LogEnginePeer(), kInfo) << "job " << ctx.job << ": allgather with "
                                  << info.nodes.size() - 1 << " peer daemon(s)";
-  return true;
+  return path;
 }
 
-void Engine::start_peer_task(const Task& t, std::span<char* const> bufs) {
-  const TensorSpec& spec = tensors_[t.tensor];
-  const auto index = static_cast<uint32_t>(t.begin / partition_bytes_);
+Status PeerPath::check(std::chrono::steady_clock::time_point now) {
+  return peer_->check_deadlines(now);
+}
+
+void PeerPath::close() {
+  if (peer_) peer_->close();
+}
+
+void PeerPath::start(const Task& t, std::span<char* const> bufs) {
+  const TensorSpec& spec = (*ctx_.tensors)[t.tensor];
+  const auto index = static_cast<uint32_t>(t.begin / ctx_.partition_bytes);
   const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
-  sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  PhaseLog& phases = *ctx_.phases;
+  phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
   const TensorPlan plan = peer_plans_->at(t.tensor, t.iteration);
   PeerHeader h;
@@ -165,25 +175,23 @@ void Engine::start_peer_task(const Task& t, std::span<char* const> bufs) {
     h.format = PeerFormat::kRawFp32;
     data = transport::Buffer::copy_of(sum, n * 4);  // the segment may go away first
   }
+  phases.stamp(t.tensor, index, t.iteration, Phase::kCompressed);
   // The bytes-in-flight bound is released when every peer has acknowledged
   // receipt, not when the round completes: a round completes only once
   // every node contributed, and the nodes may start partitions in different
   // orders, so a bound held until then deadlocks them (each node's bound
   // full of partitions that wait for the other's).
-  std::weak_ptr<Inbox> inbox = inbox_;
+  // Before contributing: the round may complete (and be delivered) inside.
+  phases.stamp(t.tensor, index, t.iteration, Phase::kSent);
+  std::weak_ptr<Inbox> inbox = ctx_.inbox;
   peer_->contribute(t.tensor, index, t.iteration, h, std::move(data),
                     [inbox, bytes = t.end - t.begin] {
                       if (auto i = inbox.lock()) i->acked(bytes);
                     });
 }
 
-std::string Engine::finish_peer(const Inbox::Arrival& a) {
-  const ipc::TensorSlot& slot = layout_.tensors[a.tensor];
-  std::vector<char*> bufs;
-  for (uint32_t r = 0; r < layout_.local_size; ++r) {
-    bufs.push_back(base_ + slot.offset + slot.stride * r);
-  }
-  const auto index = static_cast<uint32_t>(a.begin / partition_bytes_);
+std::string PeerPath::finish(const Inbox::Arrival& a, std::span<char* const> bufs) {
+  const auto index = static_cast<uint32_t>(a.begin / ctx_.partition_bytes);
   const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
   float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
   const uint32_t self = ps_->info().rank;
@@ -243,7 +251,9 @@ std::string Engine::finish_peer(const Inbox::Arrival& a) {
         }
       }
     }
-    copy_from_first(bufs, a.begin, a.end);
+    ctx_.phases->stamp(a.tensor, index, a.iteration, Phase::kDecompressed);
+    ctx_.reducer->copy_from_first(bufs, a.begin, a.end);
+    ctx_.phases->stamp(a.tensor, index, a.iteration, Phase::kCopiedOut);
   } catch (const std::exception& e) {
     return e.what();
   }

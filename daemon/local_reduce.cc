@@ -58,20 +58,24 @@ void dispatch(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin, uin
     case ipc::DType::kFloat64: return reduce_typed<double>(bufs, begin, end, copy_out);
     case ipc::DType::kInt32: return reduce_typed<int32_t>(bufs, begin, end, copy_out);
     case ipc::DType::kInt64: return reduce_typed<int64_t>(bufs, begin, end, copy_out);
+    case ipc::DType::kFloat16:
+    case ipc::DType::kBFloat16: return;  // no control-protocol code: never declared
   }
 }
 
 }  // namespace
 
-void reduce_range(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin, uint64_t end) {
+void ShmSimdReducer::reduce(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin,
+                            uint64_t end) {
   dispatch(dtype, bufs, begin, end, true);
 }
 
-void sum_to_first(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin, uint64_t end) {
+void ShmSimdReducer::sum_to_first(ipc::DType dtype, std::span<char* const> bufs, uint64_t begin,
+                                  uint64_t end) {
   dispatch(dtype, bufs, begin, end, false);
 }
 
-void copy_from_first(std::span<char* const> bufs, uint64_t begin, uint64_t end) {
+void ShmSimdReducer::copy_from_first(std::span<char* const> bufs, uint64_t begin, uint64_t end) {
   for (size_t r = 1; r < bufs.size(); ++r) std::memcpy(bufs[r] + begin, bufs[0] + begin, end - begin);
 }
 

@@ -13,10 +13,7 @@
 #include "common/log.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
-#include "server/malloc_policy.h"
-#if BYTECOMP_HAVE_SYSTEMD
-#include <systemd/sd-daemon.h>
-#endif
+#include "common/malloc_policy.h"
 
 namespace {
 constexpr const char* kUsage =
@@ -24,11 +21,12 @@ constexpr const char* kUsage =
     "  --config PATH  daemon configuration (default: /etc/bytecomp/daemon.yaml,\n"
     "                 or $BYTECOMP_SYSCONFDIR/daemon.yaml, else built-in defaults)\n"
     "Signals: SIGTERM/SIGINT abort running jobs and exit; SIGHUP reloads the\n"
-    "configuration (scheduler sizes, setup timeout, log levels).\n";
+    "configuration and its drop-ins (scheduler sizes, setup timeout, strategy,\n"
+    "metrics, log levels). bytecompctl queries and steers a running daemon.\n";
 }  // namespace
 
 int main(int argc, char** argv) {
-  bytecomp::server::keep_freed_memory_for_reuse();  // large pushes and answers
+  bytecomp::keep_freed_memory_for_reuse();  // large pushes and answers
   std::optional<std::string> config_path;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -58,10 +56,8 @@ int main(int argc, char** argv) {
   try {
     auto cfg = bytecomp::daemon::DaemonConfig::parse(
         bytecomp::config::Document::locate(config_path, "daemon.yaml"));
+    // Daemon::run() tells systemd READY=1 and pings its watchdog.
     bytecomp::daemon::Daemon daemon(std::move(cfg), config_path);
-#if BYTECOMP_HAVE_SYSTEMD
-    sd_notify(0, "READY=1");
-#endif
     const int rc = daemon.run(sfd);
     close(sfd);
     return rc;

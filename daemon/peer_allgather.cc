@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "common/record.h"
 
 namespace bytecomp::daemon {
 
@@ -49,6 +50,7 @@ Buffer encode_peer_header(const PeerHeader& h) {
 }
 
 PeerHeader decode_peer_header(std::span<const std::byte> b) {
+  record_input("peer", b.data(), b.size());
   if (b.size() != kPeerHeaderBytes) {
     throw Error(ErrorCode::kMalformed, "peer data header is " + std::to_string(b.size()) +
                                            " bytes (expected " +

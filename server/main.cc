@@ -1,10 +1,14 @@
 // bytecomp-server --config server.yaml [--ready-file PATH]
 // Runs until SIGTERM or SIGINT, then shuts down cleanly (jobs aborted with a
-// reason, threads joined). --ready-file receives the bound address once the
+// reason, threads joined). SIGHUP re-reads the log levels (everything else
+// needs a restart). Under systemd (Type=notify) it reports READY=1 once it
+// serves and pings the watchdog from this main thread (common/service.h). --ready-file receives the bound address once the
 // server serves (scripts and tests use it with ephemeral ports).
 #include <signal.h>
 
+#include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -12,13 +16,14 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "server/malloc_policy.h"
+#include "common/malloc_policy.h"
+#include "common/service.h"
 #include "server/ps_server.h"
 
 BC_LOG_CATEGORY(LogMain, "server");
 
 int main(int argc, char** argv) {
-  bytecomp::server::keep_freed_memory_for_reuse();
+  bytecomp::keep_freed_memory_for_reuse();
   std::optional<std::string> config_path;
   std::string ready_file;
   for (int i = 1; i < argc; ++i) {
@@ -38,6 +43,7 @@ int main(int argc, char** argv) {
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   try {
     bytecomp::server::ParameterServer server(bytecomp::server::ServerConfig::load(config_path));
@@ -48,8 +54,31 @@ int main(int argc, char** argv) {
         throw bytecomp::Error(bytecomp::ErrorCode::kUnavailable,
                               "cannot write --ready-file " + ready_file + ": " + std::strerror(errno));
     }
+    bytecomp::ServiceNotifier notifier;
+    notifier.ready();
     int sig = 0;
-    sigwait(&sigs, &sig);
+    for (;;) {
+      notifier.tick();
+      const auto wait = notifier.poll_timeout(std::chrono::milliseconds(1000));
+      const timespec ts{static_cast<time_t>(wait.count() / 1000),
+                        static_cast<long>(wait.count() % 1000) * 1000000L};
+      sig = sigtimedwait(&sigs, nullptr, &ts);
+      if (sig == SIGHUP) {
+        notifier.reloading();
+        try {
+          // Parsing applies the logging section; the rest is not re-applied.
+          (void)bytecomp::server::ServerConfig::load(config_path);
+          BC_LOG(LogMain(), kInfo) << "SIGHUP: log levels reloaded; other changes to the "
+                                      "configuration need a restart";
+        } catch (const bytecomp::Error& e) {
+          BC_LOG(LogMain(), kError) << "SIGHUP: configuration not reloaded: " << e.what();
+        }
+        notifier.ready();
+      } else if (sig == SIGTERM || sig == SIGINT) {
+        break;
+      }
+    }
+    notifier.stopping();
     BC_LOG(LogMain(), kInfo) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT")
                              << ", shutting down";
     server.shutdown();

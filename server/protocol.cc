@@ -2,10 +2,13 @@
 
 #include <cstring>
 
+#include "common/record.h"
+
 namespace bytecomp::server::proto {
 
 Reader::Reader(std::string_view bytes, std::string what)
     : bytes_(bytes), what_(std::move(what)) {
+  if (recording_inputs()) record_input_always("ps-" + what_, bytes_.data(), bytes_.size());
   uint16_t v = u16("version");
   if (v != kVersion)
     throw Error(ErrorCode::kMalformed, what_ + ": protocol version " + std::to_string(v) +

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/record.h"
+
 namespace bytecomp::transport::wire {
 namespace {
 
@@ -73,6 +75,7 @@ bool decode(std::span<const std::byte> bytes, const Limits& limits,
     error = what;
     return false;
   };
+  record_input("wire", bytes.data(), bytes.size());
   if (bytes.size() < kFixedBytes)
     return fail("header is " + std::to_string(bytes.size()) +
                 " bytes, shorter than the fixed " + std::to_string(kFixedBytes));

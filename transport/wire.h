@@ -61,6 +61,50 @@ std::vector<std::byte> encode(const WireHeader& header);
 bool decode(std::span<const std::byte> bytes, const Limits& limits,
             WireHeader& out, std::string& error);
 
+// Which of a message's frames carry each payload, as a receiver checks them:
+// payload p is frames [spans[p].first, spans[p].first + spans[p].count)
+// (count 0 for an empty payload). The frames in [first, end) must fill the
+// payloads in order, every frame non-empty and within what its payload still
+// lacks, with none left over. `frame_size(i)` is the size of frame i. On
+// failure returns false and sets `error` naming the payload and the sizes.
+struct FrameSpan {
+  size_t first = 0;
+  size_t count = 0;
+};
+template <class FrameSize>
+bool split_frames(const WireHeader& header, size_t first, size_t end, FrameSize&& frame_size,
+                  std::vector<FrameSpan>& spans, std::string& error) {
+  spans.clear();
+  spans.reserve(header.payload_sizes.size());
+  size_t idx = first;
+  for (size_t p = 0; p < header.payload_sizes.size(); ++p) {
+    const uint64_t want = header.payload_sizes[p];
+    const size_t start = idx;
+    uint64_t got = 0;
+    while (got < want) {
+      if (idx >= end) {
+        error = "payload " + std::to_string(p) + " declared " + std::to_string(want) +
+                " bytes but the message ends after " + std::to_string(got);
+        return false;
+      }
+      const uint64_t sz = frame_size(idx);
+      if (sz == 0 || sz > want - got) {
+        error = "payload " + std::to_string(p) + " frame of " + std::to_string(sz) +
+                " bytes does not fit the " + std::to_string(want - got) + " bytes left";
+        return false;
+      }
+      got += sz;
+      ++idx;
+    }
+    spans.push_back({start, idx - start});
+  }
+  if (idx != end) {
+    error = std::to_string(end - idx) + " frames beyond the declared payloads";
+    return false;
+  }
+  return true;
+}
+
 // Splitting of one payload into frames of at most `frame_bytes` (>0): number
 // of frames (0 for an empty payload).
 inline uint64_t frame_count(uint64_t size, uint64_t frame_bytes) noexcept {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/record.h"
+
 namespace bytecomp::ipc {
 namespace {
 
@@ -114,30 +116,35 @@ const char* type_name(uint16_t t) {
     case MsgType::kAbort: return "ABORT";
     case MsgType::kBye: return "BYE";
     case MsgType::kStrategy: return "STRATEGY";
+    case MsgType::kCtlRequest: return "CTL_REQUEST";
+    case MsgType::kCtlReply: return "CTL_REPLY";
   }
   return "unknown";
 }
 
 }  // namespace
 
-uint32_t dtype_size(DType t) noexcept {
+static_assert(static_cast<uint8_t>(Device::kCpu) == 0 && static_cast<uint8_t>(Device::kCuda) == 1,
+              "DECLARE writes Device values as its device codes");
+
+uint8_t dtype_to_wire(DType t) noexcept {
   switch (t) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
+    case DType::kFloat32: return 0;
+    case DType::kFloat64: return 1;
+    case DType::kInt32: return 2;
+    case DType::kInt64: return 3;
+    case DType::kFloat16:
+    case DType::kBFloat16: break;
   }
-  return 0;
+  return kNoDTypeCode;
 }
 
-const char* dtype_name(DType t) noexcept {
-  switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-  }
-  return "unknown";
+bool dtype_from_wire(uint8_t code, DType& out) noexcept {
+  static constexpr DType kByCode[kNumDTypes] = {DType::kFloat32, DType::kFloat64, DType::kInt32,
+                                                DType::kInt64};
+  if (code >= kNumDTypes) return false;
+  out = kByCode[code];
+  return true;
 }
 
 std::string check_job_id(std::string_view id) {
@@ -174,7 +181,11 @@ std::vector<uint8_t> encode(const Declare& m) {
   w.u32(m.index);
   w.str(m.name, kMaxTensorNameBytes);
   w.u64(m.count);
-  w.u8(static_cast<uint8_t>(m.dtype));
+  const uint8_t dtype_code = dtype_to_wire(m.dtype);
+  if (dtype_code == kNoDTypeCode)
+    throw Error(ErrorCode::kInvalidArgument, std::string("DECLARE of tensor '") + m.name + "': dtype " +
+                                                 dtype_name(m.dtype) + " has no code in the control protocol");
+  w.u8(dtype_code);
   w.u8(static_cast<uint8_t>(m.device));
   w.u32(static_cast<uint32_t>(m.device_index));
   return w.finish();
@@ -211,7 +222,39 @@ std::vector<uint8_t> encode(const StrategyMsg& m) {
   return w.finish();
 }
 
+std::vector<uint8_t> encode(const CtlRequest& m) {
+  Writer w(MsgType::kCtlRequest);
+  w.u16(m.ctl_version);
+  w.str(m.command, kMaxCtlCommandBytes);
+  w.str(m.arg, kMaxCtlArgBytes);
+  return w.finish();
+}
+std::vector<uint8_t> encode(const CtlReply& m) {
+  if (m.data.size() > kMaxCtlChunkBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "CTL_REPLY part of " + std::to_string(m.data.size()) +
+                    " bytes exceeds the limit of " + std::to_string(kMaxCtlChunkBytes));
+  }
+  Writer w(MsgType::kCtlReply);
+  w.u32(m.code);
+  w.u8(m.last ? 1 : 0);
+  w.u32(static_cast<uint32_t>(m.data.size()));
+  w.raw(m.data);
+  return w.finish();
+}
+std::vector<std::vector<uint8_t>> encode_ctl_reply(uint32_t code, std::string_view text) {
+  std::vector<std::vector<uint8_t>> out;
+  size_t at = 0;
+  do {
+    const size_t n = std::min(kMaxCtlChunkBytes, text.size() - at);
+    out.push_back(encode(CtlReply{code, at + n == text.size(), std::string(text.substr(at, n))}));
+    at += n;
+  } while (at < text.size());
+  return out;
+}
+
 Decoded decode(std::span<const uint8_t> bytes) {
+  record_input("ipc", bytes.data(), bytes.size());
   Reader h(bytes, "control");
   if (bytes.size() < kHeaderBytes) {
     h.fail("datagram of " + std::to_string(bytes.size()) + " bytes is shorter than the " +
@@ -290,9 +333,8 @@ Decoded decode(std::span<const uint8_t> bytes) {
       if (m.index >= kMaxTensors) r.fail("tensor index " + std::to_string(m.index) + " too large");
       if (m.name.empty()) r.fail("empty tensor name");
       if (m.count == 0) r.fail("tensor '" + m.name + "' has 0 elements");
-      if (dt >= kNumDTypes) r.fail("unknown dtype " + std::to_string(dt));
+      if (!dtype_from_wire(dt, m.dtype)) r.fail("unknown dtype " + std::to_string(dt));
       if (dev > 1) r.fail("unknown device type " + std::to_string(dev));
-      m.dtype = static_cast<DType>(dt);
       m.device = static_cast<Device>(dev);
       if (m.count > (uint64_t{1} << 40) / dtype_size(m.dtype)) {
         r.fail("tensor '" + m.name + "' of " + std::to_string(m.count) +
@@ -349,6 +391,34 @@ Decoded decode(std::span<const uint8_t> bytes) {
       }
       m.text = r.raw("text", n);
       r.end();
+      d.msg = std::move(m);
+      break;
+    }
+    case MsgType::kCtlRequest: {
+      CtlRequest m;
+      m.ctl_version = static_cast<uint16_t>(r.get(2, "ctl_version"));
+      m.command = r.str("command", kMaxCtlCommandBytes);
+      m.arg = r.str("arg", kMaxCtlArgBytes);
+      r.end();
+      if (m.command.empty()) r.fail("empty command");
+      d.msg = std::move(m);
+      break;
+    }
+    case MsgType::kCtlReply: {
+      CtlReply m;
+      m.code = r.u32("code");
+      const uint8_t last = r.u8("last");
+      const uint32_t n = r.u32("data_bytes");
+      if (n > kMaxCtlChunkBytes) {
+        r.fail("data_bytes " + std::to_string(n) + " exceeds " + std::to_string(kMaxCtlChunkBytes));
+      }
+      m.data = r.raw("data", n);
+      r.end();
+      if (last > 1) r.fail("last flag " + std::to_string(last) + " is not 0 or 1");
+      if (m.code > static_cast<uint32_t>(ErrorCode::kInternal)) {
+        r.fail("error code " + std::to_string(m.code) + " out of range");
+      }
+      m.last = last == 1;
       d.msg = std::move(m);
       break;
     }

@@ -22,6 +22,13 @@
 //   D ABORT        (the job was aborted; D closes afterwards)
 //   C BYE          (graceful leave; C closes)
 //
+// Operator requests (bytecompctl) use the same socket and header, on a
+// connection that never sends HELLO; the daemon answers each with one or more
+// CTL_REPLY datagrams (the last one flagged) or ERROR:
+//   C CTL_REQUEST  -> D CTL_REPLY x N | ERROR
+// CTL_REQUEST carries its own version (kCtlVersion), so the operator
+// commands can evolve without touching the clients' protocol version.
+//
 // Thread-safety: the functions here are pure; thread-safe.
 #pragma once
 
@@ -32,6 +39,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/types.h"
 
 namespace bytecomp::ipc {
 
@@ -60,15 +68,33 @@ enum class MsgType : uint16_t {
   kAbort = 7,
   kBye = 8,
   kStrategy = 9,  // added within version 1: older daemons refuse it by type
+  kCtlRequest = 10,  // added within version 1 (bytecompctl), as kStrategy
+  kCtlReply = 11,
 };
 
-// Element types; values equal bytecomp_dtype.
-enum class DType : uint8_t { kFloat32 = 0, kFloat64 = 1, kInt32 = 2, kInt64 = 3 };
-inline constexpr uint8_t kNumDTypes = 4;
-uint32_t dtype_size(DType t) noexcept;
-const char* dtype_name(DType t) noexcept;
+// Version of the operator requests' payload (CtlRequest.ctl_version).
+inline constexpr uint16_t kCtlVersion = 1;
+inline constexpr size_t kMaxCtlCommandBytes = 32;
+inline constexpr size_t kMaxCtlArgBytes = 1024;
+// Reply bytes per CTL_REPLY datagram, and over all parts of one reply.
+inline constexpr size_t kMaxCtlChunkBytes = kMaxMessageBytes - kHeaderBytes - 4 - 1 - 4;
+inline constexpr size_t kMaxCtlReplyBytes = 16u << 20;
 
-enum class Device : uint8_t { kCpu = 0, kCuda = 1 };
+// Element types and devices: the shared vocabulary (common/types.h).
+using DType = bytecomp::DType;
+using Device = bytecomp::Device;
+// DECLARE's dtype codes on the wire, equal to bytecomp_dtype: float32 0,
+// float64 1, int32 2, int64 3 (kNumDTypes of them). They are not
+// common/types.h's values: the conversions below are the only way between
+// the two. Device codes are common/types.h's values (cpu 0, cuda 1).
+inline constexpr uint8_t kNumDTypes = 4;
+inline constexpr uint8_t kNoDTypeCode = 0xFF;
+// kNoDTypeCode for a dtype the protocol has no code for (float16, bfloat16).
+uint8_t dtype_to_wire(DType t) noexcept;
+// False for a code outside 0..kNumDTypes-1.
+bool dtype_from_wire(uint8_t code, DType& out) noexcept;
+using bytecomp::dtype_name;
+using bytecomp::dtype_size;
 
 struct Hello {
   std::string job_id;
@@ -109,7 +135,23 @@ struct StrategyMsg {
   std::string text;
 };
 
-using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye, StrategyMsg>;
+// An operator request: `command` (e.g. "status"), its argument (a job id or
+// ""), in the version of the operator protocol the tool speaks.
+struct CtlRequest {
+  uint16_t ctl_version = kCtlVersion;
+  std::string command;
+  std::string arg;
+};
+// One part of the answer (UTF-8 text, JSON or Prometheus text by command);
+// `code` is an ErrorCode value (0: ok), `last` ends the reply.
+struct CtlReply {
+  uint32_t code = 0;
+  bool last = true;
+  std::string data;
+};
+
+using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye, StrategyMsg,
+                             CtlRequest, CtlReply>;
 
 struct Decoded {
   MsgType type;
@@ -127,6 +169,11 @@ std::vector<uint8_t> encode(const Ready& m);
 std::vector<uint8_t> encode(const ErrorMsg& m, MsgType type = MsgType::kError);
 std::vector<uint8_t> encode(const Bye& m);
 std::vector<uint8_t> encode(const StrategyMsg& m);
+std::vector<uint8_t> encode(const CtlRequest& m);
+std::vector<uint8_t> encode(const CtlReply& m);
+// Cuts `text` into CTL_REPLY datagrams of at most kMaxCtlChunkBytes each,
+// the last one flagged (one empty datagram for empty text).
+std::vector<std::vector<uint8_t>> encode_ctl_reply(uint32_t code, std::string_view text);
 
 // Thrown by decode() when only the header's version differs, so either side
 // can report a version mismatch rather than garbage.

@@ -420,7 +420,10 @@ bytecomp_status bytecomp_declare_tensor(bytecomp_client* c, const char* name, ui
       fail(BYTECOMP_ERR_INVALID_ARGUMENT, "tensor '" + n + "' is already declared (id " +
                                               std::to_string(c->by_name[n]) + ")");
     }
-    if (static_cast<int>(dtype) < 0 || static_cast<int>(dtype) >= ipc::kNumDTypes) {
+    ipc::DType dt = ipc::DType::kFloat32;
+    // bytecomp_dtype values are the control protocol's dtype codes.
+    if (static_cast<int>(dtype) < 0 || static_cast<int>(dtype) >= ipc::kNumDTypes ||
+        !ipc::dtype_from_wire(static_cast<uint8_t>(dtype), dt)) {
       fail(BYTECOMP_ERR_INVALID_ARGUMENT, "tensor '" + n + "': unknown dtype " +
                                               std::to_string(static_cast<int>(dtype)) +
                                               " (use a bytecomp_dtype value)");
@@ -436,7 +439,6 @@ bytecomp_status bytecomp_declare_tensor(bytecomp_client* c, const char* name, ui
                                               std::to_string(static_cast<int>(device)));
     }
     (void)device_index;
-    const auto dt = static_cast<ipc::DType>(dtype);
     if (count == 0 || count > (uint64_t{1} << 40) / ipc::dtype_size(dt)) {
       fail(BYTECOMP_ERR_INVALID_ARGUMENT, "tensor '" + n + "': element count " +
                                               std::to_string(count) +
@@ -758,8 +760,10 @@ const char* bytecomp_status_name(int s) {
 }
 
 uint32_t bytecomp_dtype_size(int dtype) {
-  if (dtype < 0 || dtype >= ipc::kNumDTypes) return 0;
-  return ipc::dtype_size(static_cast<ipc::DType>(dtype));
+  ipc::DType dt = ipc::DType::kFloat32;
+  if (dtype < 0 || dtype >= ipc::kNumDTypes || !ipc::dtype_from_wire(static_cast<uint8_t>(dtype), dt))
+    return 0;
+  return static_cast<uint32_t>(ipc::dtype_size(dt));
 }
 
 uint32_t bytecomp_abi_version(void) { return BYTECOMP_ABI_VERSION; }

@@ -13,6 +13,7 @@
 #include "common/config.h"
 #include "common/error.h"
 #include "compress/catalogue.h"
+#include "common/record.h"
 
 namespace bytecomp::planner {
 
@@ -294,6 +295,7 @@ void emit_option(YAML::Emitter& out, const Option& o) {
 }  // namespace
 
 Strategy Strategy::parse(std::string_view text, std::string name) {
+  record_input("strategy", text.data(), text.size());
   Document doc = Document::parse(text, name);
   YAML::Node raw;
   try {

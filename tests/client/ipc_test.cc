@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "client/ipc/protocol.h"
 #include "client/ipc/shm_layout.h"
@@ -89,6 +90,41 @@ TEST(Protocol, RejectsEachMalformation) {
   EXPECT_NE(malformed(ipc::encode(ipc::Ready{"a/b", 1})).find("bad segment name"),
             std::string::npos);
   EXPECT_NE(malformed(ipc::encode(ipc::Start{0})).find("num_tensors 0"), std::string::npos);
+}
+
+TEST(Protocol, DTypeWireCodesAreTheCAbiValues) {
+  // DECLARE's dtype codes are bytecomp_dtype's values, not common/types.h's.
+  const std::pair<int, ipc::DType> codes[] = {{BYTECOMP_FLOAT32, ipc::DType::kFloat32},
+                                              {BYTECOMP_FLOAT64, ipc::DType::kFloat64},
+                                              {BYTECOMP_INT32, ipc::DType::kInt32},
+                                              {BYTECOMP_INT64, ipc::DType::kInt64}};
+  static_assert(ipc::kNumDTypes == 4);
+  for (const auto& [code, dtype] : codes) {
+    EXPECT_EQ(ipc::dtype_to_wire(dtype), code) << ipc::dtype_name(dtype);
+    ipc::DType back = ipc::DType::kFloat16;
+    ASSERT_TRUE(ipc::dtype_from_wire(static_cast<uint8_t>(code), back)) << code;
+    EXPECT_EQ(back, dtype);
+    // On the wire: the byte after index, name and count.
+    const auto b = ipc::encode(ipc::Declare{0, "w", 10, dtype});
+    EXPECT_EQ(b[16 + 4 + 2 + 1 + 8], code) << ipc::dtype_name(dtype);
+    EXPECT_EQ(std::get<ipc::Declare>(ipc::decode(b).msg).dtype, dtype);
+  }
+  EXPECT_EQ(ipc::dtype_to_wire(ipc::DType::kFloat16), ipc::kNoDTypeCode);
+  EXPECT_EQ(ipc::dtype_to_wire(ipc::DType::kBFloat16), ipc::kNoDTypeCode);
+  ipc::DType out = ipc::DType::kFloat32;
+  EXPECT_FALSE(ipc::dtype_from_wire(4, out));
+  EXPECT_FALSE(ipc::dtype_from_wire(ipc::kNoDTypeCode, out));
+  EXPECT_EQ(out, ipc::DType::kFloat32);  // untouched
+  try {
+    ipc::encode(ipc::Declare{0, "half", 10, ipc::DType::kBFloat16});
+    ADD_FAILURE() << "encoded a dtype the protocol has no code for";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("'half': dtype bfloat16 has no code"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(bytecomp_dtype_size(BYTECOMP_INT32), 4u);
+  EXPECT_EQ(bytecomp_dtype_size(4), 0u);  // common/types.h's kInt32 value is no C ABI value
 }
 
 TEST(Protocol, RandomBytesNeverCrash) {
@@ -243,3 +279,50 @@ TEST(Protocol, StrategyMessageRoundTripsAndIsChecked) {
   EXPECT_THROW(ipc::encode(ipc::StrategyMsg{"x", std::string(ipc::kMaxStrategyBytes + 1, 'a')}),
                Error);
 }
+
+namespace {
+
+TEST(Protocol, CtlRequestAndReplyRoundTripAndAreChecked) {
+  const auto req = ipc::encode(ipc::CtlRequest{ipc::kCtlVersion, "strategy", "job-1"});
+  const auto d = ipc::decode(req);
+  ASSERT_EQ(d.type, ipc::MsgType::kCtlRequest);
+  EXPECT_EQ(std::get<ipc::CtlRequest>(d.msg).ctl_version, ipc::kCtlVersion);
+  EXPECT_EQ(std::get<ipc::CtlRequest>(d.msg).command, "strategy");
+  EXPECT_EQ(std::get<ipc::CtlRequest>(d.msg).arg, "job-1");
+  for (size_t cut = 1; cut < req.size() - 16; ++cut) {
+    auto b = req;
+    b.resize(req.size() - cut);
+    b[8] = static_cast<uint8_t>(b.size() - 16);
+    EXPECT_NE(malformed(b).find("CTL_REQUEST"), std::string::npos) << cut;
+  }
+  EXPECT_NE(malformed(ipc::encode(ipc::CtlRequest{1, "", ""})).find("empty command"),
+            std::string::npos);
+
+  // A long answer is cut into parts that fit a datagram, the last flagged.
+  std::string text(3 * ipc::kMaxCtlChunkBytes + 5, 'x');
+  for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<char>('a' + i % 26);
+  const auto parts = ipc::encode_ctl_reply(0, text);
+  ASSERT_EQ(parts.size(), 4u);
+  std::string joined;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    EXPECT_LE(parts[i].size(), ipc::kMaxMessageBytes);
+    const auto r = ipc::decode(parts[i]);
+    ASSERT_EQ(r.type, ipc::MsgType::kCtlReply);
+    const auto& m = std::get<ipc::CtlReply>(r.msg);
+    EXPECT_EQ(m.last, i + 1 == parts.size());
+    EXPECT_EQ(m.code, 0u);
+    joined += m.data;
+  }
+  EXPECT_EQ(joined, text);
+  const auto empty = ipc::encode_ctl_reply(7, "");
+  ASSERT_EQ(empty.size(), 1u);
+  EXPECT_TRUE(std::get<ipc::CtlReply>(ipc::decode(empty[0]).msg).last);
+  auto bad = ipc::encode(ipc::CtlReply{0, true, "ok"});
+  bad[16 + 4] = 2;  // the last flag
+  EXPECT_NE(malformed(bad).find("last flag 2"), std::string::npos);
+  bad = ipc::encode(ipc::CtlReply{0, true, "ok"});
+  bad[16] = 99;  // the code
+  EXPECT_NE(malformed(bad).find("error code 99"), std::string::npos);
+}
+
+}  // namespace

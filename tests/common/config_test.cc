@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -233,6 +234,111 @@ TEST(Config, LoggingSectionBadLevelIsLocated) {
     std::string m = e.what();
     EXPECT_NE(m.find("p.yaml:3:11: key 'logging.levels'"), std::string::npos) << m;
     EXPECT_NE(m.find("'chatty'"), std::string::npos) << m;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct DropInDir {
+  fs::path dir = fs::temp_directory_path() / ("bc-dropin-" + std::to_string(::getpid()));
+  DropInDir() {
+    fs::remove_all(dir);
+    fs::create_directories(dir / "sample.yaml.d");
+  }
+  ~DropInDir() { fs::remove_all(dir); }
+  void write(const std::string& rel, const std::string& text) const {
+    std::ofstream(dir / rel) << text;
+  }
+};
+
+TEST(ConfigDropIns, MergeInNameOrderOverTheMainFile) {
+  DropInDir d;
+  d.write("sample.yaml",
+          "version: 1\ntransport:\n  io_threads: 3\n  mode: ps\n  peers: [a, b]\n");
+  // 20 sorts after 10 and wins where both set a key; a mapping merges key by
+  // key, a list is replaced; other files in the directory are ignored.
+  d.write("sample.yaml.d/20-late.yaml", "version: 1\ntransport:\n  io_threads: 9\n");
+  d.write("sample.yaml.d/10-early.yaml",
+          "version: 1\ntransport:\n  io_threads: 5\n  secure: true\n  peers: [c]\n");
+  d.write("sample.yaml.d/README", "not yaml: [");
+  d.write("sample.yaml.d/.hidden.yaml", "not yaml: [");
+  Document doc = Document::locate((d.dir / "sample.yaml").string(), "sample.yaml");
+  Sample s = parse(doc);
+  EXPECT_EQ(s.io_threads, 9);
+  EXPECT_TRUE(s.secure);
+  EXPECT_EQ(s.mode, "ps");
+  EXPECT_EQ(s.peers, std::vector<std::string>{"c"});
+  ASSERT_EQ(doc.sources().size(), 3u);
+  EXPECT_EQ(doc.sources()[0], (d.dir / "sample.yaml").string());
+  EXPECT_EQ(doc.sources()[1], (d.dir / "sample.yaml.d/10-early.yaml").string());
+  EXPECT_EQ(doc.sources()[2], (d.dir / "sample.yaml.d/20-late.yaml").string());
+}
+
+TEST(ConfigDropIns, ApplyOverBuiltInDefaultsInTheSysconfDir) {
+  DropInDir d;
+  d.write("sample.yaml.d/50-threads.yaml", "version: 1\ntransport:\n  io_threads: 7\n");
+  setenv("BYTECOMP_SYSCONFDIR", d.dir.c_str(), 1);
+  Document doc = Document::locate(std::nullopt, "sample.yaml");
+  unsetenv("BYTECOMP_SYSCONFDIR");
+  EXPECT_EQ(parse(doc).io_threads, 7);
+  EXPECT_EQ(doc.sources().size(), 1u);
+}
+
+TEST(ConfigDropIns, ErrorsNameTheDropInFileAndLine) {
+  DropInDir d;
+  d.write("sample.yaml", "version: 1\ntransport:\n  io_threads: 3\n");
+  d.write("sample.yaml.d/10-bad.yaml", "version: 1\n\ntransport:\n  io_threads: 99\n");
+  const std::string bad = (d.dir / "sample.yaml.d/10-bad.yaml").string();
+  try {
+    parse(Document::locate((d.dir / "sample.yaml").string(), "sample.yaml"));
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(bad + ":4:15: key 'transport.io_threads': 99 is out of range"),
+              std::string::npos)
+        << e.what();
+  }
+  // An unknown key in a drop-in is located in the drop-in, a good key of the
+  // main file still in the main file.
+  d.write("sample.yaml.d/10-bad.yaml", "version: 1\ntransport:\n  io_thread: 4\n");
+  try {
+    parse(Document::locate((d.dir / "sample.yaml").string(), "sample.yaml"));
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(bad + ":3:3: unknown key 'transport.io_thread'"),
+              std::string::npos)
+        << e.what();
+  }
+  d.write("sample.yaml", "version: 1\ntransport:\n  io_threads: 0\n");
+  d.write("sample.yaml.d/10-bad.yaml", "version: 1\ntransport:\n  secure: true\n");
+  try {
+    parse(Document::locate((d.dir / "sample.yaml").string(), "sample.yaml"));
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find((d.dir / "sample.yaml").string() + ":3:15:"),
+              std::string::npos)
+        << e.what();
+  }
+  // Every drop-in is versioned; a syntax error names its file and line.
+  d.write("sample.yaml", "version: 1\n");
+  d.write("sample.yaml.d/10-bad.yaml", "transport:\n  io_threads: 4\n");
+  try {
+    Document::locate((d.dir / "sample.yaml").string(), "sample.yaml");
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'version'"), std::string::npos) << e.what();
+  }
+  d.write("sample.yaml.d/10-bad.yaml", "version: 1\ntransport: [\n");
+  try {
+    Document::locate((d.dir / "sample.yaml").string(), "sample.yaml");
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(bad + ":"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("YAML syntax error"), std::string::npos) << e.what();
   }
 }
 

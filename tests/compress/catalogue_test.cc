@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "compress/cuda/cuda.h"
 #include "testutil.h"
 
 using namespace bctest;
@@ -178,4 +179,13 @@ TEST(Catalogue, ValuesAndNames) {
   }
   EXPECT_THROW(bc::param_values({"nope", {}}), Error);
   EXPECT_THROW(bc::wire_bytes({"topk", {{"ratio", "7"}}}, 10), Error);
+}
+
+// The catalogue's device list is what the CUDA library really builds: in a
+// build with CUDA every entry marked cuda has kernels, and none without.
+TEST(Catalogue, CudaDevicesMatchTheKernelsOfThisBuild) {
+  for (const bc::CatalogueEntry& e : bc::catalogue()) {
+    EXPECT_EQ(e.supports(bytecomp::Device::kCuda) && bc::cuda::built(), bc::cuda::supported(e.name))
+        << e.name;
+  }
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 
 #include "common/config.h"
 #include "common/thread_pool.h"
@@ -38,6 +39,33 @@ bc::CompressorSpec yaml_spec(const std::string& text) {
 }
 
 }  // namespace
+
+// --- the shared vocabulary (common/types.h) and its codes in a buffer ------------
+
+TEST(Vocabulary, CompressUsesCommonTypesAndKeepsItsBufferCodes) {
+  static_assert(std::is_same_v<bc::DType, bytecomp::DType>);
+  static_assert(std::is_same_v<bc::Device, bytecomp::Device>);
+  EXPECT_EQ(bc::to_string(bc::DType::kFloat32), "float32");
+  EXPECT_EQ(bc::to_string(bc::DType::kBFloat16), "bfloat16");
+  EXPECT_EQ(bc::to_string(bc::Device::kCuda), "cuda");
+  EXPECT_EQ(bc::dtype_size(bc::DType::kFloat16), 2u);
+  EXPECT_EQ(bc::dtype_size(bc::DType::kFloat64), 8u);
+  // Byte 6 of a compressed buffer is its dtype code: float32 is 0, as before
+  // the vocabulary was shared; other codes are refused by name.
+  auto c = bc::make_compressor(bc::parse_compressor_spec("topk:0.1"));
+  auto x = gaussian(1000, 5);
+  auto st = c->make_state(x.size());
+  auto b = compress(*c, *st, x, {});
+  ASSERT_GT(b.size(), 8u);
+  EXPECT_EQ(std::to_integer<int>(b[6]), 0);
+  EXPECT_EQ(bc::inspect(b).dtype, bc::DType::kFloat32);
+  for (int code : {1, 2, 3}) {
+    auto bad = b;
+    bad[6] = static_cast<std::byte>(code);
+    EXPECT_NE(error_of([&] { bc::inspect(bad); }).find("dtype id " + std::to_string(code)),
+              std::string::npos);
+  }
+}
 
 // --- specs, factory ---------------------------------------------------------------
 
@@ -170,7 +198,7 @@ TEST_P(Every, RejectsBadCalls) {
             }),
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(code([&] {
-              c->compress({x.data(), n, bc::DType::kFloat32, bc::Device::kCUDA}, buf, *st, {});
+              c->compress({x.data(), n, bc::DType::kFloat32, bc::Device::kCuda}, buf, *st, {});
             }),
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(code([&] {

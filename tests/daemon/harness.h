@@ -175,8 +175,11 @@ class DaemonEnv {
   }
 
   // Starts bytecompd and waits until its socket answers.
+  // `env` may set BYTECOMP_LOG; the default is info.
   void start(std::vector<std::string> env = {}) {
-    env.push_back("BYTECOMP_LOG=info");
+    bool levels = false;
+    for (const auto& kv : env) levels |= kv.rfind("BYTECOMP_LOG=", 0) == 0;
+    if (!levels) env.push_back("BYTECOMP_LOG=info");
     daemon_ = std::make_unique<Process>(
         std::vector<std::string>{build_root() + "/daemon/bytecompd", "--config",
                                  (dir_ / "daemon.yaml").string()},

@@ -9,7 +9,7 @@
 using namespace bctest;
 
 
-TEST_F(TwoNodes, ShardedOverTwoServersExactSums) {
+TEST_P(TwoNodes, ShardedOverTwoServersExactSums) {
   start(2);
   // 1 element to 4 MiB (16 partitions of 256 KiB over both servers).
   auto w = workers("ps2", 60, "f32:1,f32:1000,f32:65537,f32:1048576");
@@ -17,13 +17,13 @@ TEST_F(TwoNodes, ShardedOverTwoServersExactSums) {
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
 
-TEST_F(TwoNodes, SingleServerPlacementExactSums) {
+TEST_P(TwoNodes, SingleServerPlacementExactSums) {
   start(1, "version: 1\ndefault: {compressor: none, inter: reduce_broadcast}\n");
   auto w = workers("ps1", 40, "f32:3,f32:300000");
   for (auto& p : w) expect_ok(*p);
 }
 
-TEST_F(TwoNodes, KilledDaemonAbortsTheOtherNode) {
+TEST_P(TwoNodes, KilledDaemonAbortsTheOtherNode) {
   peer_timeout_ms_ = 1000;  // detection time is what this test waits for
   start(1);
   auto w = workers("kd2", 1000000, "f32:1000");
@@ -47,7 +47,7 @@ TEST_F(TwoNodes, KilledDaemonAbortsTheOtherNode) {
 // A training process dying on one node aborts the job on the other node at
 // once, through the coordinator, well before the cluster's 10 s request
 // deadline would end the other node's waits.
-TEST_F(TwoNodes, KilledClientAbortsTheOtherNodeAtOnce) {
+TEST_P(TwoNodes, KilledClientAbortsTheOtherNodeAtOnce) {
   start(1);
   auto w = workers("kc2", 1000000, "f32:1000");
   for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
@@ -88,7 +88,7 @@ float h(float v) {
 // dense sum of decompressed pushes answered as fp16 (alltoall_allgather) and
 // a compressed-domain sum (allreduce). Reference: each node's exact local
 // sum, cast to fp16, summed in fp32, cast to fp16 again.
-TEST_F(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
+TEST_P(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
   start(1,
         "version: 1\nrules:\n"
         "  - match: dense\n    option: {compressor: fp16, inter: alltoall_allgather}\n"
@@ -147,7 +147,7 @@ TEST_F(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
 // SIGHUP on node 0 with a new strategy file: the coordinator switches every
 // node and server at one iteration; before it sums are exact, from it on
 // they are the fp16 reference.
-TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
+TEST_P(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
   start(1, "version: 1\ndefault: {compressor: none}\n");
   constexpr uint64_t kN = 3000;
   constexpr int kIters = 12;
@@ -197,7 +197,7 @@ TEST_F(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
   }
 }
 
-TEST_F(TwoNodes, KilledServerIsReportedOnBothNodes) {
+TEST_P(TwoNodes, KilledServerIsReportedOnBothNodes) {
   peer_timeout_ms_ = 1000;  // detection time is what this test waits for
   start(1);
   auto w = workers("ks", 1000000, "f32:100000");
@@ -223,7 +223,7 @@ TEST_F(TwoNodes, KilledServerIsReportedOnBothNodes) {
 // node compresses its sum with its own residual, the server decompresses,
 // sums and recompresses with its residual). Reference: the same steps with
 // compress/ in this process, per 256 KiB partition.
-TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
+TEST_P(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
   namespace cz = bytecomp::compress;
   start(1,
         "version: 1\ndefault: {compressor: topk, params: {ratio: '0.05'}, error_feedback: true, "
@@ -294,7 +294,7 @@ TEST_F(TwoNodes, TopkWithErrorFeedbackOnNodesAndServerMatchesTheReference) {
 
 // Node 0's ranks close right after their last wait while node 1's ranks have
 // not read their last results: node 1 must still get them.
-TEST_F(TwoNodes, CleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
+TEST_P(TwoNodes, CleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
   start(1);
   const std::string spec = "f32:1,f32:300000";
   std::vector<std::unique_ptr<Process>> w;
@@ -314,7 +314,7 @@ TEST_F(TwoNodes, CleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
 // bytecomp_set_strategy in a multi-node job: the coordinator distributes one
 // strategy, so nodes with different texts are refused, naming the nodes; an
 // agreeing job's strategy is the one the nodes run.
-TEST_F(TwoNodes, PerJobStrategyMustAgreeAcrossNodes) {
+TEST_P(TwoNodes, PerJobStrategyMustAgreeAcrossNodes) {
   start(1);
   write("a.yaml", "version: 1\ndefault: {compressor: none, inter: reduce_broadcast}\n");
   write("b.yaml", "version: 1\ndefault: {compressor: none}\n");
@@ -377,7 +377,7 @@ TEST_F(TwoNodes, PerJobStrategyMustAgreeAcrossNodes) {
 // a bound that held bytes until their pull answered would leave node 0
 // waiting for 'b' (which needs node 1's push of 'b') and node 1 waiting for
 // 'a' (which needs node 0's push of 'a') until the request deadline.
-TEST_F(TwoNodes, DifferentPartitionOrdersOnTheNodesDoNotDeadlock) {
+TEST_P(TwoNodes, DifferentPartitionOrdersOnTheNodesDoNotDeadlock) {
   start(1, "", "  partition_bytes: 256KiB\n  max_inflight_bytes: 256KiB\n");
   constexpr uint64_t kN = 65536;  // one 256 KiB partition per tensor
   constexpr int kIters = 3;
@@ -432,7 +432,7 @@ TEST_F(TwoNodes, DifferentPartitionOrdersOnTheNodesDoNotDeadlock) {
 // (SIGSTOP), a single-node job on the same daemon is served at once. (The
 // leave used to block the control thread until the coordinator answered,
 // the peer was declared lost — 3 s here — or 2 s passed.)
-TEST_F(TwoNodes, JobEndDoesNotStallTheDaemonWhenTheCoordinatorIsUnresponsive) {
+TEST_P(TwoNodes, JobEndDoesNotStallTheDaemonWhenTheCoordinatorIsUnresponsive) {
   start(1);
   constexpr uint64_t kN = 1000;
   bytecomp_client* c[2] = {nullptr, nullptr};
@@ -482,3 +482,9 @@ TEST_F(TwoNodes, JobEndDoesNotStallTheDaemonWhenTheCoordinatorIsUnresponsive) {
                          << " ms behind the leave of another job";
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
+
+// One instantiation for every TEST_P of the fixture (internode_test.cc and
+// peer_test.cc): each runs once per transport backend of the build.
+INSTANTIATE_TEST_SUITE_P(Backends, TwoNodes,
+                         ::testing::ValuesIn(bytecomp::transport::available_backends()),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });

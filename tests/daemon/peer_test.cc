@@ -95,7 +95,7 @@ uint64_t rounds_completed(const fs::path& cluster_file) {
 // bit-identical and equal the reference: per 256 KiB partition, each node's
 // sum compressed with its own error-feedback state and the daemon's seeds,
 // then decompressed and summed in node order. No partition touches a server.
-TEST_F(TwoNodes, AllgatherEveryCompressorMatchesTheReference) {
+TEST_P(TwoNodes, AllgatherEveryCompressorMatchesTheReference) {
   std::string yaml = "version: 1\nrules:\n";
   for (const Case& c : kCases) {
     yaml += std::string("  - match: ") + c.compressor + "\n    option: {compressor: " +
@@ -192,7 +192,7 @@ TEST_F(TwoNodes, AllgatherEveryCompressorMatchesTheReference) {
 // One job, some tensors through the server and some by allgather (topk
 // keeping every element, so sums are exact and bc_worker checks them),
 // from one element to 4 MiB, many iterations.
-TEST_F(TwoNodes, MixedPsAndAllgatherJobExactSums) {
+TEST_P(TwoNodes, MixedPsAndAllgatherJobExactSums) {
   start(1,
         "version: 1\nrules:\n"
         "  - match: 't[023]'\n"
@@ -210,7 +210,7 @@ TEST_F(TwoNodes, MixedPsAndAllgatherJobExactSums) {
 // A peer daemon killed mid-job: the other node's clients get an error naming
 // it within the heartbeat bound (peer_timeout 1 s), nothing is left in
 // /dev/shm, and the surviving daemon keeps serving.
-TEST_F(TwoNodes, KilledPeerDaemonAbortsTheAllgatherJob) {
+TEST_P(TwoNodes, KilledPeerDaemonAbortsTheAllgatherJob) {
   peer_timeout_ms_ = 1000;  // the detection bound is asserted
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
   auto w = workers("killpeer", 1000000, "f32:1000,f32:300000");
@@ -245,10 +245,11 @@ namespace {
 namespace bd = bytecomp::daemon;
 namespace bt = bytecomp::transport;
 
-bt::TransportConfig peer_config(bt::NodeId id) {
+bt::TransportConfig peer_config(bt::NodeId id, const std::string& backend) {
   bt::TransportConfig c;
+  c.backend = backend;
   c.node_id = id;
-  c.listen = {"tcp://127.0.0.1:0"};
+  c.listen = {backend == "rdma" ? "rdma://127.0.0.1:0" : "tcp://127.0.0.1:0"};
   c.io_threads = 1;
   c.heartbeat_interval = std::chrono::milliseconds(100);
   c.peer_timeout = std::chrono::milliseconds(1000);
@@ -316,8 +317,16 @@ bt::Buffer floats(uint64_t n, float base) {
 
 }  // namespace
 
-TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
-  bd::PeerHub a(peer_config(100)), b(peer_config(101));
+class PeerAllgather : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    std::string reason;
+    if (!bt::backend_usable(GetParam(), &reason)) GTEST_SKIP() << reason;
+  }
+};
+
+TEST_P(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
+  bd::PeerHub a(peer_config(100, GetParam())), b(peer_config(101, GetParam()));
   Events ea, eb;
   auto ja = a.open(job_spec(7, 0, {100, 101}, {a.address(), b.address()}), ea.on_ready(), ea.on_fail());
   auto jb = b.open(job_spec(7, 1, {100, 101}, {a.address(), b.address()}), eb.on_ready(), eb.on_fail());
@@ -354,7 +363,7 @@ TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
   for (uint64_t it = 0; it < 5; ++it) exchange(it);
 
   // A stranger (node 102) in its own job uid 8 with node 100.
-  bt::TransportConfig xc = peer_config(102);
+  bt::TransportConfig xc = peer_config(102, GetParam());
   auto x = bt::make_transport(xc);
   x->start();
   Events e8;
@@ -446,12 +455,12 @@ TEST(PeerAllgather, RawFp32RoundsAreExactAndMalformedMessagesRefused) {
 // Junk sent to a live bytecompd's peer endpoint while an allgather job runs:
 // each message is refused with the reason, the job is not disturbed and the
 // daemon keeps serving.
-TEST_F(TwoNodes, MalformedPeerMessagesToALiveDaemonAreRefused) {
+TEST_P(TwoNodes, MalformedPeerMessagesToALiveDaemonAreRefused) {
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
   std::smatch m;
   const std::string log = nodes_[0]->daemon().output();
-  ASSERT_TRUE(std::regex_search(log, m, std::regex("peer endpoint (tcp://[0-9.:]+)"))) << log;
-  auto x = bt::make_transport(peer_config(102));
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("peer endpoint ((tcp|rdma)://[0-9.:]+)"))) << log;
+  auto x = bt::make_transport(peer_config(102, GetParam()));
   x->start();
   x->add_peer(100, m[1]);
   auto w = workers("junk", 60, "f32:1000,f32:70000");
@@ -498,7 +507,7 @@ TEST_F(TwoNodes, MalformedPeerMessagesToALiveDaemonAreRefused) {
 // element (exact sums) to fp16 allgather at one iteration on both nodes
 // (announced by the coordinator): from it on each node's sum is cast to fp16
 // and the two are summed in fp32, in node order.
-TEST_F(TwoNodes, AllgatherStrategyChangeAppliesOnBothNodesAtOneIteration) {
+TEST_P(TwoNodes, AllgatherStrategyChangeAppliesOnBothNodesAtOneIteration) {
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
   constexpr uint64_t kN = 70000;  // two partitions
   constexpr int kIters = 12;
@@ -557,7 +566,7 @@ TEST_F(TwoNodes, AllgatherStrategyChangeAppliesOnBothNodesAtOneIteration) {
 // Node 0's ranks close right after their last wait while node 1's ranks have
 // not read their last results: with allgather, node 1 must still get them
 // (and node 0's daemon must not drop its last queued replies).
-TEST_F(TwoNodes, AllgatherCleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
+TEST_P(TwoNodes, AllgatherCleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
   // Short jobs back to back, every other one with node 1 lingering: the
   // node that finishes first must still deliver its last sends and replies.
@@ -581,7 +590,7 @@ TEST_F(TwoNodes, AllgatherCleanCloseOnOneNodeLeavesTheOtherNodesWorkIntact) {
 
 // Without internode.peer_listen a daemon refuses a job that uses allgather
 // at start, saying which key to set.
-TEST_F(TwoNodes, AllgatherWithoutPeerEndpointIsRefusedAtStart) {
+TEST_P(TwoNodes, AllgatherWithoutPeerEndpointIsRefusedAtStart) {
   peer_listen_ = false;
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n");
   auto p = nodes_[0]->worker("nopeer", 0, 1, 1, "f32:10", {"--node", "0/2"});
@@ -600,7 +609,7 @@ TEST_F(TwoNodes, AllgatherWithoutPeerEndpointIsRefusedAtStart) {
 // the round completes leaves both waiting for the peers' rounds timeout
 // (10 s here: "no data from node ..."); released when the peer acknowledged
 // receipt, every partition goes out and the sums are exact.
-TEST_F(TwoNodes, AllgatherWithDifferentPartitionOrdersOnTheNodesDoesNotDeadlock) {
+TEST_P(TwoNodes, AllgatherWithDifferentPartitionOrdersOnTheNodesDoesNotDeadlock) {
   start(1, "version: 1\ndefault: {compressor: topk, params: {ratio: '1'}, inter: allgather}\n",
         "  partition_bytes: 256KiB\n  max_inflight_bytes: 256KiB\n");
   constexpr uint64_t kN = 131072;  // two 256 KiB partitions per tensor
@@ -657,3 +666,7 @@ TEST_F(TwoNodes, AllgatherWithDifferentPartitionOrdersOnTheNodesDoesNotDeadlock)
     EXPECT_TRUE(no_shm_left(n->shm_prefix()));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, PeerAllgather,
+                         ::testing::ValuesIn(bytecomp::transport::available_backends()),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });

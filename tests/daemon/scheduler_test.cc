@@ -90,4 +90,12 @@ TEST(DaemonConfig, ErrorsNameTheKey) {
       "version: 1\ninternode: {cluster_file: c.yaml, nodes: [1], peer_listen: 'tcp://127.0.0.1:0'}\n",
       "d.yaml"));
   EXPECT_EQ(ok.peer_listen, "tcp://127.0.0.1:0");
+  EXPECT_TRUE(ok.phase_timestamps);  // the default
+  const std::string bad_switch = err("version: 1\nengine: {phase_timestamps: sometimes}\n");
+  EXPECT_NE(bad_switch.find("engine.phase_timestamps"), std::string::npos) << bad_switch;
+  EXPECT_NE(err("version: 1\nengine: {phase_stamps: true}\n").find("unknown key"),
+            std::string::npos);
+  EXPECT_FALSE(DaemonConfig::parse(config::Document::parse(
+                                       "version: 1\nengine: {phase_timestamps: false}\n", "d.yaml"))
+                   .phase_timestamps);
 }

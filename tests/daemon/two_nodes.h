@@ -1,7 +1,9 @@
 // The two-node fixture of the inter-node tests: real bytecomp-server(s) on
 // loopback (server 0 coordinates) and two bytecompd, each with its own
 // socket, shm instance and peer endpoint (internode.peer_listen on an
-// ephemeral loopback port).
+// ephemeral loopback port). Parameterised by the transport backend every
+// process of the cluster uses (servers, daemons' server and peer
+// connections); a backend the machine cannot run skips with the reason.
 #pragma once
 
 #include <bytecomp/bytecomp.h>
@@ -11,11 +13,20 @@
 #include <gtest/gtest.h>
 
 #include "tests/daemon/harness.h"
+#include "transport/transport.h"
 
 namespace bctest {
 
-class TwoNodes : public ::testing::Test {
+class TwoNodes : public ::testing::TestWithParam<std::string> {
  protected:
+  void SetUp() override {
+    std::string reason;
+    if (!bytecomp::transport::backend_usable(GetParam(), &reason)) GTEST_SKIP() << reason;
+  }
+  // A loopback endpoint on this test's backend (port 0: ephemeral).
+  std::string endpoint(const std::string& host_port = "127.0.0.1:0") const {
+    return (GetParam() == "rdma" ? "rdma://" : "tcp://") + host_port;
+  }
   // `scheduler`: extra lines of the daemons' scheduler section.
   void start(int servers, const std::string& strategy_yaml = "", const std::string& scheduler = "") {
     dir_ = fs::temp_directory_path() / ("bcd-2n-" + std::to_string(::getpid()) + "-" +
@@ -24,14 +35,14 @@ class TwoNodes : public ::testing::Test {
     // Servers on ephemeral ports; server 0 coordinates and reports its address.
     std::string addrs;
     for (int s = 0; s < servers; ++s) {
-      write("server-cluster.yaml", cluster("tcp://127.0.0.1:0", servers, {}));
+      write("server-cluster.yaml", cluster(endpoint(), servers, {}));
       const std::string ready = (dir_ / ("ready" + std::to_string(s))).string();
       if (s > 0) write("server-cluster.yaml", cluster(coordinator_, servers, {}));
       write("server" + std::to_string(s) + ".yaml",
             "version: 1\nserver: {node_id: " + std::to_string(s) +
                 ", cluster_file: server-cluster.yaml, engine_threads: 1}\n"
-                "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: " +
-                std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n");
+                "transport: {backend: " + GetParam() + ", heartbeat_interval_ms: 100, "
+                "peer_timeout_ms: " + std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n");
       servers_.push_back(std::make_unique<Process>(
           std::vector<std::string>{build_root() + "/server/bytecomp-server", "--config",
                                    (dir_ / ("server" + std::to_string(s) + ".yaml")).string(),
@@ -58,9 +69,10 @@ class TwoNodes : public ::testing::Test {
       nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
                               "\n  node_id: " + std::to_string(100 + n) +
                               "\n  nodes: [100, 101]\n" +
-                              (peer_listen_ ? "  peer_listen: tcp://127.0.0.1:0\n" : "") + strategy,
+                              (peer_listen_ ? "  peer_listen: " + endpoint() + "\n" : "") +
+                                  strategy,
                               scheduler);
-      nodes_[n]->start();
+      nodes_[n]->start(daemon_env_);
     }
   }
   void TearDown() override {
@@ -104,11 +116,11 @@ class TwoNodes : public ::testing::Test {
     std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n";
     for (int i = 0; i < servers; ++i) {
       s += "    - {id: " + std::to_string(i) + ", address: \"" +
-           (i == 0 ? coordinator : std::string("tcp://127.0.0.1:0")) + "\"}\n";
+           (i == 0 ? coordinator : endpoint()) + "\"}\n";
     }
     s += "  daemons:\n    - {id: 100}\n    - {id: 101}\n"
          "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n"
-         "transport: {heartbeat_interval_ms: 100, peer_timeout_ms: " +
+         "transport: {backend: " + GetParam() + ", heartbeat_interval_ms: 100, peer_timeout_ms: " +
                 std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n";
     return s;
   }
@@ -146,6 +158,7 @@ class TwoNodes : public ::testing::Test {
 
   static inline int counter_ = 0;
   bool peer_listen_ = true;  // give the daemons a peer endpoint
+  std::vector<std::string> daemon_env_;  // the daemons' environment (e.g. BYTECOMP_LOG)
   // Heartbeat bound of every process of the cluster (servers and daemons,
   // their server and peer connections). 3 s: a daemon compressing on two
   // loaded cores (load 10+) has gone 1 s without a heartbeat, and a peer

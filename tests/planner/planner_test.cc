@@ -11,7 +11,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
-#include "planner/cli.h"
+#include "planner/cli/cli.h"
 #include "planner/search.h"
 
 using bytecomp::Error;

@@ -128,6 +128,29 @@ std::string read_error(const std::string& body) {
   return "";
 }
 
+TEST(Wire, SplitFramesChecksEveryFrameAgainstItsPayload) {
+  wire::WireHeader h;
+  h.payload_sizes = {5, 0, 3};
+  auto split = [&](std::vector<uint64_t> frames, std::vector<wire::FrameSpan>& spans) {
+    std::string error;
+    const bool ok = wire::split_frames(
+        h, 0, frames.size(), [&](size_t f) { return frames.at(f); }, spans, error);
+    return ok ? std::string() : error;
+  };
+  std::vector<wire::FrameSpan> spans;
+  ASSERT_EQ(split({2, 3, 3}, spans), "");
+  ASSERT_EQ(spans.size(), 3u);
+  EXPECT_EQ(spans[0].first, 0u);
+  EXPECT_EQ(spans[0].count, 2u);
+  EXPECT_EQ(spans[1].count, 0u);
+  EXPECT_EQ(spans[2].first, 2u);
+  EXPECT_EQ(spans[2].count, 1u);
+  EXPECT_EQ(split({5}, spans), "payload 2 declared 3 bytes but the message ends after 0");
+  EXPECT_EQ(split({4, 2, 3}, spans), "payload 0 frame of 2 bytes does not fit the 1 bytes left");
+  EXPECT_EQ(split({5, 0, 3}, spans), "payload 2 frame of 0 bytes does not fit the 3 bytes left");
+  EXPECT_EQ(split({5, 3, 1, 1}, spans), "2 frames beyond the declared payloads");
+}
+
 TEST(TransportConfig, ReadsEveryKey) {
   char pub[41] = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7";
   char sec[41] = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6";

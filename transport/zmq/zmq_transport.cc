@@ -142,6 +142,25 @@ class ZmqTransport final : public TransportBase {
   void* monitor_ = nullptr;
   int wake_fd_ = -1;
   std::set<std::string> authorized_keys_;  // raw 32-byte CURVE keys
+  // Refusals already logged at warn (loop thread only): a refused peer
+  // reconnects every reconnect interval, which must not flood the log. ZAP
+  // refusals are told apart by peer address and key; handshake failures
+  // carry no peer address, so by endpoint, event and code. Bounded: past
+  // kMaxRefusalsLogged distinct refusals the rest go to debug.
+  static constexpr size_t kMaxRefusalsLogged = 256;
+  std::set<std::string> refusals_logged_;
+  // True the first time `key` is refused (then it is logged at warn).
+  bool first_refusal(const std::string& key) {
+    if (refusals_logged_.size() >= kMaxRefusalsLogged) return false;
+    return refusals_logged_.insert(key).second;
+  }
+  void log_refusal(bool first, const std::string& what) {
+    if (first) {
+      BC_LOG(LogZmq(), kWarn) << "node " << self() << ": " << what;
+    } else {
+      BC_LOG(LogZmq(), kDebug) << "node " << self() << ": " << what;
+    }
+  }
 
   std::mutex control_mu_;
   std::deque<std::function<void()>> control_;
@@ -623,8 +642,13 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
       note_alive(h.src);
       continue;
     }
-    // Payload frames: each payload in order, every frame non-empty and
-    // within what its payload still lacks.
+    std::vector<wire::FrameSpan> spans;
+    if (!wire::split_frames(
+            h, idx, parts.size(), [&](size_t f) { return zmq_msg_size(&parts[f]->m); }, spans,
+            error)) {
+      log_malformed(origin, error);
+      continue;
+    }
     std::vector<Buffer> payloads;
     payloads.reserve(h.payload_sizes.size());
     struct Pieces {
@@ -633,34 +657,15 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
       std::vector<std::shared_ptr<ZmqMsg>> frames;
     };
     std::vector<Pieces> pieces;
-    bool ok = true;
-    for (size_t p = 0; p < h.payload_sizes.size() && ok; ++p) {
-      uint64_t want = h.payload_sizes[p];
-      if (want == 0) {
+    for (size_t p = 0; p < spans.size(); ++p) {
+      const uint64_t want = h.payload_sizes[p];
+      const size_t first = spans[p].first;
+      const size_t idx_end = first + spans[p].count;
+      if (spans[p].count == 0) {
         payloads.emplace_back();
         continue;
       }
-      size_t first = idx;
-      uint64_t got = 0;
-      while (got < want) {
-        if (idx >= parts.size()) {
-          error = "payload " + std::to_string(p) + " declared " + std::to_string(want) +
-                  " bytes but the message ends after " + std::to_string(got);
-          ok = false;
-          break;
-        }
-        size_t sz = zmq_msg_size(&parts[idx]->m);
-        if (sz == 0 || sz > want - got) {
-          error = "payload " + std::to_string(p) + " frame of " + std::to_string(sz) +
-                  " bytes does not fit the " + std::to_string(want - got) + " bytes left";
-          ok = false;
-          break;
-        }
-        got += sz;
-        ++idx;
-      }
-      if (!ok) break;
-      if (idx - first == 1) {
+      if (spans[p].count == 1) {
         // One frame: hand ZeroMQ's buffer over without copying.
         std::shared_ptr<ZmqMsg> holder(std::move(parts[first]));
         payloads.push_back(Buffer::wrap(zmq_msg_data(&holder->m), zmq_msg_size(&holder->m),
@@ -668,18 +673,10 @@ void ZmqTransport::read_socket(void* socket, bool is_router, NodeId dealer_peer,
       } else {
         // Several frames: copied into one buffer later, off this thread.
         std::vector<std::shared_ptr<ZmqMsg>> frames;
-        for (size_t f = first; f < idx; ++f) frames.emplace_back(std::move(parts[f]));
+        for (size_t f = first; f < idx_end; ++f) frames.emplace_back(std::move(parts[f]));
         pieces.push_back({payloads.size(), want, std::move(frames)});
         payloads.emplace_back();
       }
-    }
-    if (ok && idx != parts.size()) {
-      error = std::to_string(parts.size() - idx) + " frames beyond the declared payloads";
-      ok = false;
-    }
-    if (!ok) {
-      log_malformed(origin, error);
-      continue;
     }
     if (is_router && !inbound_.count(conn_node)) {
       Route& r = inbound_[conn_node];
@@ -728,11 +725,17 @@ void ZmqTransport::handle_zap() {
     std::array<char, 41> z85{};
     zmq_z85_encode(z85.data(), reinterpret_cast<const uint8_t*>(frames[6].data()), 32);
     reason = std::string("client key ") + z85.data() + " is not the cluster key";
-    if (!ok)
-      BC_LOG(LogZmq(), kWarn) << "node " << self() << ": refused connection from "
-                              << (frames.size() > 3 ? frames[3] : "?") << ": " << reason;
+    if (!ok) {
+      const std::string from = frames.size() > 3 ? frames[3] : "?";
+      const bool first = first_refusal("zap " + from + " " + z85.data());
+      log_refusal(first, "refused connection from " + from + ": " + reason +
+                             (first ? " (its further attempts are logged at debug level)" : ""));
+    }
   } else {
-    BC_LOG(LogZmq(), kWarn) << "node " << self() << ": refused connection: " << reason;
+    const bool first = first_refusal("zap " + (frames.size() > 3 ? frames[3] : "?") + " " +
+                                     (frames.size() > 5 ? frames[5] : "?"));
+    log_refusal(first, "refused connection: " + reason +
+                           (first ? " (further attempts are logged at debug level)" : ""));
   }
   std::string request_id = frames.size() > 1 ? frames[1] : "";
   const std::string code = ok ? "200" : "400";
@@ -766,8 +769,11 @@ void ZmqTransport::handle_monitor() {
                        : event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL
                            ? "protocol error (not a ZMTP/CURVE peer, or wrong key)"
                            : "handshake failed";
-    BC_LOG(LogZmq(), kWarn) << "node " << self() << ": refused a connection on " << addr << ": "
-                            << what << " (code " << value << ")";
+    const bool first =
+        first_refusal("handshake " + addr + " " + std::to_string(event) + " " + std::to_string(value));
+    log_refusal(first, "refused a connection on " + addr + ": " + what + " (code " +
+                           std::to_string(value) + ")" +
+                           (first ? " (the same refusal again is logged at debug level)" : ""));
   }
 }
 

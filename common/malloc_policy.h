@@ -16,7 +16,7 @@
 #include <malloc.h>
 #endif
 
-namespace bytecomp::server {
+namespace bytecomp {
 
 inline void keep_freed_memory_for_reuse() {
 #if defined(__GLIBC__)
@@ -25,4 +25,4 @@ inline void keep_freed_memory_for_reuse() {
 #endif
 }
 
-}  // namespace bytecomp::server
+}  // namespace bytecomp

@@ -1,7 +1,7 @@
 #include <iostream>
 
 #include "common/log.h"
-#include "planner/cli.h"
+#include "planner/cli/cli.h"
 
 int main(int argc, char** argv) {
   bytecomp::log::configure_from_env();

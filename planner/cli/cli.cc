@@ -1,4 +1,4 @@
-#include "planner/cli.h"
+#include "planner/cli/cli.h"
 
 #include <algorithm>
 #include <cmath>

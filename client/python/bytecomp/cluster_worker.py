@@ -1,0 +1,403 @@
+"""Worker side of scripts/bench-cluster: one training process of the
+emulated cluster, started per node by torchrun.
+
+    torchrun --nnodes N --node_rank i ... -m bytecomp.cluster_worker \\
+        --model resnet18 --systems compute,ddp_fp32,bc_none --out DIR ...
+
+Runs every system of --systems one after the other in the same processes
+(same model init, same batches per rank: synthetic, fixed seed), so all
+systems see the same machine load and the same data:
+
+  compute        no communication: the compute-only bound (compute_end:
+                 the same again, last, so the bound sees the launch's load)
+  ddp_fp32       torch DDP over gloo
+  ddp_fp16       DDP + fp16_compress_hook
+  ddp_powersgd   DDP + powerSGD_hook (rank 1, from the 3rd step)
+  bc_*           bytecomp.torch DistributedOptimizer with the strategy file
+                 DIR/../strategies/<system>.yaml (or --strategy-dir)
+  bc_pushpull    goodput probe: one --pushpull-bytes float32 tensor pushed
+                 and pulled through bytecomp uncompressed, no compute
+
+Per system each rank writes its step times and losses; the first process of
+each node also writes the node's link bytes sent (eth0 of its namespace,
+/proc/net/dev) and the CPU seconds of the pids in BENCH_WATCH_PIDS (its
+node's daemon and colocated server, /proc/PID/stat; with dedicated servers
+node 0 also the servers' in BENCH_SERVER_PIDS), over the timed window. A system
+that raises is recorded with its error and the next one runs.
+"""
+
+import argparse
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+MODELS = ("resnet18", "transformer", "lstm", "digits")
+
+
+# -- workloads ---------------------------------------------------------------
+class TransformerClassifier(torch.nn.Module):
+    """6-layer encoder, d_model 512: 23.5M parameters."""
+
+    def __init__(self, vocab=8000, d_model=512, layers=6, heads=8, ff=2048, classes=10):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        layer = torch.nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0,
+                                                 batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers)
+        self.head = torch.nn.Linear(d_model, classes)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+class LstmLM(torch.nn.Module):
+    """2-layer LSTM language model, 20000-word embedding and decoder: 11.3M parameters."""
+
+    def __init__(self, vocab=20000, emb=256, hidden=256):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, emb)
+        self.lstm = torch.nn.LSTM(emb, hidden, num_layers=2, batch_first=True)
+        self.decoder = torch.nn.Linear(hidden, vocab)
+        self.vocab = vocab
+
+    def forward(self, x):
+        out, _ = self.lstm(self.embed(x))
+        return self.decoder(out)
+
+
+def build_model(name):
+    if name == "digits":
+        from bytecomp.examples.digits import MLP
+        return MLP()
+    if name == "resnet18":
+        import torchvision
+        return torchvision.models.resnet18(num_classes=10)
+    if name == "transformer":
+        return TransformerClassifier()
+    if name == "lstm":
+        return LstmLM()
+    raise ValueError("model %r: expected one of %s" % (name, ", ".join(MODELS)))
+
+
+def make_batches(name, rank, batch, pool, seed, seq):
+    """`pool` fixed batches of this rank: the same for every system. Labels
+    come from a fixed random teacher (the same on every rank), so the loss
+    falls by learning, not only by memorising a few batches: a comparison
+    of losses after k steps then says how well a system follows DDP."""
+    teacher = torch.Generator().manual_seed(12345)
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    out = []
+    if name == "resnet18":
+        w = torch.randn(3 * 8 * 8, 10, generator=teacher)
+        for _ in range(pool):
+            x = torch.randn(batch, 3, 32, 32, generator=g)
+            y = (F.avg_pool2d(x, 4).reshape(batch, -1) @ w).argmax(1)
+            out.append((x, y))
+    elif name == "transformer":
+        w = torch.randn(8000, 10, generator=teacher)
+        for _ in range(pool):
+            x = torch.randint(0, 8000, (batch, seq), generator=g)
+            out.append((x, w[x].sum(1).argmax(1)))
+    else:
+        # A fixed random Markov chain: the next word is succ[word] with
+        # probability 0.9, else uniform.
+        succ = torch.randperm(20000, generator=teacher)
+        for _ in range(pool):
+            tokens = torch.empty(batch, seq + 1, dtype=torch.int64)
+            tokens[:, 0] = torch.randint(0, 20000, (batch,), generator=g)
+            for t in range(1, seq + 1):
+                jump = torch.rand(batch, generator=g) < 0.1
+                tokens[:, t] = torch.where(jump, torch.randint(0, 20000, (batch,), generator=g),
+                                           succ[tokens[:, t - 1]])
+            out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def loss_of(name, model, x, y):
+    out = model(x)
+    if name == "lstm":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(out, y)
+
+
+# -- node counters -----------------------------------------------------------
+def link_tx_bytes(dev="eth0"):
+    with open("/proc/net/dev") as f:
+        for ln in f:
+            name, _, rest = ln.partition(":")
+            if name.strip() == dev:
+                return int(rest.split()[8])
+    return None
+
+
+def cpu_seconds(pids):
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            return None
+    return total
+
+
+class Counters:
+    def __init__(self, active, pids, server_pids):
+        self.active = active
+        self.pids = pids
+        self.server_pids = server_pids
+
+    def read(self):
+        if not self.active:
+            return None
+        return {"tx": link_tx_bytes(), "cpu": cpu_seconds(self.pids) if self.pids else None,
+                "scpu": cpu_seconds(self.server_pids) if self.server_pids else None}
+
+    @staticmethod
+    def delta(a, b, steps):
+        if a is None or b is None:
+            return {}
+        out = {}
+        if a["tx"] is not None and b["tx"] is not None:
+            out["tx_bytes_per_step"] = (b["tx"] - a["tx"]) / steps
+        if a["cpu"] is not None and b["cpu"] is not None:
+            out["service_cpu_s_per_step"] = (b["cpu"] - a["cpu"]) / steps
+        if a["scpu"] is not None and b["scpu"] is not None:
+            out["servers_cpu_s_per_step"] = (b["scpu"] - a["scpu"]) / steps
+        return out
+
+
+# -- systems -----------------------------------------------------------------
+def momentum_of(system):
+    """SGD momentum 0.9, except under dgc: its momentum correction (u = 0.9 u
+    + g on the daemons) is the momentum, as the DGC paper prescribes; SGD
+    momentum on top of it would apply momentum twice."""
+    return 0.0 if system == "bc_dgc" else 0.9
+
+
+def wrap(system, model, opt, args):
+    """Returns (module to call, optimizer to step)."""
+    if system in ("compute", "compute_end"):
+        return model, opt
+    if system.startswith("ddp_"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model)
+        if system == "ddp_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif system == "ddp_powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif system != "ddp_fp32":
+            raise ValueError("unknown DDP system %r" % system)
+        return ddp, opt
+    if system.startswith("bc_"):
+        import bytecomp.torch as bc
+        strategy = os.path.join(args.strategy_dir, system + ".yaml")
+        if not os.path.isfile(strategy):
+            raise FileNotFoundError("strategy file %s of system %s is missing" % (strategy,
+                                                                                 system))
+        return model, bc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                              strategy=strategy)
+    raise ValueError("unknown system %r" % system)
+
+
+def release(opt):
+    """Leaves the system's bytecomp job so its shared memory goes before the next."""
+    detach = getattr(opt, "_bytecomp_detach", None)
+    if detach is not None:
+        detach()
+        import bytecomp.torch as bc
+        ctx = getattr(bc, "_ctx", None)
+        if ctx is not None and opt in getattr(ctx, "optimizers", []):
+            ctx.optimizers.remove(opt)
+
+
+def run_training(system, args, rank, counters):
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    batches = make_batches(args.model, rank, args.batch, args.pool, args.seed, args.seq)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum_of(system))
+    fwd, opt = wrap(system, model, opt, args)
+    steps = args.warmup + args.steps
+    times, losses = [], []
+    before = after = None
+    try:
+        for s in range(steps):
+            if s == args.warmup:
+                before = counters.read()
+            x, y = batches[s % len(batches)]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = loss_of(args.model, fwd, x, y)
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.item()))
+        after = counters.read()
+    finally:
+        release(opt)
+    r = {"step_s": times, "loss": losses, "warmup": args.warmup,
+         "params": sum(p.numel() for p in model.parameters())}
+    r.update(Counters.delta(before, after, args.steps))
+    return r
+
+
+def run_digits(system, args, rank, size):
+    """The demo's digits MLP (sklearn digits) trained until the test accuracy
+    reaches --target-accuracy (or --max-epochs): time-to-accuracy counts the
+    training loops only (the slowest rank's), not the evaluations."""
+    from bytecomp.examples.digits import load_data
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_data()
+    model = build_model("digits")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum_of(system))
+    fwd, opt = wrap(system, model, opt, args)
+    global_batch = args.batch * size
+    steps = len(y_train) // global_batch
+    train_s, reached, history = 0.0, None, []
+    try:
+        for epoch in range(args.max_epochs):
+            perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(
+                args.seed * 1000 + epoch))
+            fwd.train()
+            t0 = time.perf_counter()
+            for s in range(steps):
+                idx = perm[s * global_batch + rank * args.batch:
+                           s * global_batch + (rank + 1) * args.batch]
+                opt.zero_grad()
+                F.cross_entropy(fwd(x_train[idx]), y_train[idx]).backward()
+                opt.step()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            train_s += float(dt.item())
+            model.eval()
+            with torch.no_grad():
+                shard = slice(rank, len(y_test), size)
+                correct = (model(x_test[shard]).argmax(1) == y_test[shard]).sum().double()
+            correct = correct.reshape(1)
+            dist.all_reduce(correct)
+            acc = 100.0 * float(correct.item()) / len(y_test)
+            history.append(acc)
+            if acc >= args.target_accuracy:
+                reached = train_s
+                break
+    finally:
+        release(opt)
+    return {"accuracy": history, "final_accuracy": history[-1] if history else None,
+            "time_to_accuracy_s": reached, "train_s": train_s, "epochs": len(history),
+            "target_accuracy": args.target_accuracy}
+
+
+def run_pushpull(args, counters):
+    """Uncompressed push/pull of one tensor, no compute: the goodput probe."""
+    import bytecomp.torch as bc
+    n = max(1, args.pushpull_bytes // 4)
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = bc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0),
+                                  named_parameters=[("pushpull", p)],
+                                  strategy=os.path.join(args.strategy_dir, "bc_none.yaml"))
+    times = []
+    before = after = None
+    try:
+        for s in range(1 + args.pushpull_rounds):
+            if s == 1:
+                before = counters.read()
+            t0 = time.perf_counter()
+            p.sum().backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            opt.zero_grad()
+        after = counters.read()
+    finally:
+        release(opt)
+    r = {"step_s": times[1:], "bytes": n * 4}
+    r.update(Counters.delta(before, after, args.pushpull_rounds))
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="worker of scripts/bench-cluster")
+    ap.add_argument("--model", required=True, choices=MODELS)
+    ap.add_argument("--systems", required=True, help="comma-separated, run in this order")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
+    ap.add_argument("--batch", type=int, default=32, help="per process")
+    ap.add_argument("--seq", type=int, default=16, help="sequence length (transformer, lstm)")
+    ap.add_argument("--target-accuracy", type=float, default=95.0, help="digits: percent")
+    ap.add_argument("--max-epochs", type=int, default=20, help="digits")
+    ap.add_argument("--pool", type=int, default=16, help="distinct batches per rank")
+    ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--pushpull-bytes", type=int, default=16 << 20)
+    ap.add_argument("--pushpull-rounds", type=int, default=5)
+    ap.add_argument("--strategy-dir", required=True)
+    ap.add_argument("--out", required=True, help="directory; rank<r>.json is written there")
+    ap.add_argument("--timeout-s", type=float, default=300.0,
+                    help="gloo collectives' timeout (DDP and the barriers between systems)")
+    args = ap.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+    if any(s.startswith("bc_") for s in systems):
+        import bytecomp.torch as bc
+        bc.init()
+    pids = [int(x) for x in os.environ.get("BENCH_WATCH_PIDS", "").split(",") if x]
+    server_pids = [int(x) for x in os.environ.get("BENCH_SERVER_PIDS", "").split(",") if x]
+    counters = Counters(local_rank == 0, pids, server_pids)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "rank%d.json" % rank)
+    results = {"rank": rank, "local_rank": local_rank,
+               "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+               "threads": torch.get_num_threads(), "systems": {}}
+    for system in systems:
+        dist.barrier()
+        t0 = time.monotonic()
+        try:
+            if system == "bc_pushpull":
+                r = run_pushpull(args, counters)
+            elif args.model == "digits":
+                r = run_digits(system, args, rank, int(os.environ["WORLD_SIZE"]))
+            else:
+                r = run_training(system, args, rank, counters)
+        except Exception as e:  # noqa: BLE001 - recorded in the table; the next system runs
+            r = {"error": "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")}
+            if rank == 0:
+                traceback.print_exc()
+        r["wall_s"] = time.monotonic() - t0
+        results["systems"][system] = r
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)
+        if rank == 0:
+            if "error" in r:
+                what = r["error"]
+            elif "step_s" in r:
+                what = "median step %.1f ms" % (1000 * sorted(r["step_s"])[len(r["step_s"]) // 2])
+            else:
+                what = "accuracy %.2f%% after %d epochs, time to %.0f%%: %s s" % (
+                    r["final_accuracy"], r["epochs"], r["target_accuracy"],
+                    "%.2f" % r["time_to_accuracy_s"] if r["time_to_accuracy_s"] else "not reached")
+            print("cluster_worker: %s %s: %s (%.1f s)" % (args.model, system, what,
+                                                         r["wall_s"]), flush=True)
+    dist.barrier()
+    if any(s.startswith("bc_") for s in systems):
+        import bytecomp.torch as bc
+        bc.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""bytecomp.torch's broadcasts and allreduce of tensors, objects and optimizer
+state, as sums through the control job (bytes as 16-bit digits, exact in
+either scratch dtype). Internal: use them through bytecomp.torch."""
+
+import pickle
+import struct
+import zlib
+
+import torch
+
+from bytecomp import _lib
+from bytecomp.torch._control import _ctx_or_raise
+
+_BROADCAST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                     torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _tensor_bytes(t):
+    """The tensor's bytes (a flat uint8 tensor, a copy)."""
+    if t.dtype not in _BROADCAST_DTYPES:
+        raise TypeError("bytecomp.torch: cannot broadcast a tensor of dtype %s" % t.dtype)
+    flat = t.detach().reshape(-1).clone()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def _broadcast_bytes(c, data, count, is_root, what):
+    """Returns the root's `count` bytes (a uint8 tensor) on every rank: the
+    root contributes them as 16-bit digits, the others zeros, so the sum is
+    exact whatever the scratch dtype."""
+    if count == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    padded = count + (count & 1)
+    if is_root:
+        b = torch.zeros(padded, dtype=torch.uint8)
+        b[:count] = data
+        b = b.to(torch.int32)
+        flat = (b[0::2] + 256 * b[1::2]).to(c.dtype)
+    else:
+        flat = torch.empty(padded // 2, dtype=c.dtype)
+    c.sum_flat(flat, is_root, what)
+    if is_root:
+        return data
+    words = flat.to(torch.int32)
+    out = torch.empty(padded, dtype=torch.uint8)
+    out[0::2] = (words & 0xFF).to(torch.uint8)
+    out[1::2] = (words >> 8).to(torch.uint8)
+    return out[:count]
+
+
+def _named_tensors(params, what):
+    if isinstance(params, dict):
+        items = list(params.items())
+    else:
+        items = list(params)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            name, t = "[%d]" % i, item
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            name, t = item
+        else:
+            raise TypeError("%s: expected a state_dict, or an iterable of (name, tensor) pairs "
+                            "or tensors; item %d is a %s" % (what, i, type(item).__name__))
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("%s: entry %r is a %s, not a tensor" % (what, name, type(t).__name__))
+        if t.device.type != "cpu":
+            raise _lib.UnsupportedError(
+                "BYTECOMP_ERR_UNSUPPORTED",
+                "%s: tensor %r is on %s; this release handles CPU tensors only" %
+                (what, name, t.device))
+        out.append((str(name), t))
+    return out
+
+
+def _broadcast_tensors(c, named, root_rank, what):
+    """Broadcasts the tensors in place from root_rank, bit for bit."""
+    if not isinstance(root_rank, int) or not 0 <= root_rank < c.settings.size:
+        raise ValueError("%s: root_rank=%r is not a rank (0..%d)" %
+                         (what, root_rank, c.settings.size - 1))
+    sig = zlib.crc32(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in named]).encode())
+    count = sum(t.numel() for _, t in named)
+    c.check_same(sig, count, what)
+    if count == 0:
+        return
+    for name, t in named:
+        if t.dtype not in _BROADCAST_DTYPES:
+            raise TypeError("%s: cannot broadcast tensor %r of dtype %s" % (what, name, t.dtype))
+    is_root = c.settings.rank == root_rank
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    data = torch.cat([_tensor_bytes(t) for _, t in named]) if is_root else None
+    data = _broadcast_bytes(c, data, nbytes, is_root, what)
+    if not is_root:
+        off = 0
+        with torch.no_grad():
+            for _, t in named:
+                k = t.numel() * t.element_size()
+                raw = data[off:off + k].clone()  # aligned for view()
+                if t.dtype == torch.bool:
+                    v = raw.to(torch.bool)
+                else:
+                    v = raw.view(t.dtype)
+                t.copy_(v.view(t.shape))
+                off += k
+
+
+def broadcast_parameters(params, root_rank=0):
+    """Copies root_rank's values into every process's tensors, in place.
+    `params`: a state_dict (model.state_dict()), or an iterable of (name,
+    tensor) pairs (model.named_parameters()) or of tensors. Every process
+    must pass the same names, shapes and dtypes in the same order."""
+    c = _ctx_or_raise("broadcast_parameters")
+    _broadcast_tensors(c, _named_tensors(params, "broadcast_parameters"), root_rank,
+                       "broadcast_parameters")
+
+
+def broadcast(tensor, root_rank=0, name="tensor"):
+    """Broadcasts one tensor in place from root_rank and returns it."""
+    c = _ctx_or_raise("broadcast")
+    _broadcast_tensors(c, _named_tensors([(name, tensor)], "broadcast"), root_rank, "broadcast")
+    return tensor
+
+
+def allreduce(tensor, average=True, name="tensor"):
+    """Returns a new tensor holding the sum (average=True: mean) of `tensor`
+    over every process. Meant for metrics, not gradients (use
+    DistributedOptimizer for those); sums run in float64 on one node and in
+    float32 across nodes (the parameter servers sum float32)."""
+    c = _ctx_or_raise("allreduce")
+    named = _named_tensors([(name, tensor)], "allreduce")
+    if tensor.dtype not in _BROADCAST_DTYPES:
+        raise TypeError("allreduce: cannot sum a tensor of dtype %s" % tensor.dtype)
+    c.check_same(zlib.crc32(repr((tuple(tensor.shape), str(tensor.dtype))).encode()),
+                 tensor.numel(), "allreduce")
+    flat = tensor.detach().reshape(-1).to(c.dtype).clone()
+    c.sum_flat(flat, True, "allreduce")
+    if average:
+        flat /= c.settings.size
+    out_dtype = tensor.dtype if tensor.is_floating_point() else torch.float64
+    return flat.view(named[0][1].shape).to(out_dtype)
+
+
+def broadcast_object(obj, root_rank=0):
+    """Returns root_rank's `obj` (any picklable object) in every process."""
+    c = _ctx_or_raise("broadcast_object")
+    if not isinstance(root_rank, int) or not 0 <= root_rank < c.settings.size:
+        raise ValueError("broadcast_object: root_rank=%r is not a rank (0..%d)" %
+                         (root_rank, c.settings.size - 1))
+    is_root = c.settings.rank == root_rank
+    data = pickle.dumps(obj) if is_root else b""
+
+    def as_tensor(b):
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else \
+            torch.empty(0, dtype=torch.uint8)
+    length = _broadcast_bytes(c, as_tensor(struct.pack("<Q", len(data))) if is_root else None,
+                              8, is_root, "broadcast_object")
+    n = struct.unpack("<Q", bytes(length.tolist()))[0]
+    got = _broadcast_bytes(c, as_tensor(data) if is_root else None, n, is_root,
+                           "broadcast_object")
+    if is_root:
+        return obj
+    return pickle.loads(got.numpy().tobytes())
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Makes every process's optimizer state (hyperparameters of each param
+    group and per-parameter state such as momentum buffers) equal to
+    root_rank's. Processes whose state is still empty get root's."""
+    c = _ctx_or_raise("broadcast_optimizer_state")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("broadcast_optimizer_state: expected a torch.optim.Optimizer, got %s" %
+                        type(optimizer).__name__)
+    is_root = c.settings.rank == root_rank
+    sd = optimizer.state_dict()
+    # The structure travels pickled with tensors replaced by placeholders;
+    # the tensors then travel through the tensor path (no pickle bloat).
+    tensors = []
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            return ("__bytecomp_tensor__", len(tensors) - 1, tuple(x.shape), str(x.dtype))
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(strip(v) for v in x)
+        return x
+
+    skeleton = strip(sd) if is_root else None
+    n_groups = len(sd["param_groups"])
+    sizes = [len(g["params"]) for g in sd["param_groups"]]
+    skeleton = broadcast_object((skeleton, n_groups, sizes), root_rank)
+    skel, root_groups, root_sizes = skeleton
+    if (root_groups, root_sizes) != (n_groups, sizes):
+        raise ValueError(
+            "broadcast_optimizer_state: rank %d's optimizer has param groups of sizes %s, "
+            "root rank %d's has %s: build the same optimizer on every rank" %
+            (c.settings.rank, sizes, root_rank, root_sizes))
+    specs = []
+
+    def collect(x):
+        if isinstance(x, tuple) and len(x) == 4 and x[0] == "__bytecomp_tensor__":
+            specs.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(skel)
+    specs.sort(key=lambda s: s[1])
+    if is_root:
+        named = [("state[%d]" % i, t) for i, t in enumerate(tensors)]
+    else:
+        dtypes = {str(d): d for d in (torch.float32, torch.float64, torch.float16,
+                                      torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                                      torch.int8, torch.uint8, torch.bool)}
+        named = [("state[%d]" % s[1], torch.empty(s[2], dtype=dtypes[s[3]])) for s in specs]
+    _broadcast_tensors(c, named, root_rank, "broadcast_optimizer_state")
+    if is_root:
+        return
+    by_index = {int(n[6:-1]): t for n, t in named}
+
+    def fill(x):
+        if isinstance(x, tuple) and len(x) == 4 and x[0] == "__bytecomp_tensor__":
+            return by_index[x[1]]
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    optimizer.load_state_dict(fill(skel))

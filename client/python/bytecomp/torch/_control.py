@@ -1,0 +1,259 @@
+"""bytecomp.torch's control job: init()/shutdown(), the process's context
+(settings, the control job's scratch tensor) and the exact sums every
+collective of the package runs through (see the package docstring).
+Internal: use it through bytecomp.torch."""
+
+import atexit
+import ctypes
+import threading
+
+import torch
+
+from bytecomp import _lib
+from bytecomp._lib import BytecompError
+from bytecomp.env import Settings
+
+# Elements of the control job's scratch tensor: 2 MiB per process on one
+# node (float64), 1 MiB across nodes (float32).
+_SCRATCH_ELEMENTS = 1 << 18
+# check_same() compares values through sums of 4-bit digits and their
+# squares: exact in float32 for up to 2**24 / 225 processes.
+_DIGIT_BITS = 4
+# Bound on one blocking C wait, so Ctrl-C (KeyboardInterrupt) is seen
+# promptly; the overall bound is BYTECOMP_TIMEOUT_MS.
+_WAIT_SLICE_MS = 500
+
+_TORCH_TO_C = {
+    torch.float32: _lib.FLOAT32,
+    torch.float64: _lib.FLOAT64,
+    torch.int32: _lib.INT32,
+    torch.int64: _lib.INT64,
+}
+_ELEMENT_BYTES = {torch.float32: 4, torch.float64: 8, torch.int32: 4, torch.int64: 8}
+
+
+class NotInitializedError(RuntimeError):
+    """A bytecomp.torch call before init() or after shutdown()."""
+
+
+def _shm_tensor(addr, nbytes, dtype, shape=None):
+    """A torch tensor viewing shared memory at `addr` (no copy). The memory
+    stays valid until the owning client is closed."""
+    buf = (ctypes.c_char * nbytes).from_address(addr)
+    t = torch.frombuffer(buf, dtype=dtype)
+    return t.view(shape) if shape is not None else t
+
+
+def _wait(client, handle, timeout_ms, what, *what_args):
+    """Waits for one push_pull within timeout_ms, in slices so that signals
+    (Ctrl-C) are handled; raises BytecompTimeout naming `what % what_args`
+    (formatted only then: this is the per-tensor hot path)."""
+    left = timeout_ms
+    while left > 0:
+        step = left if left < _WAIT_SLICE_MS else _WAIT_SLICE_MS
+        if client.wait_once(handle, step):
+            return
+        left -= step
+    raise _lib.BytecompTimeout(
+        "BYTECOMP_ERR_TIMEOUT",
+        "%s did not finish within BYTECOMP_TIMEOUT_MS=%d ms: another process of the job is "
+        "stuck or far behind (every process must run the same steps)" %
+        (what % what_args, timeout_ms))
+
+
+class _Context:
+    """Process-wide state between init() and shutdown(). Guarded by _ctx_lock for
+    creation/teardown; the operations themselves run on the caller's thread."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.ctl = None
+        self.scratch = None
+        # Iterations start at 0 and follow each other (the parameter servers
+        # collect iteration i + 1 after i).
+        self.ctl_iteration = 0
+        # The parameter servers sum float32 only; one node keeps float64 so
+        # allreduce() of metrics is exact there.
+        self.dtype = torch.float32 if settings.num_nodes > 1 else torch.float64
+        self.optimizers = []
+        self.next_optimizer = 0
+        self.failed = False
+        ctl = _lib.Client(settings.job_id + ".ctl", settings.local_rank, settings.local_size,
+                          settings.node_rank, settings.num_nodes, settings.socket_path,
+                          connect_timeout_ms=min(settings.timeout_ms, 60000))
+        try:
+            tid = ctl.declare("bytecomp.control", _SCRATCH_ELEMENTS, _TORCH_TO_C[self.dtype])
+            ctl.start(settings.start_timeout_ms)
+            addr, nbytes = ctl.buffer(tid)
+        except _lib.InvalidArgumentError as e:
+            ctl.close()
+            if "bytecomp.control" not in e.message:
+                raise
+            raise _lib.InvalidArgumentError(
+                e.status, e.message + "; bytecomp.torch's control tensor 'bytecomp.control' "
+                "must stay uncompressed: give the daemons' strategy a first rule "
+                "'- match: \"bytecomp.*\"' with 'option: {compressor: none}' (docs/torch.md)"
+            ) from None
+        except BaseException:
+            ctl.close()
+            raise
+        self.ctl = ctl
+        self.ctl_tensor = tid
+        self.scratch = _shm_tensor(addr, nbytes, self.dtype)
+        try:
+            self.probe()
+        except BaseException:
+            self.scratch = None
+            ctl.close()
+            raise
+
+    def probe(self):
+        """Checks that the control job's sums are exact: a strategy that
+        compresses 'bytecomp.control' (the daemons refuse that for float64,
+        not for float32 across nodes) would silently corrupt broadcasts.
+        Rank 0 contributes 16-bit digits, the others 1 each."""
+        n = _SCRATCH_ELEMENTS
+        pattern = (torch.arange(n, dtype=torch.int64) * 7919 % 65536).to(self.dtype)
+        flat = pattern.clone() if self.settings.rank == 0 else torch.ones(n, dtype=self.dtype)
+        self.sum_flat(flat, True, "init (control job check)")
+        if not torch.equal(flat, pattern + (self.settings.size - 1)):
+            bad = int((flat != pattern + (self.settings.size - 1)).sum())
+            self.failed = True
+            raise _lib.InvalidArgumentError(
+                "BYTECOMP_ERR_INVALID_ARGUMENT",
+                "init: the daemons' sums of bytecomp.torch's control tensor 'bytecomp.control' "
+                "are not exact (%d of %d elements differ): their strategy compresses it; give "
+                "the strategy a first rule '- match: \"bytecomp.*\"' with 'option: "
+                "{compressor: none}' (docs/torch.md)" % (bad, n))
+
+    def sum_flat(self, flat, contribute, what):
+        """Sums the vector `flat` (of the scratch dtype) over every process, in
+        place, through the scratch tensor. contribute=False adds zeros."""
+        n = flat.numel()
+        off = 0
+        while off < n:
+            k = min(n - off, _SCRATCH_ELEMENTS)
+            chunk = self.scratch[:k]
+            if contribute:
+                chunk.copy_(flat[off:off + k])
+            else:
+                chunk.zero_()
+            try:
+                h = self.ctl.push_pull(self.ctl_tensor, self.ctl_iteration)
+                self.ctl_iteration += 1
+                _wait(self.ctl, h, self.settings.timeout_ms, "%s", what)
+            except BytecompError:
+                self.failed = True  # no exit barrier: the job is broken
+                raise
+            flat[off:off + k].copy_(chunk)
+            off += k
+
+    def check_same(self, signature, count, what):
+        """Fails on every rank unless all ranks passed the same (signature,
+        count): for each 4-bit digit v, sum(v) == n*v and sum(v*v) == n*v*v
+        hold for all ranks only when every rank's v is equal (Cauchy-Schwarz);
+        the sums are small integers, exact in float32 and float64."""
+        word = ((signature & 0xFFFFFFFF) << 32) | (count & 0xFFFFFFFF)
+        digits = [float((word >> k) & ((1 << _DIGIT_BITS) - 1)) for k in range(0, 64, _DIGIT_BITS)]
+        mine = torch.tensor(digits + [d * d for d in digits], dtype=self.dtype)
+        flat = mine.clone()
+        self.sum_flat(flat, True, what)
+        ok = torch.equal(flat, mine * self.settings.size)
+        if not ok:
+            raise ValueError(
+                "%s: the processes passed different tensors (names, shapes, dtypes or number "
+                "of elements differ; this rank passed %d elements): every rank must pass the "
+                "same set in the same order" % (what, count))
+
+
+_ctx = None
+_ctx_lock = threading.Lock()
+_hooks_installed = []
+
+
+def _ctx_or_raise(call):
+    c = _ctx
+    if c is None:
+        raise NotInitializedError("bytecomp.torch.%s() called before bytecomp.torch.init()" % call)
+    return c
+
+
+def init():
+    """Joins the job described by the environment (bytecomp.env). Idempotent.
+    Raises EnvironmentConfigError for missing/inconsistent variables and a
+    BytecompError subclass when the daemon cannot be reached or the other
+    local processes do not join within BYTECOMP_START_TIMEOUT_MS."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is not None:
+            return
+        settings = Settings.from_environ()
+        _ctx = _Context(settings)
+        if not _hooks_installed:
+            _hooks_installed.append(True)
+            atexit.register(shutdown)
+
+
+def is_initialized():
+    return _ctx is not None
+
+
+def rank():
+    return _ctx_or_raise("rank").settings.rank
+
+
+def size():
+    return _ctx_or_raise("size").settings.size
+
+
+def local_rank():
+    return _ctx_or_raise("local_rank").settings.local_rank
+
+
+def local_size():
+    return _ctx_or_raise("local_size").settings.local_size
+
+
+def node_rank():
+    return _ctx_or_raise("node_rank").settings.node_rank
+
+
+def num_nodes():
+    return _ctx_or_raise("num_nodes").settings.num_nodes
+
+
+def shutdown(barrier=False):
+    """Leaves every job of this process; called automatically at exit.
+    Gradients are copied out of shared memory first, so param.grad stays
+    usable. A process that has waited for everything it pushed (step()
+    does) leaves without disturbing peers still reading their last results
+    (the daemon's clean close), so no exit barrier is needed; barrier=True
+    still waits (within BYTECOMP_TIMEOUT_MS) until every process called
+    shutdown. A process leaving with a sum still in flight, or while peers
+    wait for its part, aborts the job for them (they raise at once)."""
+    global _ctx
+    with _ctx_lock:
+        c = _ctx
+        if c is None:
+            return
+        if barrier and not c.failed:
+            try:
+                _barrier(c)
+            except BytecompError:
+                pass  # the job already ended (a peer failed): just leave
+        for opt in list(c.optimizers):
+            opt._bytecomp_detach()
+        c.optimizers.clear()
+        c.scratch = None
+        c.ctl.close()
+        _ctx = None
+
+
+def _barrier(c):
+    flat = torch.zeros(1, dtype=c.dtype)
+    c.sum_flat(flat, True, "barrier")
+
+
+def barrier():
+    """Returns once every process of the job has called barrier()."""
+    _barrier(_ctx_or_raise("barrier"))

@@ -1,0 +1,295 @@
+"""bytecomp.torch's DistributedOptimizer: one job per optimizer whose
+gradients live in shared memory and are pushed from autograd hooks.
+Internal: use it through bytecomp.torch."""
+
+import torch
+
+from bytecomp import _lib
+from bytecomp._lib import BytecompError, StateError
+from bytecomp import strategy as _strategy
+from bytecomp.torch._control import (_ELEMENT_BYTES, _TORCH_TO_C, NotInitializedError,
+                                     _ctx_or_raise, _shm_tensor, _wait)
+
+Average = "average"
+Sum = "sum"
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into the wrapped optimizer's class by DistributedOptimizer()."""
+
+    def __init__(self, params, named_parameters, strategy, backward_passes_per_step, op,
+                 original):
+        super(self.__class__, self).__init__(params)
+        if original.state:
+            self.load_state_dict(original.state_dict())
+        c = _ctx_or_raise("DistributedOptimizer")
+        if op not in (Average, Sum):
+            raise ValueError("DistributedOptimizer: op=%r; use bytecomp.torch.Average or "
+                             "bytecomp.torch.Sum" % (op,))
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError("DistributedOptimizer: backward_passes_per_step=%r must be an "
+                             "integer >= 1" % (backward_passes_per_step,))
+        self._bc_ctx = c
+        self._bc_op = op
+        self._bc_passes = backward_passes_per_step
+        self._bc_timeout_ms = c.settings.timeout_ms
+        self._bc_params = self._bytecomp_names(named_parameters)
+        # None: whatever the daemons run (BYTECOMP_STRATEGY says what that is).
+        self._bc_strategy = _strategy.load(strategy)
+        self._bc_client = None
+        self._bc_iteration = 0
+        self._bc_synced = False  # synchronize() done, step() not yet
+        self._bc_failed = None
+        index = c.next_optimizer
+        c.next_optimizer += 1
+        self._bc_job = "%s.opt%d" % (c.settings.job_id, index)
+        self._bytecomp_start()
+        c.optimizers.append(self)
+
+    # -- setup -------------------------------------------------------------
+    def _bytecomp_names(self, named_parameters):
+        in_groups = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            for i, item in enumerate(named):
+                if not (isinstance(item, (tuple, list)) and len(item) == 2 and
+                        isinstance(item[1], torch.Tensor)):
+                    raise TypeError("DistributedOptimizer: named_parameters must yield (name, "
+                                    "parameter) pairs, e.g. model.named_parameters(); item %d "
+                                    "is %r" % (i, type(item).__name__))
+            names = [n for n, _ in named]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError("DistributedOptimizer: named_parameters has duplicate names %s"
+                                 % ", ".join(repr(d) for d in dup))
+            name_of = {}
+            for n, p in named:
+                name_of.setdefault(id(p), n)  # tied weights: the first name wins
+            missing = [i for i, p in enumerate(in_groups) if id(p) not in name_of]
+            if missing:
+                raise ValueError(
+                    "DistributedOptimizer: %d of the optimizer's parameters are not in "
+                    "named_parameters (the first has shape %s): pass the named_parameters "
+                    "of the model whose parameters the optimizer updates" %
+                    (len(missing), tuple(in_groups[missing[0]].shape)))
+        else:
+            name_of = {}
+            k = 0
+            for p in in_groups:
+                if id(p) not in name_of:
+                    name_of[id(p)] = "param.%d" % k
+                    k += 1
+        # Forward order is parameter order for nn.Modules; declare that way
+        # so the daemon serves the tensors needed first with priority.
+        out, seen = [], set()
+        for p in in_groups:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if p.device.type != "cpu":
+                raise _lib.UnsupportedError(
+                    "BYTECOMP_ERR_UNSUPPORTED",
+                    "DistributedOptimizer: parameter %r is on %s; this release handles CPU "
+                    "tensors only" % (name_of[id(p)], p.device))
+            if p.dtype not in _TORCH_TO_C:
+                raise TypeError("DistributedOptimizer: parameter %r has dtype %s; supported: "
+                                "float32, float64, int32, int64" % (name_of[id(p)], p.dtype))
+            if p.is_sparse or not p.is_contiguous():
+                raise ValueError("DistributedOptimizer: parameter %r must be dense and "
+                                 "contiguous" % (name_of[id(p)],))
+            out.append((name_of[id(p)], p))
+        if not out:
+            raise ValueError("DistributedOptimizer: the optimizer has no parameter that "
+                             "requires a gradient")
+        return out
+
+    def _bytecomp_start(self):
+        c = self._bc_ctx
+        s = c.settings
+        client = _lib.Client(self._bc_job, s.local_rank, s.local_size, s.node_rank,
+                             s.num_nodes, s.socket_path,
+                             connect_timeout_ms=min(s.timeout_ms, 60000))
+        try:
+            ids = []
+            for name, p in self._bc_params:
+                ids.append(client.declare(name, p.numel(), _TORCH_TO_C[p.dtype]))
+            if self._bc_strategy is not None:
+                _strategy.check(self._bc_strategy,
+                                [(n, p.numel() * _ELEMENT_BYTES[p.dtype])
+                                 for n, p in self._bc_params])
+                _strategy.apply(self._bc_strategy, client, s.strategy)
+            client.start(s.start_timeout_ms)
+            self._bc_slots = []
+            for tid, (name, p) in zip(ids, self._bc_params):
+                addr, nbytes = client.buffer(tid)
+                buf = _shm_tensor(addr, nbytes, p.dtype, p.shape)
+                with torch.no_grad():
+                    if p.grad is not None:
+                        buf.copy_(p.grad)
+                    else:
+                        buf.zero_()
+                p.grad = buf
+                self._bc_slots.append(_Slot(name, p, tid, buf))
+        except BaseException:
+            client.close()
+            raise
+        self._bc_client = client
+        self._bc_hooks = []
+        for slot in self._bc_slots:
+            # The gradient accumulator of a leaf runs after autograd has added
+            # this backward's gradient into p.grad: the moment it is ready.
+            with torch.enable_grad():  # the optimizer may be built under no_grad()
+                acc = slot.param.expand_as(slot.param).grad_fn.next_functions[0][0]
+            acc.register_hook(self._bytecomp_hook(slot))
+            self._bc_hooks.append(acc)  # keep the accumulator alive
+
+    def _bytecomp_hook(self, slot):
+        def hook(*_):
+            if self._bc_client is None or self._bc_failed is not None:
+                return
+            slot.passes += 1
+            if slot.passes > self._bc_passes:
+                raise StateError(
+                    "BYTECOMP_ERR_STATE",
+                    "gradient of %r was computed %d times since the last step() "
+                    "(backward_passes_per_step=%d): call optimizer.step() after each "
+                    "backward, or raise backward_passes_per_step" %
+                    (slot.name, slot.passes, self._bc_passes))
+            if slot.passes == self._bc_passes:
+                self._bytecomp_push(slot)
+        return hook
+
+    def _bytecomp_push(self, slot):
+        p = slot.param
+        if p.grad is None or p.grad.data_ptr() != slot.buf.data_ptr():
+            # Someone replaced p.grad (e.g. zero_grad(set_to_none=True) on the
+            # wrapped optimizer): bring it back into shared memory.
+            with torch.no_grad():
+                if p.grad is None:
+                    slot.buf.zero_()
+                else:
+                    slot.buf.copy_(p.grad)
+            p.grad = slot.buf
+        try:
+            slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration)
+        except BytecompError as e:
+            self._bc_failed = e
+            self._bc_ctx.failed = True
+            raise
+
+    # -- public ------------------------------------------------------------
+    def synchronize(self):
+        """Pushes the gradients backward did not produce, waits for all of
+        them (bounded by BYTECOMP_TIMEOUT_MS) and averages (op=Average).
+        Call it before working on the averaged gradients (e.g. clipping):
+        the next step() then does not sum them again (nor does a second
+        synchronize() before that step)."""
+        if self._bc_client is None:
+            raise NotInitializedError("DistributedOptimizer used after bytecomp.torch.shutdown()")
+        if self._bc_failed is not None:
+            raise self._bc_failed
+        if self._bc_synced:
+            return
+        try:
+            for slot in self._bc_slots:
+                if slot.handle is None:
+                    self._bytecomp_push(slot)
+            for slot in self._bc_slots:
+                h, slot.handle = slot.handle, None
+                _wait(self._bc_client, h, self._bc_timeout_ms,
+                      "push_pull of gradient %r (step %d)", slot.name, self._bc_iteration + 1)
+        except BytecompError as e:
+            self._bc_failed = e
+            self._bc_ctx.failed = True  # no exit barrier: the job is broken
+            raise
+        for slot in self._bc_slots:
+            slot.passes = 0
+        self._bc_iteration += 1
+        self._bc_synced = True
+        if self._bc_op == Average and self._bc_ctx.settings.size > 1:
+            bufs = [s.buf for s in self._bc_slots]
+            with torch.no_grad():
+                torch._foreach_mul_(bufs, 1.0 / self._bc_ctx.settings.size)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        super(self.__class__, self).step()
+        self._bc_synced = False  # the next step() sums the next gradients
+        return loss
+
+    def zero_grad(self, set_to_none=False):
+        """Zeroes gradients in place: they stay in shared memory (set_to_none
+        is accepted for compatibility and treated as False)."""
+        if self._bc_client is None:
+            return super(self.__class__, self).zero_grad(set_to_none)
+        if any(s.handle is not None for s in self._bc_slots):
+            raise StateError(
+                "BYTECOMP_ERR_STATE",
+                "zero_grad() while gradients are being summed (backward ran since the last "
+                "step()): call optimizer.step() or optimizer.synchronize() first")
+        with torch.no_grad():
+            for s in self._bc_slots:
+                s.buf.zero_()
+                s.passes = 0
+                if s.param.grad is None or s.param.grad.data_ptr() != s.buf.data_ptr():
+                    s.param.grad = s.buf
+
+    def _bytecomp_detach(self):
+        """Leaves the job: gradients move out of shared memory first."""
+        client, self._bc_client = self._bc_client, None
+        if client is None:
+            return
+        with torch.no_grad():
+            for s in self._bc_slots:
+                if s.param.grad is not None and s.param.grad.data_ptr() == s.buf.data_ptr():
+                    s.param.grad = s.buf.clone()
+                s.buf = None
+        self._bc_slots = []
+        self._bc_hooks = []
+        client.close()
+
+
+class _Slot:
+    __slots__ = ("name", "param", "tid", "buf", "handle", "passes")
+
+    def __init__(self, name, param, tid, buf):
+        self.name = name
+        self.param = param
+        self.tid = tid
+        self.buf = buf
+        self.handle = None
+        self.passes = 0
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
+                         backward_passes_per_step=1, op=Average):
+    """Wraps `optimizer` so gradients are summed over every process of the
+    job (and averaged, op=Average) before each step.
+
+    named_parameters: model.named_parameters() of the parameters the optimizer
+        updates; the names are the tensor names the strategy matches (without
+        it, parameters are called param.0, param.1, ... in optimizer order).
+    strategy: path of a strategy file (docs/strategy-format.md) choosing per
+        tensor whether and how to compress. The node daemons execute it; they
+        run the strategy of their configuration, so this must be that file
+        ($BYTECOMP_STRATEGY, set by `bytecomp-run --strategy`), else
+        UnsupportedError. None: whatever the daemons run (uncompressed unless
+        they were given a strategy).
+    backward_passes_per_step: backward passes accumulated locally per step.
+
+    The result is an instance of the optimizer's own class (isinstance and LR
+    schedulers keep working)."""
+    _ctx_or_raise("DistributedOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("DistributedOptimizer: expected a torch.optim.Optimizer, got %s" %
+                        type(optimizer).__name__)
+    if hasattr(optimizer, "_bc_job"):
+        raise ValueError("DistributedOptimizer: the optimizer is already distributed")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, strategy, backward_passes_per_step,
+               op, optimizer)

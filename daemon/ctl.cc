@@ -1,0 +1,306 @@
+#include "daemon/ctl.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace bytecomp::daemon {
+
+std::string json_string(std::string_view s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (c < 0x20) {
+          char b[8];
+          std::snprintf(b, sizeof b, "\\u%04x", c);
+          out += b;
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+namespace {
+
+std::string num(double v) {
+  if (!std::isfinite(v)) return "null";
+  char b[32];
+  std::snprintf(b, sizeof b, "%.6g", v);
+  return b;
+}
+
+// Comma-separated "key": value members of one JSON object.
+class Obj {
+ public:
+  Obj& raw(std::string_view k, const std::string& v) {
+    if (!s_.empty()) s_ += ",";
+    s_ += json_string(k) + ":" + v;
+    return *this;
+  }
+  Obj& str(std::string_view k, std::string_view v) { return raw(k, json_string(v)); }
+  Obj& u(std::string_view k, uint64_t v) { return raw(k, std::to_string(v)); }
+  Obj& i(std::string_view k, int64_t v) { return raw(k, std::to_string(v)); }
+  Obj& d(std::string_view k, double v) { return raw(k, num(v)); }
+  Obj& b(std::string_view k, bool v) { return raw(k, v ? "true" : "false"); }
+  std::string done() const { return "{" + s_ + "}"; }
+
+ private:
+  std::string s_;
+};
+
+template <class T, class F>
+std::string array(const std::vector<T>& items, F each) {
+  std::string s = "[";
+  for (size_t i = 0; i < items.size(); ++i) s += (i ? "," : "") + each(items[i]);
+  return s + "]";
+}
+
+std::string job_obj(const JobView& j) {
+  Obj o;
+  o.str("id", j.id).u("uid", j.uid).str("state", j.state).u("local_size", j.local_size)
+      .u("connected", j.connected).u("started", j.started).u("node_rank", j.node_rank)
+      .u("num_nodes", j.num_nodes)
+      .raw("nodes", array(j.nodes, [](uint32_t n) { return std::to_string(n); }))
+      .u("tensors", j.tensors).u("tensor_bytes", j.tensor_bytes).d("age_seconds", j.age_seconds)
+      .raw("strategy", Obj().str("mode", j.strategy_mode).str("source", j.strategy_source)
+                            .i("switch_iteration", j.strategy_switch_iteration).done())
+      .u("pushpulls", j.pushpulls).i("iteration", j.last_iteration);
+  if (j.compress_counted) {
+    o.raw("compress", Obj().u("input_bytes", j.compress_input_bytes)
+                          .u("output_bytes", j.compress_output_bytes).done());
+  } else {
+    o.raw("compress", "null");
+  }
+  o.raw("last_iteration_seconds",
+        j.last_iteration_seconds ? num(*j.last_iteration_seconds) : "null");
+  Obj phases;
+  for (const auto& [k, v] : j.phase_seconds) phases.d(k, v);
+  o.raw("phase_seconds", j.phase_seconds.empty() ? "null" : phases.done());
+  return o.done();
+}
+
+}  // namespace
+
+std::string status_json(const DaemonView& v) {
+  uint32_t forming = 0, running = 0;
+  for (const auto& j : v.jobs) (j.state == "running" ? running : forming)++;
+  Obj o;
+  o.str("version", v.version).i("pid", v.pid).d("start_time", v.start_time)
+      .d("uptime_seconds", v.uptime_seconds)
+      .raw("config_sources", array(v.config_sources, [](const std::string& s) {
+             return json_string(s);
+           }))
+      .str("socket", v.socket).str("instance", v.instance).u("node_id", v.node_id)
+      .b("multi_node", v.multi_node).b("draining", v.draining)
+      .d("watchdog_seconds", v.watchdog_seconds).str("metrics_file", v.metrics_file)
+      .raw("jobs", Obj().u("forming", forming).u("running", running).done())
+      .raw("job_ids", array(v.jobs, [](const JobView& j) { return json_string(j.id); }));
+  return o.done() + "\n";
+}
+
+std::string jobs_json(const DaemonView& v) {
+  return Obj().raw("jobs", array(v.jobs, job_obj)).done() + "\n";
+}
+
+std::string strategy_json(const JobView& j) {
+  Obj o;
+  o.str("job", j.id).str("mode", j.strategy_mode).str("source", j.strategy_source)
+      .i("switch_iteration", j.strategy_switch_iteration)
+      .raw("tensors", array(j.tensor_list, [](const TensorView& t) {
+             return Obj().str("name", t.name).str("dtype", t.dtype).u("count", t.count)
+                 .u("bytes", t.bytes).str("compressor", t.compressor).str("option", t.option)
+                 .done();
+           }));
+  return o.done() + "\n";
+}
+
+namespace {
+
+std::string label_value(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+class Prom {
+ public:
+  // One metric family: HELP and TYPE once, then its samples.
+  Prom& family(const char* name, const char* type, const char* help) {
+    s_ << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
+    name_ = name;
+    return *this;
+  }
+  Prom& sample(const std::string& labels, double v) {
+    s_ << name_;
+    if (!labels.empty()) s_ << "{" << labels << "}";
+    s_ << " " << num_text(v) << "\n";
+    return *this;
+  }
+  std::string text() const { return s_.str(); }
+
+ private:
+  static std::string num_text(double v) {
+    if (v == std::floor(v) && std::fabs(v) < 9e15) return std::to_string(static_cast<int64_t>(v));
+    char b[32];
+    std::snprintf(b, sizeof b, "%.9g", v);
+    return b;
+  }
+  std::ostringstream s_;
+  std::string name_;
+};
+
+std::string job_labels(const JobView& j) {
+  return "bytecomp_job=\"" + label_value(j.id) + "\",uid=\"" + std::to_string(j.uid) + "\"";
+}
+
+}  // namespace
+
+std::string metrics_text(const DaemonView& v) {
+  const DaemonCounters& c = v.counters;
+  uint64_t pushpulls = c.pushpulls, cin = c.compress_input_bytes, cout = c.compress_output_bytes;
+  uint32_t forming = 0, running = 0;
+  for (const auto& j : v.jobs) {
+    pushpulls += j.pushpulls;
+    cin += j.compress_input_bytes;
+    cout += j.compress_output_bytes;
+    (j.state == "running" ? running : forming)++;
+  }
+  Prom p;
+  p.family("bytecomp_daemon_info", "gauge", "Constant 1, labelled with the daemon's version.")
+      .sample("version=\"" + label_value(v.version) + "\",instance=\"" + label_value(v.instance) +
+                  "\"",
+              1);
+  p.family("bytecomp_daemon_start_time_seconds", "gauge",
+           "When bytecompd started, in seconds since the epoch.")
+      .sample("", v.start_time);
+  p.family("bytecomp_daemon_draining", "gauge",
+           "1 while the daemon refuses new jobs (bytecompctl drain).")
+      .sample("", v.draining ? 1 : 0);
+  p.family("bytecomp_jobs", "gauge", "Jobs by state: forming (ranks joining) or running.")
+      .sample("state=\"forming\"", forming)
+      .sample("state=\"running\"", running);
+  p.family("bytecomp_jobs_started_total", "counter", "Jobs that started running.")
+      .sample("", static_cast<double>(c.jobs_started));
+  p.family("bytecomp_jobs_finished_total", "counter",
+           "Jobs that ended with every rank leaving normally.")
+      .sample("", static_cast<double>(c.jobs_finished));
+  p.family("bytecomp_job_aborts_total", "counter", "Jobs aborted, by reason.");
+  for (const auto& [reason, n] : c.aborts) {
+    p.sample("reason=\"" + label_value(reason) + "\"", static_cast<double>(n));
+  }
+  p.family("bytecomp_client_rejects_total", "counter",
+           "Client connections refused, by reason.");
+  for (const auto& [reason, n] : c.rejects) {
+    p.sample("reason=\"" + label_value(reason) + "\"", static_cast<double>(n));
+  }
+  p.family("bytecomp_pushpulls_total", "counter",
+           "Completed push_pulls (one per tensor and iteration) over all jobs.")
+      .sample("", static_cast<double>(pushpulls));
+  p.family("bytecomp_compress_input_bytes_total", "counter",
+           "Bytes handed to compressors (before compression) over all jobs.")
+      .sample("", static_cast<double>(cin));
+  p.family("bytecomp_compress_output_bytes_total", "counter",
+           "Bytes compressors produced (after compression) over all jobs.")
+      .sample("", static_cast<double>(cout));
+  p.family("bytecomp_control_requests_total", "counter", "bytecompctl requests served.")
+      .sample("", static_cast<double>(c.ctl_requests));
+  p.family("bytecomp_reloads_total", "counter", "Configuration reloads, by result.")
+      .sample("result=\"ok\"", static_cast<double>(c.reloads))
+      .sample("result=\"failed\"", static_cast<double>(c.reload_failures));
+  p.family("bytecomp_metrics_writes_total", "counter", "Metrics textfile writes, by result.")
+      .sample("result=\"ok\"", static_cast<double>(c.metrics_writes))
+      .sample("result=\"failed\"", static_cast<double>(c.metrics_write_failures));
+
+  p.family("bytecomp_job_local_ranks", "gauge", "Local ranks of each job on this node.");
+  for (const auto& j : v.jobs) p.sample(job_labels(j), j.local_size);
+  p.family("bytecomp_job_tensors", "gauge", "Tensors each job declared.");
+  for (const auto& j : v.jobs) p.sample(job_labels(j), j.tensors);
+  p.family("bytecomp_job_pushpulls_total", "counter",
+           "Completed push_pulls of each running job (local rank 0).");
+  for (const auto& j : v.jobs) p.sample(job_labels(j), static_cast<double>(j.pushpulls));
+  p.family("bytecomp_job_iteration", "gauge",
+           "Iteration of each job's latest completed push_pull (-1: none yet).");
+  for (const auto& j : v.jobs) p.sample(job_labels(j), static_cast<double>(j.last_iteration));
+  p.family("bytecomp_job_compress_input_bytes_total", "counter",
+           "Bytes each job handed to compressors (single-node plans).");
+  for (const auto& j : v.jobs) {
+    if (j.compress_counted) p.sample(job_labels(j), static_cast<double>(j.compress_input_bytes));
+  }
+  p.family("bytecomp_job_compress_output_bytes_total", "counter",
+           "Bytes each job's compressors produced (single-node plans).");
+  for (const auto& j : v.jobs) {
+    if (j.compress_counted) p.sample(job_labels(j), static_cast<double>(j.compress_output_bytes));
+  }
+  p.family("bytecomp_job_compression_ratio", "gauge",
+           "Bytes before over bytes after compression, per job (absent before any).");
+  for (const auto& j : v.jobs) {
+    if (j.compress_counted && j.compress_output_bytes > 0) {
+      p.sample(job_labels(j), static_cast<double>(j.compress_input_bytes) /
+                                  static_cast<double>(j.compress_output_bytes));
+    }
+  }
+  bool any_phase = false;
+  for (const auto& j : v.jobs) any_phase |= !j.phase_seconds.empty();
+  if (any_phase) {
+    p.family("bytecomp_job_phase_seconds_total", "counter",
+             "Time each job spent per phase of its data path.");
+    for (const auto& j : v.jobs) {
+      for (const auto& [phase, s] : j.phase_seconds) {
+        p.sample(job_labels(j) + ",phase=\"" + label_value(phase) + "\"", s);
+      }
+    }
+  }
+  return p.text();
+}
+
+void write_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw Error(ErrorCode::kUnavailable, "cannot write " + tmp + ": " + std::strerror(errno));
+  }
+  size_t at = 0;
+  while (at < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw Error(ErrorCode::kUnavailable, "cannot write " + tmp + ": " + std::strerror(err));
+    }
+    at += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw Error(ErrorCode::kUnavailable,
+                "cannot rename " + tmp + " to " + path + ": " + std::strerror(err));
+  }
+}
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,109 @@
+// What bytecompctl and the metrics file show of a running bytecompd: plain
+// value snapshots the control thread fills (daemon.cc), rendered here as the
+// JSON answers of the operator requests (client/ipc/protocol.h CTL_REQUEST)
+// and as Prometheus text (docs/operations.md lists every metric).
+//
+// Later sources plug in as fields of JobView: the engine's per-phase times
+// (`phase_seconds`, `last_iteration_seconds`) and queue depths are empty
+// until the engine exposes a read API; the renderers already emit them when
+// present.
+//
+// Thread-safety: pure functions over values; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace bytecomp::daemon {
+
+struct TensorView {
+  std::string name;
+  std::string dtype;
+  uint64_t count = 0;
+  uint64_t bytes = 0;
+  std::string option;      // planner::Option::describe() of the strategy in force
+  std::string compressor;  // "none" when uncompressed
+};
+
+struct JobView {
+  std::string id;
+  uint32_t uid = 0;
+  std::string state;  // "forming" or "running"
+  uint32_t local_size = 0;
+  uint32_t connected = 0;
+  uint32_t started = 0;
+  uint32_t node_rank = 0;
+  uint32_t num_nodes = 1;
+  std::vector<uint32_t> nodes;  // daemon node ids by node rank (multi-node)
+  uint32_t tensors = 0;
+  uint64_t tensor_bytes = 0;  // one iteration of every tensor, per rank
+  double age_seconds = 0;
+  // "job" (bytecomp_set_strategy), "daemon" (strategy.file) or "none".
+  std::string strategy_mode;
+  std::string strategy_source;
+  int64_t strategy_switch_iteration = -1;
+  // Observed in the job's shared memory: completed push_pulls of local rank
+  // 0 (one per tensor and iteration) and the iteration of the latest one.
+  uint64_t pushpulls = 0;
+  int64_t last_iteration = -1;
+  // Compression by the plans the daemon built (counting_compressor.h).
+  bool compress_counted = false;
+  uint64_t compress_input_bytes = 0;
+  uint64_t compress_output_bytes = 0;
+  // From the engine, once it has a read API.
+  std::optional<double> last_iteration_seconds;
+  std::map<std::string, double> phase_seconds;
+  std::vector<TensorView> tensor_list;  // filled for `strategy JOB` only
+};
+
+struct DaemonCounters {
+  uint64_t jobs_started = 0;
+  uint64_t jobs_finished = 0;
+  std::map<std::string, uint64_t> aborts;   // by reason (ErrorCode name)
+  std::map<std::string, uint64_t> rejects;  // connections refused, by reason
+  // Of jobs that ended; the live jobs' share is added when rendering.
+  uint64_t pushpulls = 0;
+  uint64_t compress_input_bytes = 0;
+  uint64_t compress_output_bytes = 0;
+  uint64_t ctl_requests = 0;
+  uint64_t reloads = 0;
+  uint64_t reload_failures = 0;
+  uint64_t metrics_writes = 0;
+  uint64_t metrics_write_failures = 0;
+};
+
+struct DaemonView {
+  std::string version;
+  int64_t pid = 0;
+  double start_time = 0;  // seconds since the epoch
+  double uptime_seconds = 0;
+  std::vector<std::string> config_sources;  // empty: built-in defaults
+  std::string socket;
+  std::string instance;
+  uint32_t node_id = 0;
+  bool multi_node = false;
+  bool draining = false;
+  double watchdog_seconds = 0;  // ping period; 0 without a watchdog
+  std::string metrics_file;     // "" without metrics.textfile_dir
+  uint32_t metrics_interval_ms = 0;
+  std::vector<JobView> jobs;
+  DaemonCounters counters;
+};
+
+std::string status_json(const DaemonView& v);
+std::string jobs_json(const DaemonView& v);
+std::string strategy_json(const JobView& j);
+// Prometheus text exposition format 0.0.4.
+std::string metrics_text(const DaemonView& v);
+
+// Writes `text` to `path` atomically (temporary file in the same directory,
+// then rename), so a reader never sees half a file. Throws Error(kUnavailable)
+// naming the path and errno.
+void write_atomically(const std::string& path, const std::string& text);
+
+std::string json_string(std::string_view s);
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,118 @@
+// The seam between the engine's core (daemon/engine.h) and its execution
+// paths. The core decides when a partition runs (rounds, priorities, the
+// bytes-in-flight bound); a path decides what running it means:
+//
+//   local (daemon/engine_local.h)  single-node jobs: reduce, compress and
+//                                  decompress in place, finished in start();
+//   ps    (daemon/engine_ps.h)     push the node's sum to its parameter
+//                                  server, pull the aggregate;
+//   peer  (daemon/engine_peer.h)   allgather the node's (compressed) sum
+//                                  between the daemons, sum all of them.
+//
+// A new path implements ExecutionPath and is chosen per tensor where the
+// core builds its paths (Engine::open_paths()).
+//
+// Asynchronous paths hand their results to the core through the Inbox: the
+// transport's threads deliver() arrivals and acked() bytes, the engine thread
+// take()s them.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <boost/interprocess/sync/interprocess_semaphore.hpp>
+
+#include "common/error.h"
+#include "daemon/engine_phases.h"
+#include "daemon/engine_types.h"
+#include "daemon/local_reduce.h"
+#include "daemon/scheduler.h"
+#include "transport/transport.h"
+
+namespace bytecomp::daemon {
+
+// Results of asynchronous operations, handed from the transport's threads to
+// the engine thread. Shared with the callbacks, which may run after the
+// engine is gone: close() makes them no-ops.
+// Thread-safety: thread-safe (one mutex, held only to move values in or
+// out; the doorbell is posted with it held, so close() cannot race a post).
+class Inbox {
+ public:
+  struct Arrival {
+    uint32_t tensor;
+    uint64_t iteration;
+    uint64_t begin, end;
+    Status status;
+    transport::Buffer result;  // ps: the pull's answer; peer: empty (PeerJob::take() has it)
+    uint64_t at_ns = 0;        // monotonic_ns() when delivered (0: not stamped)
+  };
+  // `stamp`: deliver() records each arrival's time (phase timestamps on).
+  Inbox(boost::interprocess::interprocess_semaphore* doorbell, bool stamp)
+      : doorbell_(doorbell), stamp_(stamp) {}
+  void deliver(Arrival a);
+  // A push of `bytes` (tensor bytes) was acknowledged by its server (or a
+  // peer payload by every peer).
+  void acked(uint64_t bytes);
+  void fail(const Status& s);
+  void close();
+  std::vector<Arrival> take();
+  uint64_t take_acked();
+  Status failure();
+
+ private:
+  void ring();  // mu_ held
+  std::mutex mu_;
+  boost::interprocess::interprocess_semaphore* doorbell_;  // null once closed
+  const bool stamp_;
+  std::vector<Arrival> arrivals_;
+  uint64_t acked_ = 0;
+  Status failure_;
+};
+
+// What the core lends every path. The pointees belong to the engine and
+// outlive its paths.
+struct PathContext {
+  std::string job;
+  const std::vector<TensorSpec>* tensors = nullptr;
+  uint64_t partition_bytes = 0;  // fixed for the life of the job
+  IntraNodeReducer* reducer = nullptr;
+  std::shared_ptr<Inbox> inbox;
+  // Paths stamp kReduced..kSent in start() and kDecompressed, kCopiedOut in
+  // finish(); the core stamps the rest (see Engine).
+  PhaseLog* phases = nullptr;
+};
+
+// One way of running a tensor partition. Threading: start() and finish()
+// run on the engine's pool workers (or the engine thread), concurrently for
+// distinct partitions and never concurrently for the same one; a partition's
+// start() happens before its finish(). Everything else runs on the engine
+// thread. A path keeps per-partition state (error feedback, scratch) indexed
+// by partition, so concurrent calls touch disjoint state without locks.
+class ExecutionPath {
+ public:
+  virtual ~ExecutionPath() = default;
+  virtual const char* name() const = 0;
+  // True: start() finishes the task (nothing goes off the node). False: the
+  // task finishes with an Inbox arrival, and its bytes count against the
+  // bytes-in-flight bound until the Inbox reports them acknowledged.
+  virtual bool synchronous() const = 0;
+  // Starts task `t` over the local ranks' buffers (bufs[r] is rank r's copy
+  // of the tensor). Throws Error on a broken invariant (fails the job).
+  virtual void start(const Task& t, std::span<char* const> bufs) = 0;
+  // Writes an arrived result into every local rank's buffer. Returns the
+  // problem ("" when fine): the answer was unusable (fails the job).
+  virtual std::string finish(const Inbox::Arrival& a, std::span<char* const> bufs) = 0;
+  // Engine thread, each loop turn: a failure the path detected on its own
+  // (e.g. a deadline passed).
+  virtual Status check(std::chrono::steady_clock::time_point) { return Status::Ok(); }
+  // From Engine::stop() once the engine thread has ended: late callbacks
+  // become no-ops. Idempotent.
+  virtual void close() {}
+};
+
+}  // namespace bytecomp::daemon

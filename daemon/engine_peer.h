@@ -1,0 +1,75 @@
+// The peer-allgather execution path of multi-node jobs (daemon/
+// peer_allgather.h): this node's (compressed) partition goes to every other
+// node's daemon, and a complete round is decompressed and summed in
+// node-rank order on every node. The plans of allgather tensors follow the
+// coordinator's strategy announcements (by first iteration).
+//
+// Thread-safety: see ExecutionPath. The strategy-change callback runs on the
+// transport's thread and only touches PeerPlans (its own mutex, held for a
+// lookup or an insertion) and the Inbox.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "compress/compressor.h"
+#include "daemon/engine_path.h"
+#include "daemon/peer_allgather.h"
+#include "daemon/plan.h"
+#include "server/ps_client.h"
+
+namespace bytecomp::daemon {
+
+// Multi-node jobs with allgather tensors: the daemon's peer endpoint (null:
+// none configured; such jobs fail at join) and the bound on a peer's answer
+// and on waiting for the other nodes' payloads of a round.
+struct PeerOptions {
+  PeerHub* hub = nullptr;
+  std::chrono::milliseconds timeout{30000};
+};
+
+class PeerPath final : public ExecutionPath {
+ public:
+  // After the join: null when no tensor of the job is placed on the peers;
+  // otherwise opens the job on the hub and waits (barrier) until every node
+  // did. Throws Error (its code fails the job) when the job cannot run.
+  static std::unique_ptr<PeerPath> open(const PathContext& ctx,
+                                        std::shared_ptr<server::PsJob> ps,
+                                        const PeerOptions& opts);
+  ~PeerPath() override;
+
+  bool runs(uint32_t tensor) const { return peer_tensor_[tensor]; }
+
+  const char* name() const override { return "peer"; }
+  bool synchronous() const override { return false; }
+  void start(const Task& t, std::span<char* const> bufs) override;
+  std::string finish(const Inbox::Arrival& a, std::span<char* const> bufs) override;
+  Status check(std::chrono::steady_clock::time_point now) override;
+  void close() override;
+
+ private:
+  // Plans by first iteration (strategy changes arrive on the transport's
+  // thread).
+  struct PeerPlans {
+    std::mutex mu;
+    std::vector<std::pair<uint64_t, std::vector<TensorPlan>>> by_iteration;
+    TensorPlan at(uint32_t tensor, uint64_t iteration);
+  };
+  struct PeerPart {  // per-partition error-feedback state
+    uint64_t digest = 0;
+    std::unique_ptr<compress::TensorState> state;
+  };
+
+  PeerPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps, std::vector<bool> peer_tensor);
+
+  PathContext ctx_;
+  std::shared_ptr<server::PsJob> ps_;
+  std::vector<bool> peer_tensor_;
+  std::shared_ptr<PeerJob> peer_;
+  std::shared_ptr<PeerPlans> peer_plans_;
+  std::vector<std::vector<PeerPart>> peer_parts_;
+};
+
+}  // namespace bytecomp::daemon

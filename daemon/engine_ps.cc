@@ -1,0 +1,116 @@
+#include "planner/strategy/answer.h"
+#include "planner/strategy/partition.h"
+#include "daemon/engine_ps.h"
+
+#include <cstring>
+
+#include "compress/reduce.h"
+
+namespace bytecomp::daemon {
+
+PsPath::PsPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
+               std::shared_ptr<const void> keep_mapped)
+    : ctx_(ctx), ps_(std::move(ps)), keep_mapped_(std::move(keep_mapped)) {
+  const uint64_t pb = ctx_.partition_bytes;
+  ps_parts_.resize(ctx_.tensors->size());
+  for (size_t t = 0; t < ps_parts_.size(); ++t) {
+    ps_parts_[t].resize(static_cast<size_t>(((*ctx_.tensors)[t].bytes + pb - 1) / pb));
+  }
+}
+
+PsPath::PsPart& PsPath::ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration) {
+  PsPart& part = ps_parts_.at(tensor).at(static_cast<size_t>(begin / ctx_.partition_bytes));
+  // The plan in force at this iteration, the same on every node and server
+  // (strategy changes are announced by the coordinator ahead of time).
+  strategy::TensorPlan plan = ps_->plan_at(tensor, iteration);
+  if (!(plan == part.plan) || (plan.compressed_push() && !part.compressor) ||
+      (plan.pull == strategy::PullFormat::kCompressed && !part.compressor)) {
+    part.plan = plan;
+    part.compressor.reset();
+    part.state.reset();
+    if (plan.compressed_push()) {
+      part.compressor = compress::make_compressor(plan.spec());
+    }
+  }
+  return part;
+}
+
+void PsPath::start(const Task& t, std::span<char* const> bufs) {
+  const TensorSpec& spec = (*ctx_.tensors)[t.tensor];
+  const auto index = static_cast<uint32_t>(t.begin / ctx_.partition_bytes);
+  const uint64_t key = strategy::partition_key(t.tensor, index);
+  const server::Partition* p = ps_->info().assignment.find(key);
+  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
+  if (p == nullptr || p->offset * 4 != t.begin || p->count != n) {
+    throw Error(ErrorCode::kInternal, "partition " + std::to_string(index) + " of tensor '" +
+                                          spec.name + "' does not match the servers' assignment");
+  }
+  ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  PhaseLog& phases = *ctx_.phases;
+  phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
+  const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
+  PsPart& part = ps_part(t.tensor, t.begin, t.iteration);
+  transport::Buffer payload;
+  if (part.plan.compressed_push()) {
+    if (!part.state) part.state = part.compressor->make_state(n);
+    std::vector<std::byte> out(part.compressor->max_compressed_bytes(n));
+    compress::CompressContext cctx;
+    cctx.iteration = t.iteration;
+    cctx.shared_seed = strategy::partition_seed(ps_->info().name, key);
+    cctx.private_seed = strategy::node_private_seed(cctx.shared_seed, ps_->info().rank);
+    const size_t len =
+        part.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state, cctx);
+    out.resize(len);
+    payload = transport::Buffer::take(std::move(out));
+  } else if (keep_mapped_) {
+    // Zero-copy from rank 0's buffer; the release keeps the segment mapped
+    // while the transport holds the bytes (a job may end meanwhile). The
+    // range is next written when this partition's pull answers, which the
+    // server does only after it received every byte of this push.
+    payload = transport::Buffer::wrap(sum, n * 4, [keep = keep_mapped_] {});
+  } else {
+    // No keep-alive given (the segment's owner cannot share it): copy.
+    payload = transport::Buffer::copy_of(sum, n * 4);
+  }
+  phases.stamp(t.tensor, index, t.iteration, Phase::kCompressed);
+  // Before the push: once the pull is issued its answer may be delivered
+  // (the Inbox's time is kArrived) before this thread stamps anything.
+  phases.stamp(t.tensor, index, t.iteration, Phase::kSent);
+  std::weak_ptr<Inbox> inbox = ctx_.inbox;
+  ps_->push(key, t.iteration, std::move(payload),
+            [inbox, name = spec.name, bytes = t.end - t.begin](const Status& s) {
+              auto i = inbox.lock();
+              if (!i) return;
+              if (s.ok()) {
+                i->acked(bytes);
+              } else {
+                i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
+              }
+            });
+  ps_->pull(key, t.iteration, [inbox, t](const Status& s, transport::Buffer result) {
+    if (auto i = inbox.lock()) {
+      i->deliver({t.tensor, t.iteration, t.begin, t.end, s, std::move(result)});
+    }
+  });
+}
+
+std::string PsPath::finish(const Inbox::Arrival& a, std::span<char* const> bufs) {
+  const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
+  float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
+  const auto index = static_cast<uint32_t>(a.begin / ctx_.partition_bytes);
+  PsPart& part = ps_parts_[a.tensor][index];
+  PhaseLog& phases = *ctx_.phases;
+  try {
+    compress::CompressContext cctx;
+    cctx.iteration = a.iteration;
+    strategy::decode_answer(part.plan.pull, a.result.span(), out, n, part.compressor.get(), cctx);
+    phases.stamp(a.tensor, index, a.iteration, Phase::kDecompressed);
+    ctx_.reducer->copy_from_first(bufs, a.begin, a.end);
+    phases.stamp(a.tensor, index, a.iteration, Phase::kCopiedOut);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,133 @@
+// The timeline simulator F(S) (paper section 4.3) over a Problem's chains.
+//
+// Scheduling (what the runtime does): gradients become ready in backward
+// order; each operation starts at the earliest time its input is ready and
+// its resource has room for it (first come, first served, a later operation
+// may use an idle gap that fits). Backward computation runs on the GPU except
+// while GPU compression kernels run. The iteration ends when the forward pass
+// (a constant) plus the later of the backward end and the last tensor's
+// decompression has passed.
+//
+// Thread-safety: Evaluator is thread-bound (and mutates its Problem's chain
+// cache).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "planner/chains.h"
+#include "planner/trace.h"
+
+namespace bytecomp::planner {
+
+// An assignment: option index per tensor.
+using Assignment = std::vector<int>;
+
+// Incremental evaluator of F(S). Holds the simulated state of a base
+// assignment so that changing one tensor re-simulates only the tensors from
+// it onward (tensors before it are unaffected: operations never move
+// earlier ones).
+class Evaluator {
+ public:
+  explicit Evaluator(Problem& p);
+
+  // Full simulation; optionally records the timeline.
+  double evaluate(const Assignment& a, Timeline* timeline = nullptr);
+
+  // Sets the base assignment (simulated lazily).
+  void set_base(const Assignment& a);
+  const Assignment& base() const { return base_; }
+  double base_value();
+  // F of the base with tensor i's option replaced by `opt`; returns +inf as
+  // soon as the value is known to be >= cutoff.
+  double try_option(int i, int opt, double cutoff = std::numeric_limits<double>::infinity());
+  // F of the base with several tensors changed (sorted by tensor index).
+  double try_changes(const std::vector<std::pair<int, int>>& changes,
+                     double cutoff = std::numeric_limits<double>::infinity());
+  // Accept a change into the base.
+  void commit(int i, int opt);
+  // Lower bound of F for any assignment: forward + backward without
+  // contention + the fastest possible tail of the last tensor.
+  // (Computed on first use: it builds every option's chain of the last
+  // tensor.)
+  double lower_bound();
+  uint64_t simulations() const { return simulations_; }
+
+  // Low-level stepping for depth-first searches (the exact solver): the
+  // state holds tensors [0, depth()); push() simulates the next tensor and
+  // returns the latest completion so far; pop_to() drops tensors >= i.
+  void reset() { rollback(0); base_value_ = -1; }
+  int depth() const { return prefix_; }
+  double push(int opt) { simulate_tensor(prefix_, opt, nullptr); return prefix_done_[prefix_]; }
+  void pop_to(int i) { rollback(i); }
+  double compute_end(int i) const { return compute_end_[i]; }
+
+ private:
+  // Each resource is its idle gaps before `last_end` (sorted, disjoint)
+  // plus the free tail after it. Changes are logged per tensor so that the
+  // state of tensors >= i can be undone in O(changes) (tensors are simulated
+  // in order, so the log is a stack).
+  struct Gap {
+    double start, end;
+  };
+  struct ResourceState {
+    std::vector<Gap> gaps;
+    double last_end = 0;
+  };
+  // Only backfills are logged; tail placements (the common case) are undone
+  // from a per-tensor snapshot of each resource's gap count and last end.
+  enum class UndoKind : uint8_t { kSet, kInserted, kErased };
+  struct Snapshot {
+    double last_end[kResources];
+    uint32_t gaps[kResources];
+  };
+  struct Undo {
+    int tensor;
+    uint8_t resource;
+    UndoKind kind;
+    int index;
+    Gap old;
+  };
+  void rollback(int tensor);           // drop state of tensors >= tensor
+  // Simulates tensor i with option opt from the current prefix; returns its
+  // done time and updates compute end.
+  double simulate_tensor(int i, int opt, Timeline* tl);
+  // The chains of a pipelined option (Option::pieces), slices interleaved;
+  // returns the done time (kept out of simulate_tensor's hot loop).
+  [[gnu::noinline]] double simulate_slices(int i, int opt, double ready, Timeline* tl);
+  double place(Resource r, double ready, double dur, int tensor);
+  double run_compute(double start, double gap) const;
+  double run_suffix(int from, const std::pair<int, int>* changes, size_t nchanges,
+                    double cutoff);
+
+  // True when, with tensors < j simulated, every resource is idle once
+  // tensor j's gradient is ready: the rest of the timeline is then a pure
+  // time shift of what follows in any assignment that agrees from j on.
+  bool drained(int j) const;
+  // Records drained(), compute ends and suffix ends of the base from tensor
+  // `from` on (state must hold exactly the base's tensors < from).
+  void refresh_base_info(int from);
+
+  Problem& p_;
+  Assignment base_;
+  std::vector<double> base_compute_end_;  // per tensor
+  std::vector<char> base_drained_;        // per boundary 0..n
+  std::vector<double> base_suffix_end_;   // per boundary: max(done of >= j, backward end)
+  std::vector<double> base_inter_work_;   // per boundary: inter-link time of tensors >= j
+  std::vector<double> base_done_;         // per tensor
+  std::vector<double> base_inter_;        // per tensor: inter-link time
+  int base_info_from_ = 0;                // info valid for boundaries <= this... see .cc
+  ResourceState res_[kResources];
+  std::vector<Undo> log_;
+  std::vector<Snapshot> snap_;  // per tensor, taken before simulating it
+  std::vector<double> compute_end_;   // per tensor
+  std::vector<double> prefix_done_;   // max done of tensors < i (size n+1)
+  int prefix_ = 0;                    // state holds tensors [0, prefix_)
+  double base_value_ = -1;
+  double lower_bound_ = -1;
+  uint64_t simulations_ = 0;
+};
+
+}  // namespace bytecomp::planner

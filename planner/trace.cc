@@ -1,0 +1,61 @@
+#include "planner/trace.h"
+
+#include <cstdio>
+#include <sstream>
+
+namespace bytecomp::planner {
+
+namespace {
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      default:
+        if (static_cast<unsigned char>(ch) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", ch);
+          out += buf;
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out;
+}
+}  // namespace
+
+std::string Timeline::chrome_trace_json() const {
+  std::ostringstream os;
+  os.precision(12);
+  os << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
+  const char* tracks[] = {"GPU compression", "CPU compression pool", "intra-node link",
+                          "inter-node link"};
+  bool first = true;
+  auto sep = [&] {
+    if (!first) os << ",\n";
+    first = false;
+  };
+  sep();
+  os << R"({"ph":"M","pid":0,"tid":9,"name":"thread_name","args":{"name":"GPU backward"}})";
+  for (int r = 0; r < kResources; ++r) {
+    sep();
+    os << R"({"ph":"M","pid":0,"tid":)" << r << R"(,"name":"thread_name","args":{"name":")"
+       << tracks[r] << "\"}}";
+  }
+  for (const TraceEvent& e : events) {
+    sep();
+    os << R"({"ph":"X","pid":0,"tid":)" << (e.compute ? 9 : static_cast<int>(e.resource))
+       << R"(,"name":")" << json_escape(e.name) << R"(","cat":")" << json_escape(e.what)
+       << R"(","ts":)" << e.start_us << R"(,"dur":)" << (e.end_us - e.start_us)
+       << R"(,"args":{"op":")" << json_escape(e.what) << "\"}}";
+  }
+  os << "],\"otherData\":{\"iteration_us\":" << iteration_us
+     << ",\"backward_end_us\":" << backward_end_us << ",\"comm_end_us\":" << comm_end_us
+     << "}}\n";
+  return os.str();
+}
+
+}  // namespace bytecomp::planner

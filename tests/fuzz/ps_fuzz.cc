@@ -1,0 +1,113 @@
+// libFuzzer target for the parameter server's control messages
+// (server/protocol.h): input byte 0 picks the message, the rest is its
+// payload.
+//   0 kRegister (node -> coordinator): Reader + read_spec + end
+//   1 admission (coordinator -> node, kJobSetup to servers): decode_admission
+//   2 kServerHello (server -> coordinator): decode_server_info
+//   3 a reply: u16 header type, u32 aux, then the payload: reply_status
+// Push and pull payloads are compressed buffers (compress_fuzz) or raw fp32
+// whose length is checked against the partition; kSetStrategy's payload is
+// strategy YAML (strategy_fuzz). Error(kMalformed) is a correct rejection; a
+// crash, a sanitizer report, another exception, or an accepted message
+// whose re-encoding does not decode to the same encoding is a bug.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "fuzz_common.h"
+#include "server/protocol.h"
+
+namespace proto = bytecomp::server::proto;
+using bytecomp::Error;
+using bytecomp::ErrorCode;
+
+namespace {
+
+std::string spec_bytes(const bytecomp::server::JobSpec& s) {
+  proto::Writer w;
+  proto::write_spec(w, s);
+  return w.bytes();
+}
+
+void check_code(const Error& e) {
+  if (e.code() != ErrorCode::kMalformed) bcfuzz::broken("ps", e.what());
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
+  switch (data[0] % 4) {
+    case 0: {
+      bytecomp::server::JobSpec s;
+      try {
+        proto::Reader r(payload, "register");
+        s = proto::read_spec(r);
+        r.end();
+      } catch (const Error& e) {
+        check_code(e);
+        return 0;
+      }
+      const std::string once = spec_bytes(s);
+      try {
+        proto::Reader r(once, "register");
+        if (spec_bytes(proto::read_spec(r)) != once) bcfuzz::broken("ps", "register not stable");
+        r.end();
+      } catch (const Error& e) {
+        bcfuzz::broken("ps", std::string("re-encoded register does not decode: ") + e.what());
+      }
+      break;
+    }
+    case 1: {
+      proto::Admission a;
+      try {
+        a = proto::decode_admission(payload);
+      } catch (const Error& e) {
+        check_code(e);
+        return 0;
+      }
+      const std::string once(proto::encode(a).view());
+      try {
+        if (std::string(proto::encode(proto::decode_admission(once)).view()) != once)
+          bcfuzz::broken("ps", "admission not stable");
+      } catch (const Error& e) {
+        bcfuzz::broken("ps", std::string("re-encoded admission does not decode: ") + e.what());
+      }
+      break;
+    }
+    case 2: {
+      bytecomp::server::ServerInfo s;
+      try {
+        s = proto::decode_server_info(payload);
+      } catch (const Error& e) {
+        check_code(e);
+        return 0;
+      }
+      const std::string once(proto::encode(s).view());
+      try {
+        if (std::string(proto::encode(proto::decode_server_info(once)).view()) != once)
+          bcfuzz::broken("ps", "server hello not stable");
+      } catch (const Error& e) {
+        bcfuzz::broken("ps", std::string("re-encoded server hello does not decode: ") + e.what());
+      }
+      break;
+    }
+    case 3: {
+      bcfuzz::Bytes in(data + 1, size - 1);
+      bytecomp::transport::Message m;
+      m.header.type = in.u16();
+      m.header.aux = in.u32();
+      const auto text = in.rest();
+      if (!text.empty())
+        m.payloads.push_back(bytecomp::transport::Buffer::copy_of(
+            std::string_view(reinterpret_cast<const char*>(text.data()), text.size())));
+      const bytecomp::Status st = proto::reply_status(m);
+      if (m.header.type == proto::kOkReply ? !st.ok() : st.ok())
+        bcfuzz::broken("ps", "reply status does not follow the reply type");
+      break;
+    }
+  }
+  return 0;
+}
