@@ -240,7 +240,7 @@ std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec, Device d
   const CatalogueEntry& d = validate(spec, v);
   if (!d.supports(device)) {
     throw Error(ErrorCode::kInvalidArgument,
-                "compressor '" + d.name + "' has no " + std::string(to_string(device)) + " kernels");
+                "compressor '" + std::string(d.name) + "' has no " + std::string(to_string(device)) + " kernels");
   }
   CompressorSpec canon;
   canon.name = d.name;

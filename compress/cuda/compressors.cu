@@ -820,7 +820,7 @@ struct Scratch {
 
 class CudaCompressor final : public Compressor {
  public:
-  CudaCompressor(const CompressorSpec& spec, const detail::Values& v)
+  CudaCompressor(const CompressorSpec& spec, const ParamValues& v)
       : spec_(spec), cpu_(compress::make_compressor(spec)) {
     const std::string& nm = spec.name;
     algo_ = nm == "fp16" ? Algo::kFp16 : nm == "bf16" ? Algo::kBf16 : nm == "randomk" ? Algo::kRandomK
@@ -1341,7 +1341,7 @@ bool supported(std::string_view name) noexcept {
   return false;
 }
 
-std::unique_ptr<Compressor> make_compressor(const CompressorSpec& canonical, const detail::Values& values) {
+std::unique_ptr<Compressor> make_compressor(const CompressorSpec& canonical, const ParamValues& values) {
   if (!supported(canonical.name))
     throw Error(ErrorCode::kInvalidArgument, "compressor '" + canonical.name + "' has no CUDA kernels");
   return std::make_unique<CudaCompressor>(canonical, values);

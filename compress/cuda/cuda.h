@@ -31,8 +31,8 @@
 
 #include "compress/compressor.h"
 
-namespace bytecomp::compress::detail {
-struct Values;
+namespace bytecomp::compress {
+struct ParamValues;  // compress/catalogue.h
 }
 
 namespace bytecomp::compress::cuda {
@@ -46,7 +46,7 @@ bool supported(std::string_view name) noexcept;
 // filled in, as make_compressor() builds it) with its parsed values. Throws
 // Error(kInvalidArgument) when built without CUDA or the name has no kernels.
 std::unique_ptr<Compressor> make_compressor(const CompressorSpec& canonical,
-                                            const detail::Values& values);
+                                            const ParamValues& values);
 
 // Device and pinned-host allocations made by the CUDA compressors so far
 // (tests check that states free what they allocate and that steady-state

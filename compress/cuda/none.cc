@@ -6,7 +6,7 @@ namespace bytecomp::compress::cuda {
 bool built() noexcept { return false; }
 bool supported(std::string_view) noexcept { return false; }
 
-std::unique_ptr<Compressor> make_compressor(const CompressorSpec& canonical, const detail::Values&) {
+std::unique_ptr<Compressor> make_compressor(const CompressorSpec& canonical, const ParamValues&) {
   throw Error(ErrorCode::kInvalidArgument,
               "compressor '" + canonical.name +
                   "' for device cuda: this build has no CUDA kernels (configure with -Dcuda=enabled "
