@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
 os.environ.setdefault("BYTECOMP_BUILD_ROOT", BUILD)
 
 from bytecomp import _lib  # noqa: E402
+from bytecomp.run import _can_connect as can_connect  # noqa: E402
 
 BYTECOMPD = os.path.join(BUILD, "daemon", "bytecompd")
 SERVER = os.path.join(BUILD, "server", "bytecomp-server")
@@ -45,17 +46,6 @@ def wait_until(pred, timeout, step=0.05):
             return True
         time.sleep(step)
     return pred()
-
-
-def can_connect(path):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 class Daemon:

@@ -23,6 +23,8 @@ PYTHON = sys.executable
 if PYTHON_ROOT not in sys.path:
     sys.path.insert(0, PYTHON_ROOT)
 
+from bytecomp.run import _can_connect  # noqa: E402
+
 
 def child_env(**extra):
     env = dict(os.environ)
@@ -80,16 +82,7 @@ class Daemon:
         self.proc = subprocess.Popen([BYTECOMPD, "--config", cfg], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=child_env())
 
-        def up():
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                s.connect(self.socket)
-                return True
-            except OSError:
-                return False
-            finally:
-                s.close()
-        if not wait_until(up, 10):
+        if not wait_until(lambda: _can_connect(self.socket), 10):
             self.stop()
             raise RuntimeError("bytecompd did not come up: " + self.output())
 
