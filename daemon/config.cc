@@ -87,7 +87,12 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   inter.finish();
 
   config::Reader strategy = root.section("strategy");
-  strategy.get("file", c.strategy_file);
+  strategy.get_enum("mode", c.strategy_mode, {"file", "auto"}).get("file", c.strategy_file).get("run_dir", c.run_dir);
+  c.auto_spec = strategy::AutoSpec::read(strategy);
+  if (c.strategy_mode == "auto" && !c.strategy_file.empty())
+    strategy.fail("file", "set with mode: auto", "mode: file with a file, or mode: auto without one");
+  if (!c.run_dir.empty() && c.run_dir.front() != '/')
+    strategy.fail("run_dir", "'" + c.run_dir + "' is not an absolute path", "an absolute directory path");
   strategy.finish();
 
   config::Reader metrics = root.section("metrics");

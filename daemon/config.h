@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "planner/strategy/auto_spec.h"
 
 namespace bytecomp::daemon {
 
@@ -32,6 +33,14 @@ struct DaemonConfig {
   // Strategy file (planner's format); empty: every tensor uncompressed.
   // Reloadable: running jobs switch at an iteration boundary.
   std::string strategy_file;
+  // strategy.mode: "file" (strategy_file, or uncompressed) or "auto" (the
+  // runtime profiles each multi-node job and plans its strategy, within
+  // auto_spec; docs/auto.md). Reloadable for new jobs.
+  std::string strategy_mode = "file";
+  strategy::AutoSpec auto_spec;
+  // Where each auto job's decision is written (<run_dir>/<job>/); empty:
+  // <directory of control.socket>/runs.
+  std::string run_dir;
   // internode: not reloadable. Multi-node jobs go through the parameter
   // servers of cluster_file; node_rank r of a job is daemon nodes[r].
   std::string cluster_file;

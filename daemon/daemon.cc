@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -23,6 +24,7 @@
 #include "client/ipc/protocol.h"
 #include "client/ipc/shm_layout.h"
 #include "common/log.h"
+#include "daemon/auto_tuner.h"
 #include "daemon/counting_compressor.h"
 #include "daemon/engine.h"
 #include "daemon/shm_segment.h"
@@ -75,6 +77,8 @@ struct Daemon::Job {
   std::shared_ptr<Segment> segment;
   std::vector<TensorSpec> specs;
   std::unique_ptr<Engine> engine;
+  // mode: auto multi-node jobs (after engine: destroyed first).
+  std::shared_ptr<AutoTuner> tuner;
   // Set by the engine thread; read by run().
   std::mutex fail_mu;
   bool failed = false;
@@ -126,6 +130,18 @@ bool send_all(int fd, const std::vector<std::vector<uint8_t>>& msgs,
     }
   }
   return true;
+}
+
+// <run_dir>/<job>: the job id made safe as one path component.
+std::string run_dir_for(const DaemonConfig& c, const std::string& job) {
+  std::string base = c.run_dir;
+  if (base.empty()) base = std::filesystem::path(c.socket_path).parent_path().string() + "/runs";
+  std::string name;
+  for (char ch : job)
+    name += (std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' || ch == '_' || ch == '.')
+                ? ch : '_';
+  if (name.empty() || name == "." || name == "..") name = "job";
+  return base + "/" + name;
 }
 
 std::string describe(const ipc::Declare& d) {
@@ -221,6 +237,7 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
 
 Daemon::~Daemon() {
   for (auto& [key, job] : jobs_) {
+    if (job->tuner) job->tuner->stop();
     if (job->engine) job->engine->stop();
   }
   jobs_.clear();
@@ -516,10 +533,14 @@ std::shared_ptr<const planner::Strategy> Daemon::load_strategy() const {
 
 void Daemon::maybe_start(Job& j) {
   if (j.started != j.local_size) return;
+  // mode: auto, from the job's own text or the daemon's configuration.
+  std::optional<strategy::AutoSpec> auto_spec;
   if (j.strategy) {
     try {
-      j.own_strategy = std::make_shared<const planner::Strategy>(
-          planner::Strategy::parse(j.strategy->text, j.strategy->source));
+      auto_spec = strategy::AutoSpec::parse_job_text(j.strategy->text, j.strategy->source);
+      if (!auto_spec)
+        j.own_strategy = std::make_shared<const planner::Strategy>(
+            planner::Strategy::parse(j.strategy->text, j.strategy->source));
     } catch (const Error& e) {
       abort_job(j, ErrorCode::kInvalidArgument,
                 "cannot start the job: the job's strategy '" + j.strategy->source +
@@ -527,9 +548,16 @@ void Daemon::maybe_start(Job& j) {
       return;
     }
   }
-  // The job's own strategy overrides the daemon's default for this job only.
+  if (!j.strategy && config_.strategy_mode == "auto") auto_spec = config_.auto_spec;
+  if (auto_spec && j.num_nodes <= 1) {
+    BC_LOG(LogDaemon(), kInfo) << "job " << j.id << ": strategy auto on one node: every tensor "
+                               << "stays uncompressed (nothing crosses a network)";
+  }
+  const bool auto_job = auto_spec && j.num_nodes > 1;
+  // The job's own strategy overrides the daemon's default for this job only;
+  // an auto job starts uncompressed (its warm-up is the profile).
   const std::shared_ptr<const planner::Strategy> strategy =
-      j.own_strategy ? j.own_strategy : strategy_;
+      auto_spec ? nullptr : j.own_strategy ? j.own_strategy : strategy_;
   const std::string strategy_source =
       j.own_strategy ? j.strategy->source : config_.strategy_file;
   const std::string strategy_text = j.own_strategy ? j.strategy->text : strategy_text_;
@@ -612,9 +640,23 @@ void Daemon::maybe_start(Job& j) {
         j.bytes);
     j.layout = layout;
     j.active_strategy = strategy;
-    j.strategy_mode = j.own_strategy ? "job" : strategy ? "daemon" : "none";
+    j.strategy_mode = auto_spec ? (j.strategy ? "job-auto" : "auto")
+                      : j.own_strategy ? "job" : strategy ? "daemon" : "none";
     j.strategy_source = strategy ? strategy_source : std::string();
     if (strategy && join) (void)make_plans(*strategy, strategy_source, specs);
+    if (auto_job) {
+      AutoTuner::Options to;
+      to.job = j.id;
+      to.spec = *auto_spec;
+      for (const auto& d : j.reference) {
+        to.names.push_back(d.name);
+        to.elements.push_back(d.count);
+      }
+      to.local_ranks = j.local_size;
+      to.pool_threads = static_cast<uint32_t>(pool_.concurrency());
+      to.run_dir = run_dir_for(config_, j.id);
+      j.tuner = std::make_shared<AutoTuner>(std::move(to));
+    }
     j.segment = std::make_shared<Segment>(name, layout.total_bytes, j.uid, j.gid);
     Engine::Options eo;
     eo.job = j.id;
@@ -634,6 +676,12 @@ void Daemon::maybe_start(Job& j) {
       (void)::write(wake, &one, sizeof one);
     };
     eo.join = std::move(join);
+    if (j.tuner) {
+      std::weak_ptr<AutoTuner> weak = j.tuner;
+      eo.on_joined = [weak](Engine& e, const std::shared_ptr<server::PsJob>& ps, uint64_t pb) {
+        if (auto t = weak.lock()) t->attach(e, ps, pb);
+      };
+    }
     eo.peers = PeerOptions{peer_hub_.get(), request_timeout_};
     eo.keep_mapped = j.segment;
     j.engine = std::make_unique<Engine>(std::move(eo), pool_, tunables_);
@@ -663,6 +711,7 @@ void Daemon::abort_job(Job& j, ErrorCode code, std::string reason) {
       code = first_code;
       reason = std::move(first);
     }
+    if (j.tuner) j.tuner->stop();
     j.engine->stop();
   }
   BC_LOG(LogDaemon(), kWarn) << "job " << j.id << " aborted: " << reason;
@@ -689,6 +738,8 @@ void Daemon::finish_job(Job& j) {
   counters_.compress_input_bytes += j.bytes->input_bytes.load();
   counters_.compress_output_bytes += j.bytes->output_bytes.load();
   if (j.engine && !j.aborted) ++counters_.jobs_finished;
+  if (j.tuner) j.tuner->stop();
+  j.tuner.reset();
   j.engine.reset();
   if (j.segment) j.segment->unlink();
   j.segment.reset();
@@ -815,6 +866,9 @@ std::pair<bool, std::string> Daemon::reload() {
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
     config_.strategy_file = next.strategy_file;
+    config_.strategy_mode = next.strategy_mode;
+    config_.auto_spec = next.auto_spec;
+    config_.run_dir = next.run_dir;
     config_.metrics_textfile_dir = next.metrics_textfile_dir;
     config_.metrics_interval_ms = next.metrics_interval_ms;
     config_.sources = next.sources;
@@ -823,8 +877,10 @@ std::pair<bool, std::string> Daemon::reload() {
     strategy_ = strategy;
     strategy_text_ = strategy_ ? read_text(config_.strategy_file) : std::string();
     for (auto& [key, j] : jobs_) {
-      // A job that brought its own strategy keeps it.
-      if (!j->engine || j->own_strategy) continue;
+      // A job that brought its own strategy keeps it; an auto job keeps
+      // choosing its own (the new mode applies to new jobs).
+      if (!j->engine || j->own_strategy || j->tuner || j->strategy) continue;
+      if (config_.strategy_mode == "auto") continue;
       if (j->num_nodes > 1) {
         // One node asks the coordinator, which announces the change to
         // every node and server for the same iteration.

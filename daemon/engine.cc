@@ -86,6 +86,7 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
       partition_bytes_(std::max<uint64_t>(64, tunables.partition_bytes.load() / 64 * 64)),
       next_plans_(tensors_.size()),
       join_(std::move(o.join)),
+      on_joined_(std::move(o.on_joined)),
       peer_opts_(o.peers),
       keep_mapped_(std::move(o.keep_mapped)),
       reducer_(o.reducer ? std::move(o.reducer) : std::make_unique<ShmSimdReducer>()),
@@ -312,6 +313,7 @@ bool Engine::open_paths() {
     path_of_[t] = peer_path_ && peer_path_->runs(t) ? static_cast<ExecutionPath*>(peer_path_.get())
                                                      : ps_path_.get();
   }
+  if (on_joined_) on_joined_(*this, ps_, partition_bytes_);
   return true;
 }
 

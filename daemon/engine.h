@@ -106,6 +106,10 @@ class Engine {
     std::shared_ptr<const void> keep_mapped;
     // Null: ShmSimdReducer.
     std::unique_ptr<IntraNodeReducer> reducer;
+    // Multi-node: called on the engine thread once the job joined the
+    // servers, before the first round (the auto tuner's attach).
+    std::function<void(Engine&, const std::shared_ptr<server::PsJob>&, uint64_t partition_bytes)>
+        on_joined;
   };
 
   // `pool` and `tunables` are borrowed for the engine's life. Starts the
@@ -193,6 +197,7 @@ class Engine {
   std::vector<std::optional<TensorPlan>> next_plans_;  // from switch_iteration_ on
   Scheduler sched_;
   JoinFn join_;
+  std::function<void(Engine&, const std::shared_ptr<server::PsJob>&, uint64_t)> on_joined_;
   PeerOptions peer_opts_;
   std::shared_ptr<const void> keep_mapped_;
   std::unique_ptr<IntraNodeReducer> reducer_;

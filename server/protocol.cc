@@ -190,6 +190,17 @@ ServerInfo decode_server_info(std::string_view bytes) {
   return s;
 }
 
+transport::Message probe_answer(const transport::Message& request) {
+  uint64_t up = 0;
+  for (const transport::Buffer& b : request.payloads) up += b.size();
+  if (up > kMaxProbeBytes || request.header.arg > kMaxProbeBytes)
+    return error_reply(ErrorCode::kInvalidArgument,
+                       "probe of " + std::to_string(up) + " bytes asking " +
+                           std::to_string(request.header.arg) + " bytes back: at most " +
+                           std::to_string(kMaxProbeBytes) + " each way");
+  return ok_reply(transport::Buffer::take(std::string(request.header.arg, '\0')));
+}
+
 std::string joined(const transport::Message& m) {
   if (m.payloads.size() == 1) return std::string(m.payloads[0].view());
   std::string s;

@@ -31,6 +31,10 @@ inline constexpr uint16_t kVersion = 1;
 // the coordinator aborts the job for every party instead of waiting for the
 // others to time out.
 inline constexpr uint16_t kLeaveAbort = 0x1;
+// Header flag of kAutoDecision: planning failed or timed out.
+inline constexpr uint16_t kAutoFailed = 0x1;
+// Bound of a probe's upload and answer.
+inline constexpr uint64_t kMaxProbeBytes = 16ull << 20;
 
 enum MsgType : uint16_t {
   // node -> coordinator
@@ -38,6 +42,9 @@ enum MsgType : uint16_t {
   kBarrier = 0x5102,      // req: aux=uid, arg=seq; reply when all arrived
   kSetStrategy = 0x5103,  // req: aux=uid, arg=iteration, payload: yaml
   kLeave = 0x5104,        // req: aux=uid; flags=kLeaveAbort + payload reason: abort the job
+  // Automatic strategies (server/auto_planner.h, daemon/auto_tuner.h):
+  kAutoProfile = 0x5105,  // req: aux=uid, arg=epoch, payloads: profile yaml, auto spec yaml
+  kAutoReplan = 0x5106,   // req: aux=uid, arg=first iteration to profile, payload: reason
   // server -> coordinator
   kServerHello = 0x5110,  // req: ServerInfo
   kAbortRequest = 0x5111, // one-way: aux=uid, payload: reason (a server saw a node die)
@@ -48,10 +55,20 @@ enum MsgType : uint16_t {
   // coordinator -> nodes
   kStrategyUpdate = 0x5130,   // one-way: aux=uid, arg=iteration, payload: yaml
   kJobAborted = 0x5131,       // one-way: aux=uid, payload: reason
+  // one-way: aux=uid, key=epoch, arg=first iteration to profile, payload: reason
+  kAutoProfileRequest = 0x5132,
+  // one-way: aux=uid, key=epoch, arg=predicted iteration us; flags 0: payloads
+  // strategy yaml, decision yaml (planner/online.h), explanation text,
+  // predicted timeline (Chrome trace JSON);
+  // flags kAutoFailed: payload reason (the current strategy stays)
+  kAutoDecision = 0x5133,
   // node -> server (data path)
   kPush = 0x5140,         // req: aux=uid, key, arg=iteration, payload: data
   kPull = 0x5141,         // req: aux=uid, key, arg=iteration; reply payload: result
   kStats = 0x5142,        // req; reply: ServerStats
+  // req: arg=answer bytes, payload: ignored bytes; reply: arg bytes (link probe,
+  // both at most kMaxProbeBytes)
+  kProbe = 0x5143,
   // replies
   kOkReply = 0x51F0,
   kErrorReply = 0x51F1,
@@ -122,6 +139,10 @@ transport::Buffer encode(const Admission& a);
 Admission decode_admission(std::string_view bytes);
 transport::Buffer encode(const ServerInfo& s);
 ServerInfo decode_server_info(std::string_view bytes);
+
+// The answer to a kProbe request: `arg` zero bytes, or an error naming the
+// bound when the request or the answer would exceed kMaxProbeBytes.
+transport::Message probe_answer(const transport::Message& request);
 
 // Concatenates all payloads of a control message (usually one).
 std::string joined(const transport::Message& m);

@@ -120,6 +120,71 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
           });
   }
 
+  void auto_profile(uint64_t epoch, std::string profile_yaml, std::string spec_yaml,
+                    DoneCallback done) override {
+    Message m;
+    m.header.type = proto::kAutoProfile;
+    m.header.aux = info_.uid;
+    m.header.arg = epoch;
+    m.payloads.push_back(Buffer::take(std::move(profile_yaml)));
+    m.payloads.push_back(Buffer::take(std::move(spec_yaml)));
+    start(core_->cluster.coordinator, std::move(m), Millis{0},
+          [done = std::move(done)](const Status& s, Buffer) {
+            if (done) done(s);
+          });
+  }
+
+  void auto_replan(uint64_t from_iteration, std::string reason, DoneCallback done) override {
+    Message m;
+    m.header.type = proto::kAutoReplan;
+    m.header.aux = info_.uid;
+    m.header.arg = from_iteration;
+    m.payloads.push_back(Buffer::take(std::move(reason)));
+    start(core_->cluster.coordinator, std::move(m), Millis{0},
+          [done = std::move(done)](const Status& s, Buffer) {
+            if (done) done(s);
+          });
+  }
+
+  void on_auto(AutoCallback cb) override {
+    std::lock_guard lk(mu_);
+    auto_cbs_.push_back(std::move(cb));
+  }
+
+  void deliver_auto(const AutoEvent& e) {
+    std::vector<AutoCallback> cbs;
+    {
+      std::lock_guard lk(mu_);
+      if (closed_) return;
+      cbs = auto_cbs_;
+    }
+    for (auto& cb : cbs) cb(e);
+  }
+
+  Status probe(NodeId server, uint64_t up_bytes, uint64_t down_bytes, Millis timeout) override {
+    if (up_bytes > proto::kMaxProbeBytes || down_bytes > proto::kMaxProbeBytes)
+      return Status(ErrorCode::kInvalidArgument, "probe: at most 16 MiB each way");
+    if (!uses(server))
+      return Status(ErrorCode::kInvalidArgument,
+                    "probe: node " + std::to_string(server) + " is not a server of job '" +
+                        info_.name + "'");
+    Message m;
+    m.header.type = proto::kProbe;
+    m.header.aux = info_.uid;
+    m.header.arg = down_bytes;
+    if (up_bytes > 0) m.payloads.push_back(Buffer::allocate(up_bytes));
+    Response r = core_->tp->call(server, std::move(m), timeout);
+    Status st = to_status(r);
+    if (!st.ok()) return st;
+    uint64_t got = 0;
+    for (const Buffer& b : r.response.payloads) got += b.size();
+    if (got != down_bytes)
+      return Status(ErrorCode::kMalformed, "probe: server " + std::to_string(server) + " sent " +
+                                               std::to_string(got) + " bytes, asked " +
+                                               std::to_string(down_bytes));
+    return Status::Ok();
+  }
+
   void on_strategy_change(StrategyCallback cb) override {
     std::lock_guard lk(mu_);
     strategy_cbs_.push_back(std::move(cb));
@@ -356,6 +421,7 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
   std::vector<StrategyChange> changes_;
   std::vector<StrategyCallback> strategy_cbs_;
   std::vector<FailureCallback> failure_cbs_;
+  std::vector<AutoCallback> auto_cbs_;
 };
 
 class ClientImpl final : public PsClient {
@@ -371,6 +437,10 @@ class ClientImpl final : public PsClient {
     core_->tp->set_handler(proto::kStrategyUpdate, [weak](Incoming in) {
       if (auto c = weak.lock()) on_update(*c, in);
     });
+    for (uint16_t t : {proto::kAutoProfileRequest, proto::kAutoDecision})
+      core_->tp->set_handler(t, [weak](Incoming in) {
+        if (auto c = weak.lock()) on_auto_message(*c, in);
+      });
     core_->tp->on_peer_failure([weak](NodeId id, const Status& s) {
       if (auto c = weak.lock()) on_lost(*c, id, s);
     });
@@ -501,6 +571,35 @@ class ClientImpl final : public PsClient {
     if (in.from != c.cluster.coordinator) return;
     if (auto job = find(c, in.message.header.aux))
       job->apply_change(in.message.header.arg, proto::joined(in.message));
+  }
+
+  static void on_auto_message(Core& c, const Incoming& in) {
+    if (in.from != c.cluster.coordinator) return;
+    const auto& h = in.message.header;
+    auto job = find(c, h.aux);
+    if (!job) return;
+    AutoEvent e;
+    e.epoch = h.key;
+    if (h.type == proto::kAutoProfileRequest) {
+      e.kind = AutoEvent::Kind::kProfileRequest;
+      e.from_iteration = h.arg;
+      e.text = proto::joined(in.message);
+    } else if (h.flags & proto::kAutoFailed) {
+      e.kind = AutoEvent::Kind::kFailed;
+      e.text = proto::joined(in.message);
+    } else if (in.message.payloads.size() == 4) {
+      e.kind = AutoEvent::Kind::kDecision;
+      e.predicted_us = static_cast<double>(h.arg);
+      e.strategy_yaml = std::string(in.message.payloads[0].view());
+      e.decision_yaml = std::string(in.message.payloads[1].view());
+      e.text = std::string(in.message.payloads[2].view());
+      e.timeline_json = std::string(in.message.payloads[3].view());
+    } else {
+      e.kind = AutoEvent::Kind::kFailed;
+      e.text = "malformed decision from the coordinator (" +
+               std::to_string(in.message.payloads.size()) + " payloads, expected 4)";
+    }
+    job->deliver_auto(e);
   }
 
   static void on_lost(Core& c, NodeId id, const Status& s) {

@@ -129,10 +129,26 @@ struct ServerStats {
   uint64_t frames_refused = 0;    // malformed / unknown messages
 };
 
+// What the coordinator tells a node about automatic strategies
+// (server/auto_planner.h).
+struct AutoEvent {
+  enum class Kind {
+    kProfileRequest,  // profile again from from_iteration (a re-plan)
+    kDecision,        // a plan for `epoch`: strategy_yaml, decision_yaml, text, timeline
+    kFailed,          // no plan for `epoch`; text says why
+  };
+  Kind kind = Kind::kFailed;
+  uint64_t epoch = 0;
+  uint64_t from_iteration = 0;
+  double predicted_us = 0;
+  std::string strategy_yaml, decision_yaml, text, timeline_json;
+};
+
 using DoneCallback = std::function<void(const Status&)>;
 using PullCallback = std::function<void(const Status&, transport::Buffer result)>;
 using StrategyCallback = std::function<void(const StrategyChange&)>;
 using FailureCallback = std::function<void(const Status&)>;
+using AutoCallback = std::function<void(const AutoEvent&)>;
 
 class PsJob {
  public:
@@ -164,6 +180,20 @@ class PsJob {
   virtual void set_strategy(std::string strategy_yaml, uint64_t iteration,
                             DoneCallback done) = 0;
   Status set_strategy(std::string strategy_yaml, uint64_t iteration, Millis timeout);
+
+  // Automatic strategies: this node's profile of `epoch` (YAML of
+  // planner::online::NodeProfile, and the strategy::AutoSpec it runs under)
+  // to the coordinator; a re-plan request naming the first iteration every
+  // node should profile. `done` gets the coordinator's answer (refusals name
+  // why). Events come to on_auto() callbacks, in arrival order.
+  virtual void auto_profile(uint64_t epoch, std::string profile_yaml, std::string spec_yaml,
+                            DoneCallback done) = 0;
+  virtual void auto_replan(uint64_t from_iteration, std::string reason, DoneCallback done) = 0;
+  virtual void on_auto(AutoCallback callback) = 0;
+  // Link probe (blocking): sends `up_bytes` to `server` (one of the job's
+  // servers or the coordinator) and receives `down_bytes` back; the caller
+  // times it. Both at most 16 MiB.
+  virtual Status probe(NodeId server, uint64_t up_bytes, uint64_t down_bytes, Millis timeout) = 0;
 
   // Register before pushing (callbacks added later miss earlier events,
   // except on_failure, which runs at once if the job already failed).

@@ -22,6 +22,7 @@
 #include "compress/compressor.h"
 #include "compress/reduce.h"
 #include "planner/strategy/answer.h"
+#include "server/auto_planner.h"
 #include "server/protocol.h"
 #include "server/ps_client.h"
 
@@ -319,7 +320,8 @@ struct ParameterServer::Impl {
 
 class Coordinator {
  public:
-  explicit Coordinator(ParameterServer::Impl& srv) : srv_(srv) {
+  explicit Coordinator(ParameterServer::Impl& srv)
+      : srv_(srv), auto_([&srv](NodeId n, Message m) { srv.tp->send(n, std::move(m), nullptr); }) {
     ServerInfo self{srv.cfg.node_id, srv.tp->local_addresses().at(0), srv.cfg.engine_threads};
     servers_[self.id] = self;
     timer_ = std::thread([this] { timer_loop(); });
@@ -342,6 +344,7 @@ class Coordinator {
     }
     cv_.notify_all();
     if (timer_.joinable()) timer_.join();
+    auto_.stop();
     const std::string why = "coordinator " + std::to_string(srv_.cfg.node_id) + " shut down";
     reply_all_unavailable(waiting, why);
     for (uint32_t uid : running) abort_running(uid, why);
@@ -381,6 +384,7 @@ class Coordinator {
   void on_hello(Incoming in);
   void on_barrier(Incoming in);
   void on_set_strategy(Incoming in);
+  void on_auto(Incoming in);
   void on_leave(Incoming in);
   void timer_loop();
   // Both called with mu_ held; they take what they must answer out of the
@@ -401,6 +405,7 @@ class Coordinator {
   uint32_t next_uid_ = 1;
   std::map<std::string, Pending> pending_;
   std::map<uint32_t, Running> running_;
+  AutoPlanner auto_;  // after srv_: its SendFn uses the transport
 };
 
 namespace {
@@ -523,6 +528,8 @@ void Coordinator::on_message(Incoming in) {
     case proto::kBarrier: return on_barrier(std::move(in));
     case proto::kSetStrategy: return on_set_strategy(std::move(in));
     case proto::kLeave: return on_leave(std::move(in));
+    case proto::kAutoProfile:
+    case proto::kAutoReplan: return on_auto(std::move(in));
     case proto::kAbortRequest:
       if (srv_.cfg.cluster.server(in.from))
         abort_running(in.message.header.aux, proto::joined(in.message));
@@ -828,6 +835,7 @@ void Coordinator::on_leave(Incoming in) {
     if (r.left.size() == r.adm.nodes.size()) {
       all_left = true;
       running_.erase(it);
+      auto_.forget(uid);
     }
   }
   BC_LOG(LogCoord(), kInfo) << "job '" << name << "': " << node_name(in.from) << " left";
@@ -952,6 +960,38 @@ void Coordinator::on_set_strategy(Incoming in) {
       });
 }
 
+void Coordinator::on_auto(Incoming in) {
+  const auto& h = in.message.header;
+  AutoPlanner::JobView view;
+  {
+    std::lock_guard lk(mu_);
+    auto it = running_.find(h.aux);
+    if (it == running_.end())
+      return srv_.reply(in, proto::error_reply(ErrorCode::kInvalidArgument,
+                                               "auto planning: unknown job uid " +
+                                                   std::to_string(h.aux)));
+    const proto::Admission& a = it->second.adm;
+    view.uid = a.uid;
+    view.name = a.name;
+    view.nodes = a.nodes;
+    view.servers = static_cast<uint32_t>(a.servers.size());
+    view.partition_bytes = a.partition_bytes;
+  }
+  Status st;
+  if (h.type == proto::kAutoProfile) {
+    if (in.message.payloads.size() != 2)
+      st = Status(ErrorCode::kMalformed, "auto profile: expected 2 payloads (profile, auto spec), got " +
+                                             std::to_string(in.message.payloads.size()));
+    else
+      st = auto_.on_profile(view, in.from, h.arg, in.message.payloads[0].view(),
+                            in.message.payloads[1].view());
+  } else {
+    st = auto_.on_replan(view, in.from, h.arg, proto::joined(in.message));
+  }
+  if (!st.ok()) BC_LOG(LogCoord(), kWarn) << "job '" << view.name << "': " << st.message();
+  srv_.reply(in, st.ok() ? proto::ok_reply() : proto::error_reply(st.code(), st.message()));
+}
+
 void Coordinator::abort_running(uint32_t uid, const std::string& reason) {
   std::vector<Incoming> waiting;
   proto::Admission adm;
@@ -965,6 +1005,7 @@ void Coordinator::abort_running(uint32_t uid, const std::string& reason) {
     adm = it->second.adm;
     left = it->second.left;
     running_.erase(it);
+    auto_.forget(uid);
   }
   BC_LOG(LogCoord(), kWarn) << "job '" << adm.name << "' (uid " << uid << ") aborted: " << reason;
   reply_all(srv_, waiting, ErrorCode::kAborted, reason);
@@ -1044,11 +1085,15 @@ void ParameterServer::Impl::start() {
   tp->set_handler(proto::kPush, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_handler(proto::kPull, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_handler(proto::kStats, [this](Incoming in) { on_stats(in); });
+  tp->set_handler(proto::kProbe, [this](Incoming in) {
+    if (in.expects_reply) reply(in, proto::probe_answer(in.message));
+  });
   for (uint16_t t : {proto::kJobSetup, proto::kJobEnd, proto::kStrategyPrepare})
     tp->set_handler(t, [this](Incoming in) { on_control(std::move(in)); });
   if (is_coordinator) {
     for (uint16_t t : {proto::kRegister, proto::kServerHello, proto::kBarrier,
-                       proto::kSetStrategy, proto::kLeave, proto::kAbortRequest})
+                       proto::kSetStrategy, proto::kLeave, proto::kAbortRequest,
+                       proto::kAutoProfile, proto::kAutoReplan})
       tp->set_handler(t, [this](Incoming in) { coord->on_message(std::move(in)); });
   }
   tp->set_default_handler([this](Incoming in) {

@@ -59,7 +59,7 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
       if (s == 0) coordinator_ = a;
     }
     write("cluster.yaml", cluster(coordinator_, servers, {}));
-    std::string strategy;
+    std::string strategy = strategy_section_;
     if (!strategy_yaml.empty()) {
       write("strategy.yaml", strategy_yaml);
       strategy = "strategy:\n  file: " + (dir_ / "strategy.yaml").string() + "\n";
@@ -70,7 +70,8 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
                               "\n  node_id: " + std::to_string(100 + n) +
                               "\n  nodes: [100, 101]\n" +
                               (peer_listen_ ? "  peer_listen: " + endpoint() + "\n" : "") +
-                                  strategy,
+                                  (n == 1 && !strategy_section_node1_.empty()
+                                       ? strategy_section_node1_ : strategy),
                               scheduler);
       nodes_[n]->start(daemon_env_);
     }
@@ -158,6 +159,9 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
 
   static inline int counter_ = 0;
   bool peer_listen_ = true;  // give the daemons a peer endpoint
+  // The daemons' strategy section (e.g. mode: auto), when no strategy file.
+  std::string strategy_section_;
+  std::string strategy_section_node1_;  // node 1's, when it must differ
   std::vector<std::string> daemon_env_;  // the daemons' environment (e.g. BYTECOMP_LOG)
   // Heartbeat bound of every process of the cluster (servers and daemons,
   // their server and peer connections). 3 s: a daemon compressing on two

@@ -9,6 +9,10 @@ early, so a wrong path or a file that is not a version-1 strategy fails in
 the training script naming the file, and hands it to the daemons as the
 job's own strategy (`apply`: bytecomp_set_strategy, libbytecomp ABI 1.1).
 
+`strategy="auto"` (see `auto()`) lets the runtime choose per tensor: the
+daemons profile the job, the coordinator plans, every node applies the
+result (docs/auto.md); the user names the compressors they accept.
+
 Tensor names starting with "bytecomp." belong to bytecomp.torch's control
 job (a scratch tensor for broadcasts: float64 on one node, float32 across
 nodes): a strategy must leave them uncompressed (the daemon refuses to
@@ -33,8 +37,13 @@ class Strategy:
     def __repr__(self):
         return "Strategy(%r)" % self.path
 
+    def is_auto(self):
+        return self.doc.get("mode") == "auto"
+
     def compresses_anything(self):
         """False only when every option in the file is `compressor: none`."""
+        if self.is_auto():
+            return True  # possibly: the runtime decides
         options = []
         if isinstance(self.doc.get("default"), dict):
             options.append(self.doc["default"])
@@ -45,12 +54,44 @@ class Strategy:
         return any(str(o.get("compressor", "none")) != "none" for o in options)
 
 
+_AUTO_KEYS = ("min_compress_bytes", "warmup_iterations", "skip_iterations", "plan_timeout_ms",
+              "colocated_servers", "replan")
+
+
+def auto(compressors=None, exclude=None, **settings):
+    """The automatic strategy: the runtime profiles the job and chooses per
+    tensor one of `compressors` (specs such as "efsignsgd", "topk:0.01";
+    None or []: fp16 only), fp16 or nothing; tensors matching an `exclude`
+    glob stay uncompressed. Other keys of docs/auto.md (warmup_iterations,
+    replan={...}, ...) as keyword arguments. The daemon checks every value
+    when the job starts and names what is wrong."""
+    def str_list(what, v):
+        if v is None:
+            return []
+        if isinstance(v, str) or not all(isinstance(x, str) and x for x in v):
+            raise ValueError("strategy='auto': %s=%r must be a list of non-empty strings" %
+                             (what, v))
+        return list(v)
+    doc = {"version": 1, "mode": "auto",
+           "compressors": str_list("compressors", compressors),
+           "exclude": str_list("exclude", exclude)}
+    for k, v in settings.items():
+        if k not in _AUTO_KEYS:
+            raise ValueError("strategy='auto': unknown setting %r (accepted: %s)" %
+                             (k, ", ".join(_AUTO_KEYS)))
+        doc[k] = v
+    return Strategy("<auto>", yaml.safe_dump(doc, sort_keys=False), doc)
+
+
 def load(path):
-    """Reads a strategy file; None stays None (uncompressed)."""
+    """Reads a strategy file; None stays None (uncompressed); "auto" is the
+    automatic strategy with fp16 only (auto() takes compressors)."""
     if path is None:
         return None
     if isinstance(path, Strategy):
         return path
+    if path == "auto":
+        return auto()
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -74,6 +115,8 @@ def check(strategy, declared):
     """Fails when an exact entry names a tensor the job does not declare
     (the same rule as planner::Strategy::check). declared: [(name, bytes)]."""
     names = {n for n, _ in declared}
+    if strategy.is_auto():
+        return
     unknown = [e.get("tensor") for e in strategy.doc.get("entries") or []
                if isinstance(e, dict) and e.get("tensor") not in names]
     if unknown:
@@ -103,6 +146,12 @@ def apply(strategy, client, daemon_strategy):
     if _lib.has_set_strategy():
         client.set_strategy(strategy.text, strategy.path)
         return
+    if strategy.is_auto():
+        raise _lib.UnsupportedError(
+            "BYTECOMP_ERR_UNSUPPORTED",
+            "strategy='auto': this libbytecomp (%s) cannot give a job its own strategy (no "
+            "bytecomp_set_strategy, ABI 1.1); configure the daemons with strategy: {mode: auto} "
+            "instead" % _lib.version_string())
     if daemon_strategy is not None and _same_file(strategy.path, daemon_strategy):
         return
     raise _lib.UnsupportedError(

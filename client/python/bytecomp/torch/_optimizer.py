@@ -18,7 +18,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's class by DistributedOptimizer()."""
 
     def __init__(self, params, named_parameters, strategy, backward_passes_per_step, op,
-                 original):
+                 original, compressors=None, exclude=None):
         super(self.__class__, self).__init__(params)
         if original.state:
             self.load_state_dict(original.state_dict())
@@ -35,7 +35,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_timeout_ms = c.settings.timeout_ms
         self._bc_params = self._bytecomp_names(named_parameters)
         # None: whatever the daemons run (BYTECOMP_STRATEGY says what that is).
-        self._bc_strategy = _strategy.load(strategy)
+        if strategy == "auto":
+            self._bc_strategy = _strategy.auto(compressors, exclude)
+        elif compressors is not None or exclude is not None:
+            raise ValueError("DistributedOptimizer: compressors= and exclude= go with "
+                             "strategy='auto' (strategy is %r)" % (strategy,))
+        else:
+            self._bc_strategy = _strategy.load(strategy)
         self._bc_client = None
         self._bc_iteration = 0
         self._bc_synced = False  # synchronize() done, step() not yet
@@ -266,7 +272,7 @@ class _Slot:
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
-                         backward_passes_per_step=1, op=Average):
+                         backward_passes_per_step=1, op=Average, compressors=None, exclude=None):
     """Wraps `optimizer` so gradients are summed over every process of the
     job (and averaged, op=Average) before each step.
 
@@ -278,7 +284,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
         run the strategy of their configuration, so this must be that file
         ($BYTECOMP_STRATEGY, set by `bytecomp-run --strategy`), else
         UnsupportedError. None: whatever the daemons run (uncompressed unless
-        they were given a strategy).
+        they were given a strategy). "auto": the runtime chooses per tensor
+        from measurements of this job (docs/auto.md), among `compressors`
+        (e.g. ["efsignsgd", "topk:0.01"]; None: fp16 only), fp16 and
+        nothing; tensors matching an `exclude` glob (e.g. ["conv1.*",
+        "fc.*"]) stay uncompressed.
     backward_passes_per_step: backward passes accumulated locally per step.
 
     The result is an instance of the optimizer's own class (isinstance and LR
@@ -292,4 +302,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, strategy, backward_passes_per_step,
-               op, optimizer)
+               op, optimizer, compressors, exclude)

@@ -1,0 +1,504 @@
+#include "daemon/auto_tuner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "common/log.h"
+#include "compress/compressor.h"
+#include "daemon/engine.h"
+
+namespace bytecomp::daemon {
+
+BC_LOG_CATEGORY(LogAuto, "daemon.auto");
+
+using Clock = std::chrono::steady_clock;
+using planner::online::CompressorMeasure;
+using planner::online::LinearFit;
+using planner::online::NodeProfile;
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+std::vector<IterationSample> iteration_samples(const std::vector<PhaseRecord>& records,
+                                               const std::vector<uint32_t>& partitions) {
+  struct Iter {
+    size_t records = 0;
+    uint64_t end = 0;
+    std::vector<uint64_t> ready;
+  };
+  size_t expected = 0;
+  for (uint32_t p : partitions) expected += p;
+  std::map<uint64_t, Iter> by;
+  for (const PhaseRecord& r : records) {
+    if (r.tensor >= partitions.size()) continue;
+    Iter& it = by[r.iteration];
+    if (it.ready.empty()) it.ready.assign(partitions.size(), 0);
+    ++it.records;
+    it.end = std::max(it.end, r.at(Phase::kCopiedOut));
+    uint64_t& rd = it.ready[r.tensor];
+    const uint64_t all = r.at(Phase::kAllRanks);
+    if (all != 0 && (rd == 0 || all < rd)) rd = all;
+  }
+  std::vector<IterationSample> out;
+  for (auto it = by.begin(); it != by.end(); ++it) {
+    auto prev = by.find(it->first - 1);
+    if (it->first == 0 || prev == by.end()) continue;
+    const Iter& cur = it->second;
+    if (cur.records != expected || prev->second.records != expected) continue;
+    const uint64_t start = prev->second.end;
+    if (cur.end <= start) continue;
+    IterationSample s;
+    s.iteration = it->first;
+    s.iteration_us = static_cast<double>(cur.end - start) / 1e3;
+    s.ready_us.reserve(cur.ready.size());
+    for (uint64_t rd : cur.ready)
+      s.ready_us.push_back(rd > start ? static_cast<double>(rd - start) / 1e3 : 0.0);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+LinearFit reduce_fit(const std::vector<PhaseRecord>& records, const std::vector<uint64_t>& elements,
+                     const std::vector<uint64_t>& last_elements,
+                     const std::vector<uint32_t>& partitions) {
+  std::vector<std::pair<double, double>> pts;
+  for (const PhaseRecord& r : records) {
+    if (r.tensor >= partitions.size()) continue;
+    const uint64_t a = r.at(Phase::kStart), b = r.at(Phase::kReduced);
+    if (a == 0 || b < a) continue;
+    const uint64_t n =
+        r.partition + 1 == partitions[r.tensor] ? last_elements[r.tensor] : elements[r.tensor];
+    pts.emplace_back(static_cast<double>(n), static_cast<double>(b - a) / 1e3);
+  }
+  return planner::online::fit_linear(pts);
+}
+
+NodeProfile profile_of(const std::vector<IterationSample>& samples,
+                       const std::vector<std::string>& names,
+                       const std::vector<uint64_t>& elements) {
+  NodeProfile p;
+  std::vector<double> its;
+  for (const IterationSample& s : samples) its.push_back(s.iteration_us);
+  p.iteration_us = median(its);
+  p.iterations = samples.size();
+  p.first_iteration = samples.empty() ? 0 : samples.front().iteration;
+  for (size_t t = 0; t < names.size(); ++t) {
+    std::vector<double> r;
+    for (const IterationSample& s : samples)
+      if (t < s.ready_us.size()) r.push_back(s.ready_us[t]);
+    p.tensors.push_back({names[t], elements[t], median(r)});
+  }
+  return p;
+}
+
+CompressorMeasure measure_compressor(const std::string& spec, const std::vector<uint64_t>& sizes,
+                                     int reps) {
+  CompressorMeasure m;
+  m.spec = spec;
+  auto c = compress::make_compressor(compress::parse_compressor_spec(spec));
+  std::mt19937 rng(12345);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<std::pair<double, double>> cp, dp, wire;
+  for (uint64_t n : sizes) {
+    if (n == 0) continue;
+    std::vector<float> in(n), out(n);
+    for (float& x : in) x = nd(rng);
+    const size_t cap = c->max_compressed_bytes(n);
+    std::vector<uint64_t> words((cap + 7) / 8);
+    std::span<std::byte> buf(reinterpret_cast<std::byte*>(words.data()), cap);
+    auto state = c->make_state(n);
+    std::vector<double> ct, dt;
+    size_t len = 0;
+    for (int r = 0; r < reps; ++r) {
+      compress::CompressContext ctx;
+      ctx.iteration = static_cast<uint64_t>(r);
+      ctx.shared_seed = n;
+      auto t0 = Clock::now();
+      len = c->compress(compress::ConstTensorView(in.data(), n), buf, *state, ctx);
+      ct.push_back(us_since(t0));
+      t0 = Clock::now();
+      c->decompress({buf.data(), len}, compress::TensorView::cpu(out.data(), n), false, ctx);
+      dt.push_back(us_since(t0));
+    }
+    cp.emplace_back(static_cast<double>(n), median(ct));
+    dp.emplace_back(static_cast<double>(n), median(dt));
+    wire.emplace_back(static_cast<double>(n), static_cast<double>(len));
+  }
+  m.compress = planner::online::fit_linear(cp);
+  m.decompress = planner::online::fit_linear(dp);
+  const LinearFit w = planner::online::fit_linear(wire);
+  m.bytes_per_element = std::max(0.0, w.b_us_per_melem / 1048576.0);
+  m.fixed_bytes = std::max(0.0, w.a_us);
+  return m;
+}
+
+void ReplanTrigger::set_prediction(double predicted_us, uint64_t iteration) {
+  predicted_us_ = predicted_us;
+  since_ = iteration;
+  streak_ = 0;
+}
+
+std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double measured_us) {
+  if (predicted_us_ <= 0 || iteration < since_) return std::nullopt;
+  const double d = std::abs(measured_us - predicted_us_) / predicted_us_;
+  if (d <= drift_) {
+    streak_ = 0;
+    return std::nullopt;
+  }
+  if (streak_ == 0) drifted_.clear();
+  ++streak_;
+  drifted_.push_back(measured_us);
+  if (streak_ < needed_ || iteration < since_ + min_interval_) return std::nullopt;
+  std::ostringstream o;
+  o.precision(4);
+  o << "measured " << median(drifted_) / 1000.0 << " ms per iteration over the last " << streak_
+    << " iterations against " << predicted_us_ / 1000.0 << " ms predicted (drift "
+    << 100.0 * std::abs(median(drifted_) - predicted_us_) / predicted_us_ << "% > "
+    << 100.0 * drift_ << "%)";
+  predicted_us_ = 0;
+  streak_ = 0;
+  return o.str();
+}
+
+AutoTuner::AutoTuner(Options options)
+    : o_(std::move(options)),
+      trigger_(o_.spec.replan_drift, o_.spec.replan_iterations, o_.spec.replan_min_interval) {
+  view_.state = "probing";
+}
+
+AutoTuner::~AutoTuner() { stop(); }
+
+void AutoTuner::stop() {
+  {
+    std::lock_guard lk(mu_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+    view_.state = "stopped";
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+AutoTuner::View AutoTuner::view() const {
+  std::lock_guard lk(mu_);
+  return view_;
+}
+
+void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
+                       uint64_t partition_bytes) {
+  engine_ = &engine;
+  ps_ = ps;
+  const uint64_t per = std::max<uint64_t>(1, partition_bytes / 4);
+  for (uint64_t n : o_.elements) {
+    const uint64_t parts = std::max<uint64_t>(1, (n + per - 1) / per);
+    partitions_.push_back(static_cast<uint32_t>(parts));
+    part_elems_.push_back(std::min(n, per));
+    last_elems_.push_back(n - (parts - 1) * per);
+  }
+  current_yaml_ = ps->info().strategy_yaml;
+  profile_from_ = ps->info().start_iteration + o_.spec.skip_iterations;
+  std::weak_ptr<AutoTuner> weak = weak_from_this();
+  ps->on_auto([weak](const server::AutoEvent& e) {
+    if (auto self = weak.lock()) self->on_event(e);
+  });
+  ps->on_strategy_change([weak](const server::StrategyChange& c) {
+    if (auto self = weak.lock()) {
+      std::lock_guard lk(self->mu_);
+      self->change_ = std::make_pair(c.iteration, c.strategy_yaml);
+    }
+  });
+  if (!o_.run_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(o_.run_dir, ec);
+    if (ec)
+      BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": cannot create run directory " << o_.run_dir
+                               << ": " << ec.message() << " (the decision is logged only)";
+  }
+  // Before the first round: the probe then has the link to itself.
+  probe_link();
+  state_ = State::kProfiling;
+  {
+    std::lock_guard lk(mu_);
+    view_.state = "profiling";
+  }
+  BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": auto strategy: profiling iterations from "
+                           << profile_from_ << " (" << o_.spec.warmup_iterations
+                           << " iterations), then planning on the coordinator";
+  thread_ = std::thread([this] { run(); });
+}
+
+void AutoTuner::probe_link() {
+  if (!ps_) return;
+  constexpr auto kTimeout = server::Millis{5000};
+  const uint64_t small = 64 << 10;
+  double gbps = 0, latency = 0;
+  std::string problem;
+  auto timed = [&](transport::NodeId s, uint64_t up, uint64_t down) -> double {
+    {
+      std::lock_guard lk(mu_);
+      if (stopping_) {
+        problem = "stopped";
+        return -1;
+      }
+    }
+    const auto t0 = Clock::now();
+    bytecomp::Status st = ps_->probe(s, up, down, kTimeout);
+    if (!st.ok()) {
+      problem = st.message();
+      return -1;
+    }
+    return us_since(t0);
+  };
+  for (const server::ServerInfo& s : ps_->info().servers) {
+    double rtt = 1e300;
+    for (int i = 0; i < 3; ++i) {
+      const double t = timed(s.id, 0, 0);
+      if (t < 0) break;
+      rtt = std::min(rtt, t);
+    }
+    if (!problem.empty()) break;
+    double server_gbps = 1e300;
+    for (int dir = 0; dir < 2; ++dir) {
+      uint64_t big = 1 << 20;
+      auto once = [&](uint64_t n) { return dir == 0 ? timed(s.id, n, 0) : timed(s.id, 0, n); };
+      double ts = once(small), tb = once(big);
+      // A shaped link passes its token bucket's burst at line rate: a large
+      // probe keeps that share small.
+      if (tb >= 0 && tb < 50e3) {
+        big = 8 << 20;
+        tb = once(big);
+      }
+      if (ts < 0 || tb < 0) break;
+      if (tb > ts) server_gbps = std::min(server_gbps, (big - small) * 8.0 / (tb - ts) / 1e3);
+    }
+    if (!problem.empty()) break;
+    if (server_gbps < 1e300) gbps = gbps == 0 ? server_gbps : std::min(gbps, server_gbps);
+    latency = std::max(latency, rtt / 2);
+  }
+  if (!problem.empty()) {
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": link probe failed (" << problem
+                             << "); the planner calibrates the link from the iteration time";
+    gbps = 0;
+    latency = 0;
+  }
+  link_gbps_ = gbps;
+  link_latency_us_ = latency;
+  std::lock_guard lk(mu_);
+  view_.link_gbps = gbps;
+  view_.link_latency_us = latency;
+}
+
+void AutoTuner::measure_compressors() {
+  // Representative partition sizes of this job (at most six).
+  std::vector<uint64_t> all = part_elems_;
+  all.insert(all.end(), last_elems_.begin(), last_elems_.end());
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  std::vector<uint64_t> sizes;
+  const size_t k = std::min<size_t>(6, all.size());
+  for (size_t i = 0; i < k; ++i) sizes.push_back(all[k == 1 ? 0 : i * (all.size() - 1) / (k - 1)]);
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  measures_.clear();
+  std::vector<std::string> specs = o_.spec.compressors;
+  if (std::find(specs.begin(), specs.end(), "fp16") == specs.end()) specs.push_back("fp16");
+  for (const std::string& s : specs) {
+    try {
+      measures_.push_back(measure_compressor(s, sizes, 3));
+    } catch (const Error& e) {
+      BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": measuring " << s << " failed: " << e.what();
+    }
+  }
+}
+
+void AutoTuner::on_event(const server::AutoEvent& e) {
+  {
+    std::lock_guard lk(mu_);
+    events_.push_back(e);
+  }
+  cv_.notify_all();
+}
+
+void AutoTuner::write_file(const std::string& name, const std::string& text) const {
+  if (o_.run_dir.empty()) return;
+  const std::string path = o_.run_dir + "/" + name, tmp = path + ".tmp";
+  std::ofstream f(tmp, std::ios::trunc);
+  f << text;
+  f.close();
+  std::error_code ec;
+  if (!f) {
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": cannot write " << path;
+    std::filesystem::remove(tmp, ec);
+    return;
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": cannot write " << path << ": " << ec.message();
+}
+
+void AutoTuner::send_profile() {
+  std::vector<IterationSample> window;
+  for (const auto& [it, s] : samples_)
+    if (it >= profile_from_ && window.size() < o_.spec.warmup_iterations) window.push_back(s);
+  NodeProfile p = profile_of(window, o_.names, o_.elements);
+  p.node_rank = ps_->info().rank;
+  p.local_ranks = o_.local_ranks;
+  p.pool_threads = o_.pool_threads;
+  p.cpu_cores = std::max(1u, std::thread::hardware_concurrency());
+  p.reduce = reduce_fit(engine_->phase_records(), part_elems_, last_elems_, partitions_);
+  p.compressors = measures_;
+  p.link_gbps = link_gbps_;
+  p.link_latency_us = link_latency_us_;
+  p.current_strategy_yaml = current_yaml_;
+  write_file("profile-node" + std::to_string(p.node_rank) + ".yaml", p.to_yaml());
+  BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": profile of iterations " << p.first_iteration
+                           << ".. (" << p.iterations << "): " << p.iteration_us / 1000.0
+                           << " ms per iteration, link " << link_gbps_ << " Gbit/s, "
+                           << link_latency_us_ << " us; sent to the coordinator (epoch " << epoch_
+                           << ")";
+  const std::string job = o_.job;
+  const uint64_t epoch = epoch_;
+  ps_->auto_profile(epoch_, p.to_yaml(), o_.spec.to_yaml(), [job, epoch](const bytecomp::Status& s) {
+    if (!s.ok())
+      BC_LOG(LogAuto(), kWarn) << "job " << job << ": profile of epoch " << epoch
+                               << " refused: " << s.message();
+  });
+  state_ = State::kWaiting;
+  std::lock_guard lk(mu_);
+  view_.state = "planning";
+  view_.epoch = epoch_;
+}
+
+void AutoTuner::handle(const server::AutoEvent& e) {
+  using K = server::AutoEvent::Kind;
+  if (e.kind == K::kProfileRequest) {
+    epoch_ = e.epoch;
+    profile_from_ = e.from_iteration;
+    trigger_.clear();
+    have_switch_ = false;
+    BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": re-profiling from iteration " << profile_from_
+                             << " (epoch " << epoch_ << "): " << e.text;
+    probe_link();
+    measure_compressors();
+    state_ = State::kProfiling;
+    std::lock_guard lk(mu_);
+    view_.state = "profiling";
+    view_.epoch = epoch_;
+    ++view_.replans;
+    return;
+  }
+  if (e.epoch != epoch_) return;  // a stale answer
+  if (e.kind == K::kFailed) {
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": no automatic strategy for epoch " << e.epoch
+                             << ", keeping the current one: " << e.text;
+    state_ = State::kFailed;
+    trigger_.clear();
+    std::lock_guard lk(mu_);
+    view_.state = "failed";
+    view_.last_message = e.text;
+    return;
+  }
+  predicted_us_ = e.predicted_us;
+  write_file("strategy.yaml", e.strategy_yaml);
+  write_file("plan.yaml", e.decision_yaml);
+  write_file("explain.txt", e.text);
+  write_file("timeline.json", e.timeline_json);
+  measured_written_ = 0;
+  {
+    log::Line line(LogAuto(), log::Level::kInfo);
+    line.stream() << "job " << o_.job << ": automatic strategy (epoch " << e.epoch << "):\n" << e.text;
+  }
+  if (ps_->info().rank == 0) engine_->request_strategy(e.strategy_yaml);
+  state_ = State::kApplied;
+  have_switch_ = false;
+  std::lock_guard lk(mu_);
+  view_.state = "applied";
+  view_.predicted_us = predicted_us_;
+  ++view_.decisions;
+  view_.last_message.clear();
+}
+
+void AutoTuner::write_measured() {
+  std::vector<double> v;
+  for (const auto& [it, s] : samples_)
+    if (it > switch_iteration_) v.push_back(s.iteration_us);
+  if (v.size() < measured_written_ + 5) return;
+  measured_written_ = v.size();
+  std::ostringstream o;
+  o.precision(10);
+  o << "version: 1\nepoch: " << epoch_ << "\nswitch_iteration: " << switch_iteration_
+    << "\niteration_us: " << median(v) << "\niterations: " << v.size()
+    << "\npredicted_us: " << predicted_us_ << "\n";
+  write_file("measured.yaml", o.str());
+}
+
+void AutoTuner::run() {
+  measure_compressors();
+  auto last_warn = Clock::now();
+  std::unique_lock lk(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lk, std::chrono::milliseconds(20));
+    if (stopping_) break;
+    std::deque<server::AutoEvent> events;
+    events.swap(events_);
+    auto change = std::move(change_);
+    change_.reset();
+    lk.unlock();
+    for (const server::AutoEvent& e : events) handle(e);
+    if (change) {
+      current_yaml_ = change->second;
+      if (state_ == State::kApplied && !have_switch_) {
+        switch_iteration_ = change->first;
+        have_switch_ = true;
+        trigger_.set_prediction(predicted_us_, switch_iteration_ + 1);
+      }
+    }
+    for (IterationSample& s : iteration_samples(engine_->phase_records(), partitions_)) {
+      const uint64_t it = s.iteration;
+      if (samples_.emplace(it, std::move(s)).second && state_ == State::kApplied && have_switch_ &&
+          it > switch_iteration_ && ps_->info().rank == 0) {
+        if (auto why = trigger_.observe(it, samples_.at(it).iteration_us)) {
+          BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": asking for a re-plan: " << *why;
+          const std::string job = o_.job;
+          ps_->auto_replan(it + 3, *why, [job](const bytecomp::Status& st) {
+            if (!st.ok())
+              BC_LOG(LogAuto(), kInfo) << "job " << job << ": re-plan refused: " << st.message();
+          });
+          state_ = State::kIdle;
+        }
+      }
+    }
+    while (samples_.size() > 512) samples_.erase(samples_.begin());
+    if (state_ == State::kApplied && have_switch_) write_measured();
+    if (state_ == State::kProfiling) {
+      size_t n = 0;
+      for (const auto& [it, s] : samples_) n += it >= profile_from_;
+      if (n >= o_.spec.warmup_iterations) {
+        send_profile();
+      } else if (Clock::now() - last_warn > std::chrono::seconds(60)) {
+        last_warn = Clock::now();
+        BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": still profiling: " << n << " of "
+                                 << o_.spec.warmup_iterations
+                                 << " complete iterations seen (is every tensor reduced every "
+                                    "iteration, and engine.phase_timestamps on?)";
+      }
+    }
+    lk.lock();
+  }
+}
+
+}  // namespace bytecomp::daemon

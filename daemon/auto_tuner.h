@@ -1,0 +1,182 @@
+// The node's half of automatic strategies (issue 13, docs/auto.md): one
+// AutoTuner per multi-node job running with `strategy: {mode: auto}`.
+//
+//   attach()   right after the job joined the servers, on the engine thread,
+//              before the first round: probes the link to every server of
+//              the job (bounded; the first iteration waits for it) and
+//              starts the tuner's thread.
+//   profile    the thread reads the engine's phase timestamps and turns each
+//              complete iteration into a sample (iteration time, each
+//              tensor's ready time since the iteration began); after
+//              skip_iterations, warmup_iterations samples make the node's
+//              profile, with the cost of every accepted compressor measured
+//              by real calls on this node and the intra-node reduce fitted
+//              from the timestamps. It goes to the coordinator
+//              (server/auto_planner.h), which merges all nodes' and plans.
+//   apply      on the decision every node writes the run directory
+//              (strategy.yaml, plan.yaml, timeline.json, explain.txt; later
+//              measured.yaml) and logs the table; node rank 0 asks for the
+//              strategy change, which applies on every node and server at
+//              one iteration.
+//   re-plan    node rank 0 compares measured iterations with the prediction
+//              (ReplanTrigger); on a lasting drift it asks the coordinator
+//              for a new epoch, and every node profiles again.
+//
+// Ownership: owned by the daemon's job (shared_ptr: the PS client's
+// callbacks hold weak references); it borrows the Engine given to attach(),
+// which outlives it (the job stops the tuner before the engine). Threading: attach() on the
+// engine thread; the tuner thread does everything else; PS callbacks only
+// queue events for it. stop() joins it (bounded: every wait is timed).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/engine_phases.h"
+#include "planner/online.h"
+#include "planner/strategy/auto_spec.h"
+#include "server/ps_client.h"
+
+namespace bytecomp::daemon {
+
+class Engine;
+
+// One complete iteration as the engine saw it.
+struct IterationSample {
+  uint64_t iteration = 0;
+  double iteration_us = 0;        // end of the previous iteration to the end of this one
+  std::vector<double> ready_us;   // per tensor: all local ranks submitted, since the previous end
+};
+
+// The complete iterations in `records` (every partition of every tensor
+// published, and the previous iteration too, whose end starts this one).
+// `partitions[t]` is tensor t's partition count.
+std::vector<IterationSample> iteration_samples(const std::vector<PhaseRecord>& records,
+                                               const std::vector<uint32_t>& partitions);
+
+// Least squares of the intra-node reduce time (kStart -> kReduced) against
+// partition elements; `elements[t]` is each of tensor t's partitions' size
+// (the last may be shorter: `last_elements[t]`).
+planner::online::LinearFit reduce_fit(const std::vector<PhaseRecord>& records,
+                                      const std::vector<uint64_t>& elements,
+                                      const std::vector<uint64_t>& last_elements,
+                                      const std::vector<uint32_t>& partitions);
+
+// Medians over `samples` (at least one) of the iteration time and of each
+// tensor's ready time.
+planner::online::NodeProfile profile_of(const std::vector<IterationSample>& samples,
+                                        const std::vector<std::string>& names,
+                                        const std::vector<uint64_t>& elements);
+
+// Real calls of `spec` on this thread for each size (elements) `reps`
+// times; the fits of compress and decompress, and the wire size.
+planner::online::CompressorMeasure measure_compressor(const std::string& spec,
+                                                      const std::vector<uint64_t>& sizes,
+                                                      int reps);
+
+// Decides when measurements have drifted from the prediction for long
+// enough to re-plan. Pure: fed with iteration times.
+class ReplanTrigger {
+ public:
+  ReplanTrigger(double drift, uint32_t iterations, uint32_t min_interval)
+      : drift_(drift), needed_(iterations), min_interval_(min_interval) {}
+  // A prediction in force from `iteration` (a strategy change there).
+  void set_prediction(double predicted_us, uint64_t iteration);
+  // No prediction (a failed plan, or a re-plan under way).
+  void clear() { predicted_us_ = 0; streak_ = 0; }
+  // A measured iteration; a reason when it is time to re-plan.
+  std::optional<std::string> observe(uint64_t iteration, double measured_us);
+
+ private:
+  double drift_;
+  uint32_t needed_;
+  uint32_t min_interval_;
+  double predicted_us_ = 0;
+  uint64_t since_ = 0;
+  uint32_t streak_ = 0;
+  std::vector<double> drifted_;
+};
+
+class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
+ public:
+  struct Options {
+    std::string job;
+    strategy::AutoSpec spec;
+    std::vector<std::string> names;
+    std::vector<uint64_t> elements;  // fp32 elements per tensor
+    uint32_t local_ranks = 1;
+    uint32_t pool_threads = 1;
+    std::string run_dir;  // created if missing; empty: no files
+  };
+  explicit AutoTuner(Options options);
+  ~AutoTuner();
+  AutoTuner(const AutoTuner&) = delete;
+  AutoTuner& operator=(const AutoTuner&) = delete;
+
+  // `engine` is the job's, which outlives this tuner.
+  void attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps, uint64_t partition_bytes);
+  void stop();
+
+  // For bytecompctl and tests.
+  struct View {
+    std::string state;  // "probing", "profiling", "planning", "applied", "failed", "stopped"
+    uint64_t epoch = 0;
+    double predicted_us = 0;
+    double link_gbps = 0, link_latency_us = 0;
+    uint64_t decisions = 0, replans = 0;
+    std::string last_message;
+  };
+  View view() const;
+
+ private:
+  enum class State { kIdle, kProfiling, kWaiting, kApplied, kFailed };
+  void run();
+  void probe_link();
+  void measure_compressors();
+  void collect();
+  void send_profile();
+  void on_event(const server::AutoEvent& e);
+  void handle(const server::AutoEvent& e);
+  void write_file(const std::string& name, const std::string& text) const;
+  void write_measured();
+
+  Options o_;
+  Engine* engine_ = nullptr;
+  std::shared_ptr<server::PsJob> ps_;
+  std::vector<uint32_t> partitions_;
+  std::vector<uint64_t> part_elems_, last_elems_;
+  ReplanTrigger trigger_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<server::AutoEvent> events_;  // from PS callbacks
+  std::optional<std::pair<uint64_t, std::string>> change_;  // strategy changes seen
+  bool stopping_ = false;
+  View view_;
+
+  // Tuner thread only.
+  State state_ = State::kIdle;
+  uint64_t epoch_ = 0;
+  uint64_t profile_from_ = 0;
+  std::map<uint64_t, IterationSample> samples_;
+  std::vector<planner::online::CompressorMeasure> measures_;
+  double link_gbps_ = 0, link_latency_us_ = 0;
+  std::string current_yaml_;
+  double predicted_us_ = 0;
+  uint64_t switch_iteration_ = 0;
+  bool have_switch_ = false;
+  uint64_t last_trigger_check_ = 0;
+  size_t measured_written_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,88 @@
+#include "planner/strategy/auto_spec.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <sstream>
+
+#include "compress/compressor.h"
+
+namespace bytecomp::strategy {
+
+AutoSpec AutoSpec::read(config::Reader& s) {
+  AutoSpec a;
+  s.get("compressors", a.compressors)
+      .get("exclude", a.exclude)
+      .get_bytes("min_compress_bytes", a.min_compress_bytes, config::Range<uint64_t>{0, 1ull << 40})
+      .get("warmup_iterations", a.warmup_iterations, config::Range<uint32_t>{1, 1000})
+      .get("skip_iterations", a.skip_iterations, config::Range<uint32_t>{0, 1000})
+      .get("plan_timeout_ms", a.plan_timeout_ms, config::Range<uint32_t>{10, 600000})
+      .get("colocated_servers", a.colocated_servers);
+  for (const std::string& c : a.compressors) {
+    try {
+      const compress::CompressorSpec spec = compress::parse_compressor_spec(c);
+      if (spec.name == "none")
+        s.fail("compressors", "'none' is always a candidate", "compressor specs such as efsignsgd, topk:0.01");
+      (void)compress::make_compressor(spec);
+    } catch (const config::ConfigError&) {
+      throw;
+    } catch (const Error& e) {
+      s.fail("compressors", "'" + c + "': " + e.what(),
+             "compressor specs such as efsignsgd, topk:0.01, fp16 (bytecomp-plan compressors lists them)");
+    }
+  }
+  for (const std::string& g : a.exclude)
+    if (g.empty()) s.fail("exclude", "an empty pattern", "fnmatch globs of tensor names");
+  config::Reader r = s.section("replan");
+  r.get("drift", a.replan_drift, config::Range<double>{0.01, 10.0})
+      .get("iterations", a.replan_iterations, config::Range<uint32_t>{1, 10000})
+      .get("min_interval", a.replan_min_interval, config::Range<uint32_t>{1, 1000000});
+  r.finish();
+  return a;
+}
+
+std::optional<AutoSpec> AutoSpec::parse_job_text(std::string_view text, std::string name) {
+  // A strategy file has no `mode` key; look before the full (versioned) read
+  // so that a strategy's own errors keep coming from its parser.
+  YAML::Node probe;
+  try {
+    probe = YAML::Load(std::string(text));
+  } catch (const YAML::Exception&) {
+    return std::nullopt;  // the strategy parser reports the syntax error
+  }
+  if (!probe.IsMap() || !probe["mode"]) return std::nullopt;
+  config::Document doc = config::Document::parse(text, std::move(name));
+  config::Reader root = doc.root("");
+  std::string mode;
+  root.get_enum("mode", mode, {"auto"});
+  AutoSpec a = read(root);
+  root.finish();
+  return a;
+}
+
+namespace {
+std::string quoted_list(const std::vector<std::string>& v) {
+  YAML::Emitter e;
+  e << YAML::Flow << YAML::BeginSeq;
+  for (const std::string& s : v) e << YAML::DoubleQuoted << s;
+  e << YAML::EndSeq;
+  return e.c_str();
+}
+}  // namespace
+
+std::string AutoSpec::to_yaml() const {
+  std::ostringstream o;
+  o.precision(17);
+  o << "version: 1\nmode: auto\n"
+    << "compressors: " << quoted_list(compressors) << "\n"
+    << "exclude: " << quoted_list(exclude) << "\n"
+    << "min_compress_bytes: " << min_compress_bytes << "\n"
+    << "warmup_iterations: " << warmup_iterations << "\n"
+    << "skip_iterations: " << skip_iterations << "\n"
+    << "plan_timeout_ms: " << plan_timeout_ms << "\n"
+    << "colocated_servers: " << (colocated_servers ? "true" : "false") << "\n"
+    << "replan: {drift: " << replan_drift << ", iterations: " << replan_iterations
+    << ", min_interval: " << replan_min_interval << "}\n";
+  return o.str();
+}
+
+}  // namespace bytecomp::strategy

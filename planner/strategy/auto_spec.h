@@ -1,0 +1,60 @@
+// What a user accepts when they let the runtime choose the strategy
+// (`strategy: {mode: auto, ...}` in bytecompd's configuration, or a job's own
+// strategy text with `mode: auto` through bytecomp_set_strategy /
+// bc.DistributedOptimizer(strategy="auto")). The daemons send it to the
+// coordinator with their profiles; docs/auto.md describes every key.
+//
+//   version: 1
+//   mode: auto
+//   compressors: [efsignsgd, "topk:0.01"]   # empty: fp16 only
+//   exclude: ["conv1.*", "fc.*"]            # fnmatch globs, never compressed
+//   min_compress_bytes: 1MiB                # the size-threshold alternative
+//   warmup_iterations: 5                    # profiled iterations
+//   skip_iterations: 2                      # first iterations not profiled
+//   plan_timeout_ms: 5000                   # coordinator's planning bound
+//   colocated_servers: true                 # one server per node (BytePS)
+//   replan: {drift: 0.25, iterations: 5, min_interval: 20}
+//
+// Thread-safety: a plain value.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/config.h"
+
+namespace bytecomp::strategy {
+
+struct AutoSpec {
+  std::vector<std::string> compressors;  // as written; validated by the factory
+  std::vector<std::string> exclude;
+  uint64_t min_compress_bytes = 1ull << 20;
+  uint32_t warmup_iterations = 5;
+  uint32_t skip_iterations = 2;
+  uint32_t plan_timeout_ms = 5000;
+  bool colocated_servers = true;
+  // Re-plan when |measured - predicted| / predicted > drift for
+  // `iterations` iterations in a row, at least min_interval iterations after
+  // the last change.
+  double replan_drift = 0.25;
+  uint32_t replan_iterations = 5;
+  uint32_t replan_min_interval = 20;
+
+  // Reads the keys above (not `version` or `mode`) from a section; throws
+  // config::ConfigError naming the key (unknown compressors included). Does
+  // not call finish(): the caller's section may hold keys of its own.
+  static AutoSpec read(config::Reader& section);
+  // A job's strategy text: nullopt when it is not an auto document (no `mode`
+  // key: a strategy file); the AutoSpec when `mode: auto`; ConfigError
+  // otherwise (bad YAML, other mode, unknown key).
+  static std::optional<AutoSpec> parse_job_text(std::string_view text, std::string name);
+  // A complete document (`version: 1`, `mode: auto`, every key) that
+  // parse_job_text() reads back equal.
+  std::string to_yaml() const;
+  bool operator==(const AutoSpec&) const = default;
+};
+
+}  // namespace bytecomp::strategy

@@ -1,0 +1,165 @@
+// Automatic strategies end to end on two real daemons and a real server
+// (loopback): the daemons profile the job, the coordinator plans, node rank
+// 0 applies the decision, every node switches at one iteration, the run
+// directory explains it; a failed plan keeps the strategy. The shaped-link
+// behaviour (compress when slow, not when fast) is tests/python/
+// auto_cluster_test.py on network namespaces.
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <regex>
+
+#include "planner/strategy/strategy.h"
+#include "tests/daemon/two_nodes.h"
+
+namespace bctest {
+namespace {
+
+float agrad(uint32_t grank, uint64_t it, uint64_t i) {
+  return static_cast<float>(std::cos(0.07 * static_cast<double>(i) + 0.3 * static_cast<double>(it) +
+                                     1.3 * grank)) *
+         static_cast<float>(1 + i % 5);
+}
+
+struct Run {
+  std::vector<std::vector<std::vector<float>>> got;  // [tensor][iteration] of node 0 rank 0
+};
+
+// 2 x 2 clients push two tensors for `iters` iterations, ~`sleep` apart
+// (the compute a profile sees); node 0's rank 0 keeps every result.
+Run run_job(TwoNodes& t, const char* job, const std::vector<uint64_t>& sizes, int iters,
+            std::chrono::milliseconds sleep) {
+  Run out;
+  out.got.resize(sizes.size());
+  t.on_every_rank_public([&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = t.connect_client_public(node, rank, job);
+    ASSERT_NE(c, nullptr);
+    std::vector<uint32_t> ids(sizes.size());
+    for (size_t k = 0; k < sizes.size(); ++k)
+      ASSERT_EQ(bytecomp_declare_tensor(c, ("t" + std::to_string(k)).c_str(), sizes[k],
+                                        BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &ids[k]),
+                BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (int it = 0; it < iters; ++it) {
+      std::this_thread::sleep_for(sleep);
+      std::vector<bytecomp_handle> hs;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        float* p = nullptr;
+        uint64_t bytes = 0;
+        ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p), &bytes),
+                  BYTECOMP_OK);
+        for (uint64_t i = 0; i < sizes[k]; ++i) p[i] = agrad(grank, it, i + k);
+        bytecomp_handle hd = 0;
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hd), BYTECOMP_OK);
+        hs.push_back(hd);
+      }
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK) << bytecomp_last_error();
+        if (grank == 0) {
+          float* p = nullptr;
+          uint64_t bytes = 0;
+          ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p), &bytes),
+                    BYTECOMP_OK);
+          out.got[k].emplace_back(p, p + sizes[k]);
+        }
+      }
+    }
+    bytecomp_close(c);
+  });
+  return out;
+}
+
+int64_t switch_iteration(Process& daemon) {
+  std::smatch m;
+  const std::string log = daemon.output();
+  if (!std::regex_search(log, m, std::regex("strategy changes at iteration ([0-9]+)"))) return -1;
+  return std::stoll(m[1]);
+}
+
+size_t inexact(const Run& r, size_t k, uint64_t n, int from, int to) {
+  size_t bad = 0;
+  for (int it = from; it < to; ++it)
+    for (uint64_t i = 0; i < n; ++i) {
+      const float s0 = agrad(0, it, i + k) + agrad(1, it, i + k);
+      const float s1 = agrad(2, it, i + k) + agrad(3, it, i + k);
+      bad += r.got[k][it][i] != s0 + s1;
+    }
+  return bad;
+}
+
+class AutoNodes : public TwoNodes {
+ public:
+  template <class Fn>
+  void on_every_rank_public(const Fn& fn) { on_every_rank(fn); }
+  bytecomp_client* connect_client_public(uint32_t node, uint32_t rank, const char* job) {
+    return connect_client(node, rank, job);
+  }
+  fs::path run_dir(int node, const std::string& job) const {
+    return fs::path(nodes_[node]->socket()).parent_path() / "runs" / job;
+  }
+};
+
+TEST_P(AutoNodes, DecidesFromTheProfileAndAppliesOnEveryNodeAtOneIteration) {
+  strategy_section_ =
+      "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
+      "  warmup_iterations: 3\n";
+  start(1);
+  const std::vector<uint64_t> sizes{64, 150000};
+  constexpr int kIters = 70;
+  Run r = run_job(*this, "auto1", sizes, kIters, std::chrono::milliseconds(15));
+  ASSERT_EQ(r.got[0].size(), static_cast<size_t>(kIters));
+  const int64_t at0 = switch_iteration(nodes_[0]->daemon());
+  const int64_t at1 = switch_iteration(nodes_[1]->daemon());
+  ASSERT_GE(at0, 4) << nodes_[0]->daemon().output();
+  EXPECT_EQ(at0, at1) << nodes_[1]->daemon().output();
+  ASSERT_LT(at0, kIters - 5) << nodes_[0]->daemon().output();
+  EXPECT_TRUE(nodes_[0]->daemon().output().find("automatic strategy (epoch 0)") != std::string::npos);
+  // Both nodes explain the same decision.
+  for (int n = 0; n < 2; ++n) {
+    for (std::string f : {"plan.yaml", "strategy.yaml", "explain.txt", "timeline.json"})
+      EXPECT_TRUE(fs::exists(run_dir(n, "auto1") / f)) << "node " << n << ": " << f;
+    EXPECT_TRUE(fs::exists(run_dir(n, "auto1") / ("profile-node" + std::to_string(n) + ".yaml")));
+  }
+  EXPECT_EQ(read_file(run_dir(0, "auto1") / "strategy.yaml"),
+            read_file(run_dir(1, "auto1") / "strategy.yaml"));
+  const auto s = bytecomp::planner::Strategy::load_file((run_dir(0, "auto1") / "strategy.yaml").string());
+  // Exact before the switch; after it, exact wherever the plan left the
+  // tensor uncompressed.
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    EXPECT_EQ(inexact(r, k, sizes[k], 0, static_cast<int>(at0)), 0u) << "tensor " << k;
+    const bool none = !s.resolve("t" + std::to_string(k), sizes[k] * 4).compressed();
+    if (none) EXPECT_EQ(inexact(r, k, sizes[k], static_cast<int>(at0), kIters), 0u) << "tensor " << k;
+  }
+  // A 64-element tensor is never worth a compressor's fixed cost.
+  EXPECT_FALSE(s.resolve("t0", 256).compressed());
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (!fs::exists(run_dir(0, "auto1") / "measured.yaml") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_TRUE(fs::exists(run_dir(0, "auto1") / "measured.yaml"));
+}
+
+TEST_P(AutoNodes, NodesThatDisagreeGetNoPlanAndKeepTheirStrategy) {
+  strategy_section_ = "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
+                      "  warmup_iterations: 2\n";
+  strategy_section_node1_ = "strategy:\n  mode: auto\n  compressors: [\"topk:0.01\"]\n"
+                            "  skip_iterations: 1\n  warmup_iterations: 2\n";
+  start(1);
+  const std::vector<uint64_t> sizes{1000, 40000};
+  constexpr int kIters = 40;
+  Run r = run_job(*this, "auto2", sizes, kIters, std::chrono::milliseconds(10));
+  for (int n = 0; n < 2; ++n) {
+    EXPECT_TRUE(nodes_[n]->daemon().wait_output("keeping the current one", 5s))
+        << nodes_[n]->daemon().output();
+    EXPECT_NE(nodes_[n]->daemon().output().find("different auto settings"), std::string::npos);
+  }
+  EXPECT_EQ(switch_iteration(nodes_[0]->daemon()), -1);
+  for (size_t k = 0; k < sizes.size(); ++k) EXPECT_EQ(inexact(r, k, sizes[k], 0, kIters), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, AutoNodes,
+                         ::testing::ValuesIn(bytecomp::transport::available_backends()),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+}  // namespace
+}  // namespace bctest

@@ -1,0 +1,140 @@
+// The node side of automatic strategies, driven by synthetic phase
+// timestamps: iteration samples, the reduce fit, the profile's medians, the
+// re-plan trigger and its minimum interval; and real compressor calls.
+#include "daemon/auto_tuner.h"
+
+#include <gtest/gtest.h>
+
+namespace bytecomp::daemon {
+namespace {
+
+// Records of iterations [0, n): tensor t of partitions[t] partitions; each
+// iteration starts at 10 ms * it; tensor t is ready at start + ready[t] us,
+// reduced 2 us + 1 us per 1000 elements after kStart, and the iteration
+// ends at start + end_us.
+std::vector<PhaseRecord> synthetic(int n, const std::vector<uint32_t>& partitions,
+                                   const std::vector<double>& ready_us, double end_us,
+                                   const std::vector<uint64_t>& elems) {
+  std::vector<PhaseRecord> out;
+  for (int it = 0; it < n; ++it) {
+    const uint64_t start = static_cast<uint64_t>(it) * 10'000'000ull;
+    for (uint32_t t = 0; t < partitions.size(); ++t)
+      for (uint32_t p = 0; p < partitions[t]; ++p) {
+        PhaseRecord r;
+        r.tensor = t;
+        r.partition = p;
+        r.iteration = static_cast<uint64_t>(it);
+        const uint64_t ready = start + static_cast<uint64_t>(ready_us[t] * 1000);
+        r.ns[static_cast<size_t>(Phase::kFirstRank)] = ready - 500;
+        r.ns[static_cast<size_t>(Phase::kAllRanks)] = ready + p * 7;  // first partition is earliest
+        r.ns[static_cast<size_t>(Phase::kStart)] = ready + 1000;
+        r.ns[static_cast<size_t>(Phase::kReduced)] =
+            ready + 1000 + 2000 + static_cast<uint64_t>(elems[t]);
+        // The previous iteration ends exactly when this one's start is due.
+        r.ns[static_cast<size_t>(Phase::kCopiedOut)] =
+            start + static_cast<uint64_t>(end_us * 1000) - (t == 0 && p == 0 ? 0 : 1000);
+        out.push_back(r);
+      }
+  }
+  return out;
+}
+
+TEST(AutoTuner, IterationSamplesNeedTheWholeIterationAndTheOneBefore) {
+  const std::vector<uint32_t> parts{1, 3};
+  auto recs = synthetic(4, parts, {300, 700}, 2000, {1000, 4000});
+  auto s = iteration_samples(recs, parts);
+  ASSERT_EQ(s.size(), 3u);  // iteration 0 has no previous end
+  EXPECT_EQ(s[0].iteration, 1u);
+  // end(it) = 10 ms * it + 2 ms, so every iteration lasts 10 ms and tensor
+  // t is ready 10 ms - 2 ms + ready[t] after the previous end.
+  EXPECT_DOUBLE_EQ(s[1].iteration_us, 10000);
+  EXPECT_DOUBLE_EQ(s[1].ready_us[0], 8300);
+  EXPECT_DOUBLE_EQ(s[1].ready_us[1], 8700);
+  // A missing partition makes its iteration (and the next) incomplete.
+  recs.erase(std::find_if(recs.begin(), recs.end(), [](const PhaseRecord& r) {
+    return r.iteration == 2 && r.tensor == 1 && r.partition == 2;
+  }));
+  s = iteration_samples(recs, parts);
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].iteration, 1u);
+}
+
+TEST(AutoTuner, ReduceFitRecoversTheLinearCostFromTimestamps) {
+  // Tensor 0: 1 partition of 1000 elements; tensor 1: 3 of 4000 (last 1500).
+  const std::vector<uint32_t> parts{1, 3};
+  std::vector<PhaseRecord> recs = synthetic(2, parts, {1, 2}, 100, {1000, 4000});
+  for (PhaseRecord& r : recs)  // the last partition of tensor 1 is shorter
+    if (r.tensor == 1 && r.partition == 2)
+      r.ns[static_cast<size_t>(Phase::kReduced)] = r.at(Phase::kStart) + 2000 + 1500;
+  const auto fit = reduce_fit(recs, {1000, 4000}, {1000, 1500}, parts);
+  // 2 us + 1 us per 1000 elements: a = 2, b = 2^20 / 1000 us per Melem.
+  EXPECT_NEAR(fit.a_us, 2.0, 1e-6);
+  EXPECT_NEAR(fit.b_us_per_melem, 1048.576, 1e-3);
+  EXPECT_EQ(fit.samples, recs.size());
+}
+
+TEST(AutoTuner, ProfileTakesMediansPerTensor) {
+  std::vector<IterationSample> s(5);
+  const double its[] = {900, 1000, 5000, 1100, 950};
+  for (int i = 0; i < 5; ++i) {
+    s[i].iteration = 10 + i;
+    s[i].iteration_us = its[i];
+    s[i].ready_us = {100.0 + i, 400.0 - i * 10};
+  }
+  auto p = profile_of(s, {"a", "b"}, {10, 20});
+  EXPECT_DOUBLE_EQ(p.iteration_us, 1000);  // the outlier does not move it
+  EXPECT_EQ(p.first_iteration, 10u);
+  EXPECT_EQ(p.iterations, 5u);
+  ASSERT_EQ(p.tensors.size(), 2u);
+  EXPECT_EQ(p.tensors[1].name, "b");
+  EXPECT_EQ(p.tensors[1].elements, 20u);
+  EXPECT_DOUBLE_EQ(p.tensors[0].ready_us, 102);
+  EXPECT_DOUBLE_EQ(p.tensors[1].ready_us, 380);
+}
+
+TEST(AutoTuner, ReplanTriggerWantsALastingDriftAfterTheMinimumInterval) {
+  ReplanTrigger t(0.25, 3, 10);
+  EXPECT_FALSE(t.observe(5, 99999).has_value()) << "no prediction yet";
+  t.set_prediction(1000, 100);
+  EXPECT_FALSE(t.observe(99, 5000).has_value()) << "before the switch";
+  // Within the drift: nothing.
+  for (uint64_t i = 100; i < 103; ++i) EXPECT_FALSE(t.observe(i, 1200).has_value());
+  // Drifted, but inside the minimum interval (100 + 10).
+  EXPECT_FALSE(t.observe(103, 2000).has_value());
+  EXPECT_FALSE(t.observe(104, 2000).has_value());
+  EXPECT_FALSE(t.observe(105, 2000).has_value());
+  // A good iteration resets the streak.
+  EXPECT_FALSE(t.observe(110, 1000).has_value());
+  EXPECT_FALSE(t.observe(111, 2000).has_value());
+  EXPECT_FALSE(t.observe(112, 2100).has_value());
+  auto why = t.observe(113, 1900);
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("2 ms per iteration over the last 3 iterations"), std::string::npos) << *why;
+  EXPECT_NE(why->find("1 ms predicted"), std::string::npos) << *why;
+  // Fires once; then silent until a new prediction.
+  EXPECT_FALSE(t.observe(114, 2000).has_value());
+  t.set_prediction(2000, 200);
+  EXPECT_FALSE(t.observe(201, 2000).has_value());
+  // Faster than predicted counts as drift too (the link came back).
+  ReplanTrigger u(0.25, 2, 1);
+  u.set_prediction(1000, 0);
+  EXPECT_FALSE(u.observe(1, 500).has_value());
+  EXPECT_TRUE(u.observe(2, 500).has_value());
+}
+
+TEST(AutoTuner, CompressorCostsAndWireSizeComeFromRealCalls) {
+  auto m = measure_compressor("fp16", {1 << 12, 1 << 16, 1 << 18}, 3);
+  EXPECT_EQ(m.spec, "fp16");
+  EXPECT_EQ(m.compress.samples, 3u);
+  EXPECT_GT(m.compress.at(1 << 18), 0.0);
+  EXPECT_GT(m.compress.at(1 << 18), m.compress.at(1 << 12) * 0.5);
+  // fp16: two bytes per element plus a small header.
+  EXPECT_NEAR(m.bytes_per_element, 2.0, 0.01);
+  EXPECT_LT(m.fixed_bytes, 256.0);
+  auto e = measure_compressor("efsignsgd", {1 << 12, 1 << 16}, 2);
+  EXPECT_LT(e.bytes_per_element, 0.2);  // one bit per element (+ scale)
+  EXPECT_THROW(measure_compressor("nosuch", {16}, 1), Error);
+}
+
+}  // namespace
+}  // namespace bytecomp::daemon
