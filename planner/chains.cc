@@ -17,6 +17,7 @@ const char* to_string(Resource r) {
     case Resource::kCpu: return "cpu";
     case Resource::kIntra: return "intra";
     case Resource::kInter: return "inter";
+    case Resource::kInterIn: return "inter_in";
   }
   return "?";
 }
@@ -68,6 +69,35 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
   }
   if (options_.empty())
     throw Error(ErrorCode::kInvalidArgument, "no option satisfies the constraints");
+  cut_chunks();
+}
+
+Problem::Problem(Profile profile, Cluster cluster, CostTable costs, std::vector<Option> options)
+    : profile_(std::move(profile)),
+      cluster_(std::move(cluster)),
+      costs_(std::move(costs)),
+      options_(std::move(options)) {
+  constraints_.allow_gpu = false;
+  constraints_.cpu_runtime_only = true;
+  explicit_options_ = true;
+  if (options_.empty()) throw Error(ErrorCode::kInvalidArgument, "an empty option set");
+  for (const Option& o : options_) {
+    if (!o.compressed()) continue;
+    const CompressorCost* c = costs_.find(o.compressor);
+    if (!c || !c->cpu)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "the cost table '" + costs_.name + "' has no CPU figures for compressor '" +
+                      o.compressor + "' (option [" + o.describe() + "])");
+    if (o.comp_device != Device::kCpu || o.decomp_device != Device::kCpu)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "option [" + o.describe() + "]: an explicit option set runs on the CPU only");
+    if (spec_.name.empty()) spec_ = CompressorSpec{o.compressor, o.params};
+  }
+  if (spec_.name.empty()) spec_.name = "none";
+  cut_chunks();
+}
+
+void Problem::cut_chunks() {
   tree_options_ = static_cast<int>(options_.size());
   pieced_.assign(options_.size(), 0);
   const uint64_t part_elems = cluster_.partition_bytes / 4;
@@ -87,7 +117,6 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
     chunk_size_id_.push_back(it->second);
   }
   by_size_.assign(ids.size(), std::vector<std::vector<Op>>(options_.size()));
-
 }
 
 int Problem::find_option(const Option& o) const {
@@ -175,6 +204,10 @@ Problem Problem::zero_cost_copy() const {
   }
   Cluster cl = cluster_;
   cl.host_copy_gbps = 0;
+  if (explicit_options_) {
+    return Problem(profile_, cl, t,
+                   std::vector<Option>(options_.begin(), options_.begin() + tree_options_));
+  }
   Problem p(profile_, cl, t, spec_, constraints_);
   return p;
 }
@@ -238,6 +271,10 @@ void Problem::build_composite(uint64_t elements, const Option& o, std::vector<Op
 }
 
 void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const {
+  if (cluster_.cpu_nodes) {
+    build_cpu_node_chain(elements, o, ops);
+    return;
+  }
   if (o.cpu_share > 0.0 || o.pieces > 1) {
     build_composite(elements, o, ops);
     return;
@@ -444,6 +481,45 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
   }
   if (s3) decomp(n / par, par, k, n);
   return;
+}
+
+void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
+                                   std::vector<Op>& ops) const {
+  // The CPU runtime pipelines by its own partitions (the chunks) and ignores
+  // Option::pieces; cpu_share needs a GPU. Placement (ps vs ps_single) only
+  // moves which server holds a partition: the node's traffic is the same.
+  const double n = static_cast<double>(elements);
+  const double pool = std::max(1, cluster_.pool_threads);
+  const CompressorCost* cc = o.compressed() ? costs_.find(o.compressor) : nullptr;
+  auto add = [&](Resource r, double d, const char* what) {
+    if (d > 0) ops.push_back({r, d, what});
+  };
+  add(Resource::kCpu, cluster_.reduce.at(n) / pool, "reduce");
+  if (cc) add(Resource::kCpu, cc->cpu->compress.at(n) / pool, "compress");
+  const int M = std::max(1, cluster_.machines);
+  const int servers = cluster_.servers > 0 ? cluster_.servers : M;
+  // A colocated server keeps its 1/servers share of every node's pushes on
+  // the node; on one machine nothing leaves it.
+  double remote = 1.0;
+  if (!cluster_.dedicated_servers) remote = M == 1 ? 0.0 : 1.0 - 1.0 / servers;
+  const double bytes = cc ? cc->wire_bytes(n) : 4.0 * n;  // push and pull alike
+  const double Be = cluster_.inter.bytes_per_us(), ae = cluster_.inter.latency_us;
+  add(Resource::kInter, ae + remote * bytes / Be, "push");
+  if (cc && !is_additive_compressor(o.compressor) && !cluster_.dedicated_servers) {
+    // The partition's server decompresses every node's push and recompresses
+    // the sum; colocated, that work shares this node's cores (on average a
+    // 1/servers share of every partition's).
+    add(Resource::kCpu,
+        (M * cc->cpu->decompress.at(n) + cc->cpu->compress.at(n)) / servers / pool,
+        "server_remix");
+  }
+  // Colocated, the NIC's send direction also carries this node's server's
+  // answers to the other nodes (and the receive direction their pushes): in
+  // a symmetric job each direction carries push + pull, so both share one
+  // resource. Dedicated servers leave each direction one of them.
+  add(cluster_.dedicated_servers ? Resource::kInterIn : Resource::kInter,
+      ae + remote * bytes / Be, "pull");
+  if (cc) add(Resource::kCpu, cc->cpu->decompress.at(n) / pool, "decompress");
 }
 
 }  // namespace bytecomp::planner

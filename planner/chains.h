@@ -22,8 +22,12 @@
 
 namespace bytecomp::planner {
 
-enum class Resource : uint8_t { kGpu = 0, kCpu = 1, kIntra = 2, kInter = 3 };
-constexpr int kResources = 4;
+// kInterIn: the receive direction of the inter-node link, used only by the
+// CPU-node model (Cluster::cpu_nodes) with dedicated servers, where pushes
+// and pull answers travel in opposite directions of a full-duplex NIC; every
+// other model puts all inter-node traffic on kInter.
+enum class Resource : uint8_t { kGpu = 0, kCpu = 1, kIntra = 2, kInter = 3, kInterIn = 4 };
+constexpr int kResources = 5;
 const char* to_string(Resource r);
 
 // A chain is a sequence of operations, each starting when the previous one
@@ -59,6 +63,12 @@ class Problem {
  public:
   Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSpec compressor,
           Constraints constraints = {});
+  // A problem over an explicit option set (the online planner's: options of
+  // several compressors, each looked up in `costs` by compressor name).
+  // Every compressed option needs CPU figures in `costs`; throws
+  // Error(kInvalidArgument) naming the option otherwise, or when `options`
+  // is empty. compressor() is then the first compressed option's.
+  Problem(Profile profile, Cluster cluster, CostTable costs, std::vector<Option> options);
 
   const Profile& profile() const { return profile_; }
   const Cluster& cluster() const { return cluster_; }
@@ -106,6 +116,9 @@ class Problem {
  private:
   std::vector<Op> build_chain(uint64_t elements, const Option& o) const;
   void build_chain_into(uint64_t elements, const Option& o, std::vector<Op>& ops) const;
+  // The chain of the CPU runtime on CPU-only nodes (Cluster::cpu_nodes).
+  void build_cpu_node_chain(uint64_t elements, const Option& o, std::vector<Op>& ops) const;
+  void cut_chunks();
   // Split (cpu_share) and pipelined (pieces) options: several sequences
   // (kept out of build_chain_into, the hot path of the search).
   [[gnu::noinline]] void build_composite(uint64_t elements, const Option& o,
@@ -115,6 +128,7 @@ class Problem {
   CostTable costs_;
   CompressorSpec spec_;
   Constraints constraints_;
+  bool explicit_options_ = false;
   std::vector<Option> options_;
   int tree_options_ = 0;
   std::vector<uint8_t> pieced_;  // per option: pieces > 1

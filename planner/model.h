@@ -34,6 +34,14 @@ struct Profile {
   static Profile parse(std::string_view text, std::string name);
 };
 
+// cost(n) = max(floor_us, a_us + b_us_per_melem * n / 2^20)
+struct LinearCost {
+  double a_us = 0;
+  double b_us_per_melem = 0;
+  double floor_us = 0;
+  double at(double elements) const;
+};
+
 struct Link {
   double gbps = 100;       // per port, gigabits per second
   double latency_us = 10;  // per collective step
@@ -54,19 +62,24 @@ struct Cluster {
   int servers = 0;               // 0 = one per machine (colocated)
   double server_gbps = 100;
   uint64_t partition_bytes = 0;  // 0 = tensors are not partitioned
+  // CPU-only nodes running the CPU runtime (bytecompd): no GPU, no
+  // intra-node link (gpus_per_machine, intra and host_copy_gbps are
+  // ignored). Each partition of a tensor is summed over the node's local
+  // ranks (`reduce`, one pool thread), compressed, pushed to the servers
+  // that shard the tensor, summed there (non-additive compressors:
+  // decompress every push and recompress the sum, on the node's cores when
+  // the servers are colocated), pulled and decompressed. Pool work is
+  // divided over `pool_threads`; the inter link is the node's NIC
+  // (docs/planner.md, "Online planning").
+  bool cpu_nodes = false;
+  int pool_threads = 1;
+  LinearCost reduce;             // one partition over the local ranks, one thread
 
   int workers() const { return machines * gpus_per_machine; }
   static Cluster load_file(const std::string& path);
   static Cluster parse(std::string_view text, std::string name);
 };
 
-// cost(n) = max(floor_us, a_us + b_us_per_melem * n / 2^20)
-struct LinearCost {
-  double a_us = 0;
-  double b_us_per_melem = 0;
-  double floor_us = 0;
-  double at(double elements) const;
-};
 
 struct DeviceCost {
   LinearCost compress;

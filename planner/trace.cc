@@ -32,7 +32,7 @@ std::string Timeline::chrome_trace_json() const {
   os.precision(12);
   os << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
   const char* tracks[] = {"GPU compression", "CPU compression pool", "intra-node link",
-                          "inter-node link"};
+                          "inter-node link", "inter-node link (receive)"};
   bool first = true;
   auto sep = [&] {
     if (!first) os << ",\n";

@@ -14,6 +14,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "planner/online.h"
 #include "planner/search.h"
 
 #ifndef BYTECOMP_PLANNER_DATADIR
@@ -33,7 +34,8 @@ constexpr const char* kUsage =
     "  bytecomp-plan paper [--json]\n"
     "  bytecomp-plan count --compressor NAME [--no-fp16] [--no-gpu] [--no-cpu]\n"
     "  bytecomp-plan convert-bench compress_bench.json [--out costs.yaml]\n"
-    "  bytecomp-plan bench [--runs N] [--instances N] [--seed S]\n";
+    "  bytecomp-plan bench [--runs N] [--instances N] [--seed S]\n"
+    "  bytecomp-plan explain RUN_DIR   (RUN_DIR/plan.yaml, RUN_DIR/measured.yaml if present)\n";
 
 std::string jstr(const std::string& s) {
   std::string out = "\"";
@@ -531,6 +533,57 @@ std::string planner_data_dir() {
   return BYTECOMP_PLANNER_DATADIR;
 }
 
+namespace {
+
+// The whole file, or nullopt when it does not exist; other failures throw
+// naming the file.
+std::optional<std::string> slurp(const std::string& path, bool must_exist) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    if (!must_exist) return std::nullopt;
+    throw Error(ErrorCode::kInvalidArgument, path + ": cannot read the file");
+  }
+  std::ostringstream os;
+  os << in.rdbuf();
+  if (in.bad()) throw Error(ErrorCode::kInvalidArgument, path + ": read error");
+  return os.str();
+}
+
+// explain RUN_DIR: the decision record the daemon wrote (plan.yaml) and,
+// once the job has run with it, what it measured (measured.yaml).
+int cmd_explain(const std::vector<std::string>& args, std::ostream& out) {
+  if (args.size() != 1)
+    throw Error(ErrorCode::kInvalidArgument, "explain takes one argument: RUN_DIR");
+  const std::string dir = args[0];
+  const std::string plan_path = dir + "/plan.yaml";
+  const online::Decision d = online::Decision::parse(*slurp(plan_path, true), plan_path);
+  out << d.explain();
+  const std::string measured_path = dir + "/measured.yaml";
+  if (auto text = slurp(measured_path, false)) {
+    config::Document doc = config::Document::parse(*text, measured_path);
+    config::Reader root = doc.root("");
+    double measured = 0;
+    uint64_t iterations = 0;
+    root.require("iteration_us").require("iterations");
+    root.get("iteration_us", measured, config::Range<double>{0, 1e15})
+        .get("iterations", iterations, config::Range<uint64_t>{1, UINT64_MAX});
+    if (!(measured > 0)) root.fail("iteration_us", "must be positive", "> 0");
+    root.finish();
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "measured with this strategy: %.2f ms (median of %llu iterations), "
+                  "%+.1f%% against the prediction\n",
+                  measured / 1e3, static_cast<unsigned long long>(iterations),
+                  100.0 * (measured - d.predicted_us) / d.predicted_us);
+    out << line;
+  } else {
+    out << "measured with this strategy: not yet (" << measured_path << " absent)\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
 int run_cli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   try {
     if (args.empty() || args[0] == "--help" || args[0] == "-h") {
@@ -542,6 +595,7 @@ int run_cli(const std::vector<std::string>& args, std::ostream& out, std::ostrea
     if (args[0] == "count") return cmd_count(rest, out);
     if (args[0] == "convert-bench") return cmd_convert(rest, out);
     if (args[0] == "bench") return cmd_bench(rest, out);
+    if (args[0] == "explain") return cmd_explain(rest, out);
     return cmd_plan(args, out);
   } catch (const std::exception& e) {
     err << "bytecomp-plan: " << e.what() << "\n";

@@ -1,0 +1,824 @@
+#include "planner/online.h"
+
+#include <fnmatch.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <set>
+#include <sstream>
+
+#include "common/config.h"
+#include "common/error.h"
+#include "compress/catalogue.h"
+#include "compress/compressor.h"
+#include "planner/chains.h"
+#include "planner/evaluator.h"
+#include "planner/strategy/plan.h"
+
+namespace bytecomp::planner::online {
+
+using config::Document;
+using config::Range;
+using config::Reader;
+
+namespace {
+
+constexpr double kMelem = 1048576.0;
+
+// A change of strategy is kept only when it shortens the predicted
+// iteration by more than the model's resolution: the fits and the
+// calibration are not better than this, and a "gain" below it (a
+// 64-element vector compressed on a saturated link) is noise that costs
+// accuracy and server work for nothing.
+constexpr double kMinGainFraction = 1e-3;
+constexpr double kMinGainUs = 5.0;
+// Bounds of the effective link rate calibration derives: without a probe,
+// anything plausible; with one, at most the probe (it measured the link
+// idle) and at least a quarter of it (below that the probe is not the
+// problem: something unmodelled is, and it goes into the residual).
+constexpr double kMinLinkGbps = 1e-3, kMaxLinkGbps = 1e4;
+constexpr double kProbeFloor = 0.25;
+constexpr int kRefineRounds = 4;
+
+std::string canonical_spec(std::string_view text) {
+  return compress::to_string(compress::parse_compressor_spec(text));
+}
+
+std::string fmt(double v, int prec = 6) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*g", prec, v);
+  return buf;
+}
+
+std::string fmt_fixed(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
+void emit_fit(YAML::Emitter& out, const char* key, const LinearFit& f) {
+  out << YAML::Key << key << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key << "a_us"
+      << YAML::Value << f.a_us << YAML::Key << "b_us_per_melem" << YAML::Value
+      << f.b_us_per_melem << YAML::Key << "samples" << YAML::Value << f.samples
+      << YAML::EndMap;
+}
+
+LinearFit read_fit(Reader& parent, const char* key) {
+  LinearFit f;
+  Reader r = parent.section(key);
+  r.get("a_us", f.a_us, Range<double>{0, 1e12})
+      .get("b_us_per_melem", f.b_us_per_melem, Range<double>{0, 1e12})
+      .get("samples", f.samples);
+  r.finish();
+  return f;
+}
+
+void emit_text(YAML::Emitter& out, const char* key, const std::string& text) {
+  out << YAML::Key << key << YAML::Value;
+  // A literal block keeps the text readable and exact when it ends with one
+  // newline; anything else is quoted.
+  const bool literal = !text.empty() && text.back() == '\n' &&
+                       (text.size() < 2 || text[text.size() - 2] != '\n') &&
+                       text.find('\t') == std::string::npos && text.front() != ' ';
+  if (literal) out << YAML::Literal << text;
+  else out << YAML::DoubleQuoted << text;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- fits
+
+double LinearFit::at(double elements) const {
+  return std::max(0.0, a_us + b_us_per_melem * elements / kMelem);
+}
+
+LinearFit fit_linear(const std::vector<std::pair<double, double>>& points) {
+  LinearFit f;
+  f.samples = static_cast<uint32_t>(points.size());
+  if (points.empty()) return f;
+  const double n = static_cast<double>(points.size());
+  double sx = 0, sy = 0;
+  for (const auto& [x, y] : points) {
+    sx += x;
+    sy += y;
+  }
+  const double mx = sx / n, my = sy / n;
+  double sxx = 0, sxy = 0;
+  for (const auto& [x, y] : points) {
+    sxx += (x - mx) * (x - mx);
+    sxy += (x - mx) * (y - my);
+  }
+  // Fewer than two distinct x: no slope to fit. The threshold is relative
+  // so that x values differing only by rounding count as one.
+  if (!(sxx > 1e-12 * std::max(1.0, mx * mx) * n)) {
+    f.a_us = my;
+    return f;
+  }
+  const double b = sxy / sxx;  // microseconds per element
+  f.b_us_per_melem = b * kMelem;
+  f.a_us = my - b * mx;
+  return f;
+}
+
+// ---------------------------------------------------------------- profile
+
+std::string NodeProfile::to_yaml() const {
+  YAML::Emitter out;
+  out.SetDoublePrecision(17);
+  out << YAML::BeginMap;
+  out << YAML::Key << "version" << YAML::Value << 1;
+  out << YAML::Key << "node_rank" << YAML::Value << node_rank;
+  out << YAML::Key << "local_ranks" << YAML::Value << local_ranks;
+  out << YAML::Key << "pool_threads" << YAML::Value << pool_threads;
+  out << YAML::Key << "cpu_cores" << YAML::Value << cpu_cores;
+  out << YAML::Key << "first_iteration" << YAML::Value << first_iteration;
+  out << YAML::Key << "iterations" << YAML::Value << iterations;
+  out << YAML::Key << "iteration_us" << YAML::Value << iteration_us;
+  out << YAML::Key << "link_gbps" << YAML::Value << link_gbps;
+  out << YAML::Key << "link_latency_us" << YAML::Value << link_latency_us;
+  emit_fit(out, "reduce", reduce);
+  out << YAML::Key << "tensors" << YAML::Value << YAML::BeginSeq;
+  for (const TensorMeasure& t : tensors) {
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value
+        << YAML::DoubleQuoted << t.name << YAML::Key << "elements" << YAML::Value << t.elements
+        << YAML::Key << "ready_us" << YAML::Value << t.ready_us << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  out << YAML::Key << "compressors" << YAML::Value << YAML::BeginSeq;
+  for (const CompressorMeasure& c : compressors) {
+    out << YAML::BeginMap << YAML::Key << "spec" << YAML::Value << YAML::DoubleQuoted << c.spec;
+    emit_fit(out, "compress", c.compress);
+    emit_fit(out, "decompress", c.decompress);
+    out << YAML::Key << "bytes_per_element" << YAML::Value << c.bytes_per_element;
+    out << YAML::Key << "fixed_bytes" << YAML::Value << c.fixed_bytes;
+    out << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  emit_text(out, "current_strategy", current_strategy_yaml);
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+NodeProfile NodeProfile::parse(std::string_view text, std::string name) {
+  Document doc = Document::parse(text, std::move(name));
+  Reader root = doc.root("");
+  NodeProfile p;
+  root.require("iteration_us").require("tensors");
+  root.get("node_rank", p.node_rank)
+      .get("local_ranks", p.local_ranks, Range<uint32_t>{1, 4096})
+      .get("pool_threads", p.pool_threads, Range<uint32_t>{1, 4096})
+      .get("cpu_cores", p.cpu_cores, Range<uint32_t>{1, 65536})
+      .get("first_iteration", p.first_iteration)
+      .get("iterations", p.iterations)
+      .get("iteration_us", p.iteration_us, Range<double>{0, 1e12})
+      .get("link_gbps", p.link_gbps, Range<double>{0, 1e6})
+      .get("link_latency_us", p.link_latency_us, Range<double>{0, 1e9})
+      .get("current_strategy", p.current_strategy_yaml);
+  if (!(p.iteration_us > 0)) root.fail("iteration_us", "must be positive", "> 0");
+  p.reduce = read_fit(root, "reduce");
+  std::set<std::string> names;
+  for (Reader& r : root.list("tensors")) {
+    TensorMeasure t;
+    r.require("name").require("elements").require("ready_us");
+    r.get("name", t.name)
+        .get("elements", t.elements, Range<uint64_t>{1, 1ull << 40})
+        .get("ready_us", t.ready_us, Range<double>{0, 1e12});
+    if (t.name.empty()) r.fail("name", "empty tensor name");
+    if (!names.insert(t.name).second) r.fail("name", "tensor '" + t.name + "' is listed twice");
+    r.finish();
+    p.tensors.push_back(std::move(t));
+  }
+  if (p.tensors.empty()) root.fail("tensors", "a profile needs at least one tensor");
+  for (Reader& r : root.list("compressors")) {
+    CompressorMeasure c;
+    r.require("spec");
+    r.get("spec", c.spec);
+    try {
+      (void)canonical_spec(c.spec);
+    } catch (const Error& e) {
+      r.fail("spec", e.what());
+    }
+    c.compress = read_fit(r, "compress");
+    c.decompress = read_fit(r, "decompress");
+    r.get("bytes_per_element", c.bytes_per_element, Range<double>{0, 64})
+        .get("fixed_bytes", c.fixed_bytes, Range<double>{0, 1e9});
+    r.finish();
+    p.compressors.push_back(std::move(c));
+  }
+  root.finish();
+  return p;
+}
+
+// ---------------------------------------------------------------- merge
+
+NodeProfile merge(const std::vector<NodeProfile>& nodes) {
+  if (nodes.empty()) throw Error(ErrorCode::kInvalidArgument, "merge: no node profiles");
+  NodeProfile m = nodes.front();
+  m.node_rank = 0;
+  auto fail = [](const NodeProfile& n, const std::string& what) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "merge: node " + std::to_string(n.node_rank) + " differs from node " +
+                    "profile 0: " + what);
+  };
+  auto slower = [](LinearFit& into, const LinearFit& f) {
+    into.a_us = std::max(into.a_us, f.a_us);
+    into.b_us_per_melem = std::max(into.b_us_per_melem, f.b_us_per_melem);
+    into.samples = std::min(into.samples, f.samples);
+  };
+  const NodeProfile& first = nodes.front();
+  for (size_t k = 1; k < nodes.size(); ++k) {
+    const NodeProfile& n = nodes[k];
+    if (n.tensors.size() != first.tensors.size())
+      fail(n, std::to_string(n.tensors.size()) + " tensors against " +
+                  std::to_string(first.tensors.size()));
+    for (size_t i = 0; i < n.tensors.size(); ++i) {
+      const TensorMeasure &a = first.tensors[i], &b = n.tensors[i];
+      if (a.name != b.name || a.elements != b.elements)
+        fail(n, "tensor " + std::to_string(i) + " is '" + b.name + "' (" +
+                    std::to_string(b.elements) + " elements) against '" + a.name + "' (" +
+                    std::to_string(a.elements) + " elements)");
+      m.tensors[i].ready_us = std::max(m.tensors[i].ready_us, b.ready_us);
+    }
+    if (n.compressors.size() != first.compressors.size())
+      fail(n, std::to_string(n.compressors.size()) + " measured compressors against " +
+                  std::to_string(first.compressors.size()));
+    for (size_t i = 0; i < n.compressors.size(); ++i) {
+      const CompressorMeasure& b = n.compressors[i];
+      CompressorMeasure& into = m.compressors[i];
+      if (canonical_spec(b.spec) != canonical_spec(first.compressors[i].spec))
+        fail(n, "compressor " + std::to_string(i) + " is '" + b.spec + "' against '" +
+                    first.compressors[i].spec + "'");
+      slower(into.compress, b.compress);
+      slower(into.decompress, b.decompress);
+      into.bytes_per_element = std::max(into.bytes_per_element, b.bytes_per_element);
+      into.fixed_bytes = std::max(into.fixed_bytes, b.fixed_bytes);
+    }
+    if (n.current_strategy_yaml != first.current_strategy_yaml)
+      fail(n, "it ran a different strategy during the window");
+    m.local_ranks = std::max(m.local_ranks, n.local_ranks);
+    m.pool_threads = std::min(m.pool_threads, n.pool_threads);
+    m.cpu_cores = std::min(m.cpu_cores, n.cpu_cores);
+    m.first_iteration = std::max(m.first_iteration, n.first_iteration);
+    m.iterations = std::min(m.iterations, n.iterations);
+    m.iteration_us = std::max(m.iteration_us, n.iteration_us);
+    slower(m.reduce, n.reduce);
+    if (n.link_gbps > 0 && (m.link_gbps <= 0 || n.link_gbps < m.link_gbps))
+      m.link_gbps = n.link_gbps;
+    m.link_latency_us = std::max(m.link_latency_us, n.link_latency_us);
+  }
+  return m;
+}
+
+// ---------------------------------------------------------------- options
+
+Option sharded_option(std::string_view spec_text) {
+  Option o;  // hierarchical, reduce_broadcast, reduce_scatter_allgather, cpu/cpu
+  const std::string_view trimmed = spec_text;
+  if (trimmed == "none" || trimmed.empty()) return o;
+  const compress::CompressorSpec spec = compress::parse_compressor_spec(trimmed);
+  const compress::CatalogueEntry* e = compress::find_compressor(spec.name);
+  if (!e) throw Error(ErrorCode::kInvalidArgument, "unknown compressor '" + spec.name + "'");
+  o.compressor = spec.name;
+  o.params = spec.params;
+  o.compress_before = o.decompress_after = Stage::kInter;
+  if (e->additive) {
+    o.inter = Collective::kReduceScatterAllgather;
+  } else {
+    o.inter = Collective::kAlltoallAllgather;
+    // The servers sum decompressed pushes and recompress: error feedback on
+    // both sides is what keeps that unbiased over iterations.
+    o.error_feedback = e->builtin_feedback || e->has_param("ef");
+    o.params.erase("ef");
+  }
+  return o;
+}
+
+// ---------------------------------------------------------------- decide
+
+namespace {
+
+struct Candidate {
+  std::string spec;  // canonical; "none" for uncompressed
+  Option option;
+};
+
+bool excluded_name(const std::vector<std::string>& globs, const std::string& name) {
+  for (const std::string& g : globs)
+    if (fnmatch(g.c_str(), name.c_str(), 0) == 0) return true;
+  return false;
+}
+
+// What decide() works on: the problem in ready order, the mapping back to
+// declaration order, the option set.
+struct Model {
+  Profile profile;                 // ready order
+  std::vector<int> decl_of;        // problem index -> declaration index
+  std::vector<int> prob_of;        // declaration index -> problem index
+  Cluster cluster;
+  CostTable costs;
+  std::vector<Option> options;     // candidates first, then the current strategy's extras
+  size_t candidates = 0;
+};
+
+Problem make_problem(const Model& m, double link_gbps) {
+  Cluster c = m.cluster;
+  c.inter.gbps = link_gbps;
+  return Problem(m.profile, c, m.costs, m.options);
+}
+
+double predict(const Model& m, double link_gbps, const Assignment& a) {
+  Problem p = make_problem(m, link_gbps);
+  Evaluator ev(p);
+  return ev.evaluate(a);
+}
+
+int option_index(std::vector<Option>& options, const Option& o) {
+  for (size_t i = 0; i < options.size(); ++i)
+    if (options[i] == o) return static_cast<int>(i);
+  options.push_back(o);
+  return static_cast<int>(options.size()) - 1;
+}
+
+Strategy strategy_of(const NodeProfile& prof, const Model& m, const Assignment& a) {
+  Strategy s;
+  s.set_default(Option{});
+  for (size_t d = 0; d < prof.tensors.size(); ++d)
+    s.add_entry({prof.tensors[d].name, m.options[a[m.prob_of[d]]]});
+  return s;
+}
+
+struct Calibration {
+  double link_gbps = 0;
+  std::string link_source;
+  double residual_us = 0;
+  double raw_prediction_us = 0;  // of the window's strategy at link_gbps
+};
+
+// Finds the link rate at which the window's strategy predicts the measured
+// iteration time (F decreases with the rate), within [lo, hi]; what is
+// left is the residual.
+Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment& current) {
+  const double T = prof.iteration_us;
+  Calibration c;
+  double lo = kMinLinkGbps, hi = kMaxLinkGbps;
+  if (prof.link_gbps > 0) {
+    hi = prof.link_gbps;
+    lo = prof.link_gbps * kProbeFloor;
+  }
+  const double f_hi = predict(m, hi, current);
+  if (f_hi >= T) {
+    c.link_gbps = hi;
+    c.raw_prediction_us = f_hi;
+    c.link_source = prof.link_gbps > 0 ? "probe" : "upper bound (the model over-predicts)";
+  } else {
+    const double f_lo = predict(m, lo, current);
+    if (f_lo <= T) {
+      c.link_gbps = lo;
+      c.raw_prediction_us = f_lo;
+      c.link_source = prof.link_gbps > 0
+                          ? "a quarter of the probe (the rest of the gap is not the link)"
+                          : "lower bound";
+    } else {
+      // Bisection in log space: 40 steps bring the ratio hi/lo near 1 + 1e-9.
+      double a = std::log(lo), b = std::log(hi), fb = f_hi;
+      for (int it = 0; it < 48 && b - a > 1e-10; ++it) {
+        const double mid = 0.5 * (a + b);
+        const double f = predict(m, std::exp(mid), current);
+        if (f > T) {
+          a = mid;
+        } else {
+          b = mid;
+          fb = f;
+        }
+      }
+      c.link_gbps = std::exp(b);
+      c.raw_prediction_us = fb;
+      c.link_source = prof.link_gbps > 0 ? "derived from iteration_us (the probe was optimistic)"
+                                         : "derived from iteration_us (no probe)";
+    }
+  }
+  c.residual_us = T - c.raw_prediction_us;
+  return c;
+}
+
+// Coordinate descent over the candidate options from `start`: first whole
+// groups of equal-sized tensors (what Algorithm 2 moves together), largest
+// first, then single tensors, keeping only changes that beat the gain
+// threshold.
+std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<int>>& cands,
+                                     const std::vector<int>& by_size, Assignment start) {
+  Evaluator ev(p);
+  ev.set_base(start);
+  double best = ev.base_value();
+  auto threshold = [&](double v) { return std::max(kMinGainUs, kMinGainFraction * v); };
+  // Groups of equal element count among tensors that have a choice.
+  std::map<uint64_t, std::vector<int>, std::greater<>> groups;
+  for (int i : by_size)
+    if (cands[i].size() > 1) groups[p.profile().tensors[i].elements].push_back(i);
+  std::vector<std::pair<int, int>> changes;
+  for (auto& [size, members] : groups) {
+    if (members.size() < 2) continue;
+    std::sort(members.begin(), members.end());
+    for (int o : cands[members.front()]) {
+      changes.clear();
+      for (int i : members)
+        if (ev.base()[i] != o) changes.push_back({i, o});
+      if (changes.empty()) continue;
+      const double need = best - threshold(best) * static_cast<double>(changes.size());
+      const double v = ev.try_changes(changes, need);
+      if (v < need) {
+        for (auto [i, opt] : changes) ev.commit(i, opt);
+        best = ev.base_value();
+      }
+    }
+  }
+  for (int round = 0; round < kRefineRounds; ++round) {
+    bool improved = false;
+    for (int i : by_size) {
+      if (cands[i].size() < 2) continue;
+      int pick = -1;
+      double need = best - threshold(best);
+      for (int o : cands[i]) {
+        if (o == ev.base()[i]) continue;
+        const double v = ev.try_option(i, o, need);
+        if (v < need) {
+          need = v;
+          pick = o;
+        }
+      }
+      if (pick >= 0) {
+        ev.commit(i, pick);
+        best = ev.base_value();
+        improved = true;
+      }
+    }
+    if (!improved) break;
+  }
+  // Uncompressed is preferred where compression gains less than the
+  // resolution (smallest tensors first): together these reverts cost at
+  // most one threshold, so what stays compressed is what pays.
+  const double budget = best + threshold(best);
+  for (auto it = by_size.rbegin(); it != by_size.rend(); ++it) {
+    const int i = *it;
+    if (ev.base()[i] == 0 || cands[i].size() < 2) continue;
+    const double v = ev.try_option(i, 0, budget);
+    if (v < budget) {
+      ev.commit(i, 0);
+      best = ev.base_value();
+    }
+  }
+  return {ev.base(), best};
+}
+
+}  // namespace
+
+Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto bad = [](const std::string& what) {
+    throw Error(ErrorCode::kInvalidArgument, "online planner: " + what);
+  };
+  if (prof.tensors.empty()) bad("the profile has no tensors");
+  if (!(prof.iteration_us > 0)) bad("the profile has no measured iteration time (iteration_us)");
+  if (cfg.nodes == 0) bad("nodes must be at least 1");
+  if (cfg.servers == 0) bad("servers must be at least 1");
+  if (cfg.partition_bytes < 4096) bad("partition_bytes below 4 KiB");
+  for (const TensorMeasure& t : prof.tensors)
+    if (t.elements == 0) bad("tensor '" + t.name + "' has 0 elements");
+
+  // Measured costs, by canonical spec and by compressor name (the cost
+  // table, like the runtime's wire format, knows one figure set per name).
+  Model m;
+  m.costs.name = "measured on the nodes";
+  std::map<std::string, const CompressorMeasure*> measured;
+  for (const CompressorMeasure& c : prof.compressors) {
+    std::string canon;
+    try {
+      canon = canonical_spec(c.spec);
+    } catch (const Error& e) {
+      bad("profile compressor '" + c.spec + "': " + e.what());
+    }
+    measured[canon] = &c;
+  }
+  auto add_costs = [&](const std::string& canon) {
+    const CompressorMeasure* c = measured.at(canon);
+    const compress::CompressorSpec spec = compress::parse_compressor_spec(canon);
+    auto [it, fresh] = m.costs.compressors.try_emplace(spec.name);
+    if (!fresh) {
+      if (it->second.params == spec.params) return;
+      bad("two accepted specs of compressor '" + spec.name +
+          "' (the planner keeps one measurement per compressor)");
+    }
+    CompressorCost& cc = it->second;
+    cc.name = spec.name;
+    cc.params = spec.params;
+    cc.bytes_per_element = c->bytes_per_element;
+    cc.fixed_bytes = c->fixed_bytes;
+    cc.cpu = DeviceCost{{c->compress.a_us, c->compress.b_us_per_melem, 0},
+                        {c->decompress.a_us, c->decompress.b_us_per_melem, 0}};
+  };
+
+  // Candidates: none, fp16, then the accepted compressors.
+  std::vector<Candidate> cands{{"none", Option{}}};
+  std::vector<std::string> specs{"fp16"};
+  for (const std::string& s : cfg.compressors) specs.push_back(s);
+  std::set<std::string> seen{"none"};
+  // canonical and as written, in the user's order, fp16 excluded
+  std::vector<std::pair<std::string, std::string>> accepted;
+  for (const std::string& s : specs) {
+    std::string canon;
+    try {
+      canon = canonical_spec(s);
+    } catch (const Error& e) {
+      bad("compressor '" + s + "': " + e.what());
+    }
+    if (&s != &specs.front() && canon != "fp16") accepted.push_back({canon, s});
+    if (!seen.insert(canon).second) continue;
+    if (!measured.count(canon))
+      bad("the profile has no measurement of compressor '" + s + "'" +
+          (canon == "fp16" ? " (fp16 is always a candidate: the nodes must measure it)" : ""));
+    Option o = sharded_option(canon);
+    const strategy::TensorPlan plan = strategy::plan_for_option(o, "<" + canon + ">");
+    if (plan.placement != strategy::Placement::kSharded)
+      bad("compressor '" + s + "' cannot run sharded over the servers");
+    if (std::string why = cpu_runtime_unsupported(o); !why.empty())
+      bad("compressor '" + s + "': " + why);
+    add_costs(canon);
+    cands.push_back({canon, std::move(o)});
+  }
+  for (const Candidate& c : cands) m.options.push_back(c.option);
+  m.candidates = m.options.size();
+
+  // The problem in ready order: gaps between sorted ready times, forward =
+  // the first one (the window measured them with its own contention).
+  const int n = static_cast<int>(prof.tensors.size());
+  std::vector<int> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return prof.tensors[a].ready_us < prof.tensors[b].ready_us;
+  });
+  m.decl_of = order;
+  m.prob_of.assign(n, 0);
+  m.profile.model = "online";
+  double prev = prof.tensors[order[0]].ready_us;
+  m.profile.forward_us = prev;
+  for (int k = 0; k < n; ++k) {
+    const TensorMeasure& t = prof.tensors[order[k]];
+    m.prob_of[order[k]] = k;
+    m.profile.tensors.push_back({t.name, t.elements, t.ready_us - prev});
+    prev = t.ready_us;
+  }
+  m.cluster.name = "cpu nodes (measured)";
+  m.cluster.cpu_nodes = true;
+  m.cluster.machines = static_cast<int>(cfg.nodes);
+  m.cluster.gpus_per_machine = 1;
+  m.cluster.cpu_cores = static_cast<int>(prof.cpu_cores);
+  m.cluster.pool_threads = static_cast<int>(prof.pool_threads);
+  m.cluster.servers = static_cast<int>(cfg.servers);
+  m.cluster.dedicated_servers = !cfg.colocated_servers;
+  m.cluster.partition_bytes = cfg.partition_bytes;
+  m.cluster.reduce = {prof.reduce.a_us, prof.reduce.b_us_per_melem, 0};
+  m.cluster.inter.latency_us = prof.link_latency_us;
+
+  // The window's strategy as an assignment (its options join the set for
+  // calibration only; the search never picks them).
+  Assignment current(n, 0);
+  if (!prof.current_strategy_yaml.empty()) {
+    Strategy cur;
+    try {
+      cur = Strategy::parse(prof.current_strategy_yaml, "current strategy");
+    } catch (const std::exception& e) {
+      bad(std::string("the window's strategy does not parse: ") + e.what());
+    }
+    for (int d = 0; d < n; ++d) {
+      const TensorMeasure& t = prof.tensors[d];
+      Option o = cur.resolve(t.name, 4 * t.elements);
+      if (o.compressed()) {
+        if (!m.costs.find(o.compressor)) {
+          std::string canon;
+          for (const auto& [spec, c] : measured)
+            if (compress::parse_compressor_spec(spec).name == o.compressor) canon = spec;
+          if (canon.empty())
+            bad("the window's strategy compresses tensor '" + t.name + "' with '" +
+                o.compressor + "', which the profile has no measurement of");
+          add_costs(canon);
+        }
+        o.comp_device = o.decomp_device = Device::kCpu;  // the CPU runtime ran it there
+        o.cpu_share = 0;
+        o.pieces = 1;
+      }
+      current[m.prob_of[d]] = option_index(m.options, o);
+    }
+  }
+
+  const Calibration cal = calibrate(m, prof, current);
+  Problem p = make_problem(m, cal.link_gbps);
+
+  // Per tensor (problem order) its candidate option indices.
+  std::vector<std::vector<int>> choice(n);
+  std::vector<char> excl(n, 0);
+  for (int k = 0; k < n; ++k) {
+    excl[k] = excluded_name(cfg.exclude, p.profile().tensors[k].name);
+    choice[k].push_back(0);
+    if (!excl[k])
+      for (size_t o = 1; o < m.candidates; ++o) choice[k].push_back(static_cast<int>(o));
+  }
+  std::vector<int> by_size(n);
+  std::iota(by_size.begin(), by_size.end(), 0);
+  std::stable_sort(by_size.begin(), by_size.end(), [&](int a, int b) {
+    return p.profile().tensors[a].elements > p.profile().tensors[b].elements;
+  });
+
+  Decision d;
+  d.measured_us = prof.iteration_us;
+  Evaluator ev(p);
+  auto uniform = [&](int opt, uint64_t min_bytes) {
+    Assignment a(n, 0);
+    for (int k = 0; k < n; ++k)
+      if (!excl[k] && 4 * p.profile().tensors[k].elements >= min_bytes) a[k] = opt;
+    return a;
+  };
+  std::vector<std::pair<std::string, Assignment>> alts;
+  alts.push_back({"fp32", Assignment(n, 0)});
+  alts.push_back({"fp16", uniform(1, 0)});
+  for (const auto& [canon, written] : accepted) {
+    int idx = 0;
+    for (size_t o = 0; o < m.candidates; ++o)
+      if (cands[o].spec == canon) idx = static_cast<int>(o);
+    alts.push_back({"all:" + written, uniform(idx, 0)});
+    alts.push_back({"threshold:" + written, uniform(idx, cfg.min_compress_bytes)});
+  }
+  const Assignment* best_alt = nullptr;
+  double best_alt_us = std::numeric_limits<double>::infinity();
+  for (const auto& [name, a] : alts) {
+    const double v = ev.evaluate(a);
+    d.alternatives.push_back({name, v + cal.residual_us, strategy_of(prof, m, a).to_yaml()});
+    if (v < best_alt_us) {
+      best_alt_us = v;
+      best_alt = &a;
+    }
+  }
+
+  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0));
+  {
+    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt);
+    // From the best hand strategy the tiny tensors keep whatever it gave
+    // them; take that start only when it is genuinely better.
+    if (alt_v < plan_v - std::max(kMinGainUs, kMinGainFraction * plan_v)) {
+      plan_a = alt_a;
+      plan_v = alt_v;
+    }
+  }
+
+  Timeline tl;
+  const double raw = ev.evaluate(plan_a, &tl);
+  d.predicted_us = raw + cal.residual_us;
+  d.timeline_json = tl.chrome_trace_json();
+  d.strategy = strategy_of(prof, m, plan_a);
+
+  // What the coordinator relies on: every emitted option runs on the CPU
+  // runtime and keeps the tensor sharded.
+  std::vector<TensorDecl> decl;
+  for (const TensorMeasure& t : prof.tensors) decl.push_back({t.name, 4 * t.elements});
+  d.strategy.check_cpu_runtime(decl);
+  for (size_t o = 0; o < m.candidates; ++o)
+    if (strategy::plan_for_option(m.options[o], "<candidate>").placement !=
+        strategy::Placement::kSharded)
+      throw Error(ErrorCode::kInternal, "online planner: a candidate option is not sharded");
+
+  for (int dd = 0; dd < n; ++dd) {
+    const int k = m.prob_of[dd];
+    d.tensors.push_back({prof.tensors[dd].name, 4 * prof.tensors[dd].elements,
+                         m.options[plan_a[k]].describe(), excl[k] != 0});
+  }
+  auto& meta = d.strategy.meta;
+  meta["planner"] = "online (cpu nodes)";
+  meta["predicted_us"] = fmt(d.predicted_us, 9);
+  meta["measured_us"] = fmt(d.measured_us, 9);
+  meta["window"] = std::to_string(prof.first_iteration) + "+" + std::to_string(prof.iterations);
+  meta["calibration.link_gbps"] = fmt(cal.link_gbps, 9);
+  meta["calibration.link_source"] = cal.link_source;
+  meta["calibration.probe_gbps"] = fmt(prof.link_gbps, 9);
+  meta["calibration.residual_us"] = fmt(cal.residual_us, 9);
+  meta["calibration.model_us"] = fmt(cal.raw_prediction_us, 9);
+  meta["nodes"] = std::to_string(cfg.nodes);
+  meta["servers"] = std::to_string(cfg.servers) + (cfg.colocated_servers ? " colocated" : " dedicated");
+  d.decision_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  meta["decision_ms"] = fmt(d.decision_ms, 6);
+  return d;
+}
+
+// ---------------------------------------------------------------- record
+
+std::string Decision::to_yaml() const {
+  YAML::Emitter out;
+  out.SetDoublePrecision(17);
+  out << YAML::BeginMap;
+  out << YAML::Key << "version" << YAML::Value << 1;
+  out << YAML::Key << "predicted_us" << YAML::Value << predicted_us;
+  out << YAML::Key << "measured_us" << YAML::Value << measured_us;
+  out << YAML::Key << "decision_ms" << YAML::Value << decision_ms;
+  out << YAML::Key << "tensors" << YAML::Value << YAML::BeginSeq;
+  for (const TensorChoice& t : tensors) {
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value
+        << YAML::DoubleQuoted << t.name << YAML::Key << "bytes" << YAML::Value << t.bytes
+        << YAML::Key << "option" << YAML::Value << YAML::DoubleQuoted << t.option << YAML::Key
+        << "excluded" << YAML::Value << t.excluded << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  out << YAML::Key << "alternatives" << YAML::Value << YAML::BeginSeq;
+  for (const Alternative& a : alternatives) {
+    out << YAML::BeginMap << YAML::Key << "name" << YAML::Value << YAML::DoubleQuoted << a.name
+        << YAML::Key << "predicted_us" << YAML::Value << a.predicted_us;
+    emit_text(out, "strategy", a.strategy_yaml);
+    out << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  emit_text(out, "strategy", strategy.to_yaml());
+  emit_text(out, "timeline_json", timeline_json);
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+Decision Decision::parse(std::string_view text, std::string name) {
+  Document doc = Document::parse(text, name);
+  Reader root = doc.root("");
+  Decision d;
+  root.require("predicted_us").require("strategy").require("tensors");
+  std::string strategy_text;
+  root.get("predicted_us", d.predicted_us, Range<double>{0, 1e15})
+      .get("measured_us", d.measured_us, Range<double>{0, 1e15})
+      .get("decision_ms", d.decision_ms, Range<double>{0, 1e12})
+      .get("strategy", strategy_text)
+      .get("timeline_json", d.timeline_json);
+  for (Reader& r : root.list("tensors")) {
+    TensorChoice t;
+    r.require("name").require("option");
+    r.get("name", t.name).get("bytes", t.bytes).get("option", t.option).get("excluded", t.excluded);
+    if (t.name.empty()) r.fail("name", "empty tensor name");
+    r.finish();
+    d.tensors.push_back(std::move(t));
+  }
+  for (Reader& r : root.list("alternatives")) {
+    Alternative a;
+    r.require("name").require("predicted_us");
+    r.get("name", a.name)
+        .get("predicted_us", a.predicted_us, Range<double>{0, 1e15})
+        .get("strategy", a.strategy_yaml);
+    if (!a.strategy_yaml.empty()) {
+      try {
+        (void)Strategy::parse(a.strategy_yaml, name + ": alternative '" + a.name + "' strategy");
+      } catch (const std::exception& e) {
+        r.fail("strategy", e.what());
+      }
+    }
+    r.finish();
+    d.alternatives.push_back(std::move(a));
+  }
+  root.finish();
+  d.strategy = Strategy::parse(strategy_text, name + ": strategy");
+  return d;
+}
+
+std::string Decision::explain() const {
+  std::ostringstream os;
+  size_t w = 6;
+  for (const TensorChoice& t : tensors) w = std::max(w, t.name.size());
+  int compressed = 0;
+  for (const TensorChoice& t : tensors)
+    if (t.option.rfind("none", 0) != 0) ++compressed;
+  os << "Decision: " << compressed << " of " << tensors.size() << " tensors compressed";
+  if (auto it = strategy.meta.find("calibration.link_gbps"); it != strategy.meta.end())
+  {
+    os << "; model link " << it->second << " Gbit/s";
+    if (auto src = strategy.meta.find("calibration.link_source"); src != strategy.meta.end())
+      os << " (" << src->second << ")";
+  }
+  os << "\n\n";
+  os << std::string("tensor") + std::string(w - 6 + 2, ' ') << "      bytes  option\n";
+  for (const TensorChoice& t : tensors) {
+    std::string b = std::to_string(t.bytes);
+    os << t.name << std::string(w - t.name.size() + 2, ' ')
+       << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << t.option
+       << (t.excluded ? "  [excluded]" : "") << "\n";
+  }
+  os << "\npredicted iteration: " << fmt_fixed(predicted_us / 1e3, 2) << " ms\n";
+  os << "measured before the decision: " << fmt_fixed(measured_us / 1e3, 2) << " ms\n";
+  if (!alternatives.empty()) {
+    os << "\nalternatives (predicted):\n";
+    size_t aw = 4;
+    for (const Alternative& a : alternatives) aw = std::max(aw, a.name.size());
+    for (const Alternative& a : alternatives)
+      os << "  " << a.name << std::string(aw - a.name.size() + 2, ' ')
+         << fmt_fixed(a.predicted_us / 1e3, 2) << " ms\n";
+  }
+  return os.str();
+}
+
+}  // namespace bytecomp::planner::online

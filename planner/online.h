@@ -1,0 +1,156 @@
+// The online planner: from what the nodes measured during a window of
+// iterations to one per-tensor strategy for the whole job (issue 13; the
+// coordinator links this library, docs/planner.md "Online planning").
+//
+// The model is the planner's timeline simulator (planner/evaluator.h) on
+// CPU-only nodes (Cluster::cpu_nodes): no GPU, no intra-node link; the
+// backward pass is the measured ready times, the intra-node step the
+// measured reduce fit, (de)compression the measured fits divided over the
+// daemon's pool threads, the push/pull to the sharded servers the measured
+// link per node. It is calibrated so that its prediction for the strategy
+// that ran during the window equals the measured iteration time
+// (Decision::strategy.meta says what was derived and how).
+//
+// Options are only those the CPU runtime executes AND that keep every
+// tensor's placement as an uncompressed job has it (sharded over the
+// servers: the coordinator refuses placement changes mid-job): per tensor
+// none, fp16 or one of the accepted compressors, on the CPU, over the PS
+// sharded scheme.
+//
+// Units: microseconds (_us), milliseconds (_ms), elements are fp32
+// elements, bytes are bytes, link rates gigabits per second.
+//
+// Thread-safety: plain values and pure functions; decide() builds its own
+// Problem, so calls may run concurrently on different (or the same const)
+// inputs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "planner/strategy/strategy.h"
+
+namespace bytecomp::planner::online {
+
+// cost(n) = a_us + b_us_per_melem * n / 2^20 microseconds, never below 0.
+struct LinearFit {
+  double a_us = 0;
+  double b_us_per_melem = 0;
+  uint32_t samples = 0;  // points the fit was made from
+  double at(double elements) const;
+};
+
+// Least squares of (elements, microseconds) points. With fewer than two
+// distinct x values: a = mean of the times, b = 0. Empty: all zero.
+LinearFit fit_linear(const std::vector<std::pair<double, double>>& points);
+
+struct TensorMeasure {
+  std::string name;
+  uint64_t elements = 0;  // fp32 elements
+  // Median over the window of the time since iteration start at which every
+  // local rank had submitted this gradient (push arrival at the daemon).
+  double ready_us = 0;
+};
+
+struct CompressorMeasure {
+  std::string spec;  // as the user wrote it: "efsignsgd", "topk:0.01"
+  // One compress / decompress call of n elements on one pool thread of this
+  // node.
+  LinearFit compress, decompress;
+  // Measured wire size: fixed_bytes + bytes_per_element * n.
+  double bytes_per_element = 4, fixed_bytes = 0;
+};
+
+struct NodeProfile {
+  uint32_t node_rank = 0, local_ranks = 1, pool_threads = 1, cpu_cores = 1;
+  uint64_t first_iteration = 0, iterations = 0;  // the measured window
+  double iteration_us = 0;                       // median measured iteration time
+  std::vector<TensorMeasure> tensors;            // the job's declaration order (NOT ready order)
+  LinearFit reduce;                              // intra-node sum of one partition, this node
+  std::vector<CompressorMeasure> compressors;
+  double link_gbps = 0, link_latency_us = 0;     // node<->servers probe; 0 = unknown
+  std::string current_strategy_yaml;             // what ran during the window ("" = uncompressed)
+
+  // Versioned YAML (version: 1); parse(to_yaml()) gives back an equal
+  // profile.
+  std::string to_yaml() const;
+  // Throws config::ConfigError located at file:line:col with the key path
+  // for malformed or out-of-range items (`name` stands for the file).
+  static NodeProfile parse(std::string_view text, std::string name);
+};
+
+// The job's view of several nodes' profiles: per tensor the latest ready
+// time of any node, the longest iteration, the narrowest link (smallest
+// known rate, largest latency), the slowest cost coefficients (largest a and
+// b of every fit, largest wire size), the fewest pool threads and cores, the
+// most local ranks, the shortest window. Throws Error(kInvalidArgument)
+// naming the difference when the nodes' tensor lists (names, sizes, order),
+// compressor lists or current strategies differ, or when `nodes` is empty.
+NodeProfile merge(const std::vector<NodeProfile>& nodes);
+
+struct AutoConfig {
+  std::vector<std::string> compressors;  // accepted by the user; empty = fp16 only
+  std::vector<std::string> exclude;      // fnmatch globs of tensors never compressed
+  uint64_t min_compress_bytes = 1 << 20; // the BytePS size-threshold alternative
+  uint32_t nodes = 1, servers = 1;
+  bool colocated_servers = true;
+  uint64_t partition_bytes = 4 << 20;    // the daemon's partitioning
+};
+
+// A hand strategy the decision compares against.
+struct Alternative {
+  std::string name;          // "fp32", "fp16", "all:<spec>", "threshold:<spec>"
+  double predicted_us = 0;   // calibrated prediction of its iteration time
+  std::string strategy_yaml; // its strategy file
+};
+
+struct TensorChoice {
+  std::string name;
+  uint64_t bytes = 0;
+  std::string option;  // Option::describe() of the chosen option
+  bool excluded = false;  // matched AutoConfig::exclude (kept uncompressed)
+};
+
+struct Decision {
+  // One exact entry per tensor; meta: predicted_us, measured_us and the
+  // calibration (calibration.link_gbps, .link_source, .residual_us, ...).
+  Strategy strategy;
+  double predicted_us = 0;  // calibrated prediction of `strategy`
+  double measured_us = 0;   // the profile's iteration_us (its own strategy)
+  double decision_ms = 0;   // wall time of decide()
+  // "fp32", "fp16", one "all:<spec>" per accepted compressor and one
+  // "threshold:<spec>" (min_compress_bytes) per accepted compressor; the
+  // exclusions hold in all of them.
+  std::vector<Alternative> alternatives;
+  std::vector<TensorChoice> tensors;  // declaration order
+  std::string timeline_json;  // predicted timeline of `strategy`, Chrome trace format
+  // The decision record (the daemon's RUN_DIR/plan.yaml), version: 1.
+  std::string to_yaml() const;
+  // Throws config::ConfigError located in `name` (the strategy inside is
+  // located as "<name>: strategy").
+  static Decision parse(std::string_view text, std::string name);
+  // The human table: per tensor its size and option, predicted vs measured
+  // iteration time, the alternatives' predictions.
+  std::string explain() const;
+};
+
+// Throws Error(kInvalidArgument) naming what is wrong: an empty profile, a
+// tensor of 0 elements, no iteration time, an unknown or unmeasured
+// compressor spec, a compressor the CPU runtime cannot run sharded, a
+// current strategy that does not parse or that names an unmeasured
+// compressor.
+Decision decide(const NodeProfile& merged, const AutoConfig& cfg);
+
+// The option decide() emits for a spec ("none", "fp16", "efsignsgd",
+// "topk:0.01"): hierarchical, intra reduce_broadcast, on the CPU; additive
+// compressors under reduce_scatter_allgather (compressed-domain sum), the
+// others under alltoall_allgather (the servers recompress the sum, error
+// feedback on where the compressor has it). Every one maps to
+// strategy::Placement::kSharded. Throws Error(kInvalidArgument) for an
+// unknown compressor or bad parameters.
+Option sharded_option(std::string_view spec);
+
+}  // namespace bytecomp::planner::online

@@ -1,0 +1,488 @@
+// The online planner library (planner/online.h) and `bytecomp-plan explain`.
+#include "planner/online.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/config.h"
+#include "common/error.h"
+#include "planner/cli/cli.h"
+#include "planner/strategy/plan.h"
+
+namespace bytecomp::planner::online {
+namespace {
+
+constexpr double kMelem = 1048576.0;
+
+NodeProfile resnet18() {
+  const std::string path = planner_data_dir() + "/profiles/online/resnet18.yaml";
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return NodeProfile::parse(ss.str(), path);
+}
+
+AutoConfig two_nodes(std::vector<std::string> compressors) {
+  AutoConfig c;
+  c.compressors = std::move(compressors);
+  c.nodes = 2;
+  c.servers = 2;
+  return c;
+}
+
+const TensorChoice& choice(const Decision& d, const std::string& name) {
+  for (const TensorChoice& t : d.tensors)
+    if (t.name == name) return t;
+  ADD_FAILURE() << "no tensor " << name;
+  return d.tensors.front();
+}
+
+bool compressed(const Decision& d, const std::string& name) {
+  return d.strategy.resolve(name, choice(d, name).bytes).compressed();
+}
+
+const Alternative& alternative(const Decision& d, const std::string& name) {
+  for (const Alternative& a : d.alternatives)
+    if (a.name == name) return a;
+  ADD_FAILURE() << "no alternative " << name;
+  return d.alternatives.front();
+}
+
+// ---------------------------------------------------------------- fits
+
+TEST(OnlineFit, LeastSquaresByHand) {
+  // (1, 2), (2, 3), (4, 7): mean x 7/3, mean y 4; Sxx = 42/9, Sxy = 8, so
+  // b = 12/7 us per element and a = 4 - 12/7 * 7/3 = 0.
+  const LinearFit f = fit_linear({{1, 2}, {2, 3}, {4, 7}});
+  EXPECT_EQ(f.samples, 3u);
+  EXPECT_NEAR(f.a_us, 0.0, 1e-9);
+  EXPECT_NEAR(f.b_us_per_melem, 12.0 / 7.0 * kMelem, 1e-6);
+  // Exact line: 10 us + 20 us per Melem.
+  const LinearFit g = fit_linear({{0, 10}, {kMelem, 30}, {2 * kMelem, 50}});
+  EXPECT_NEAR(g.a_us, 10, 1e-9);
+  EXPECT_NEAR(g.b_us_per_melem, 20, 1e-9);
+  EXPECT_NEAR(g.at(kMelem / 2), 20, 1e-9);
+}
+
+TEST(OnlineFit, OneDistinctSizeGivesTheMean) {
+  const LinearFit f = fit_linear({{5, 1}, {5, 3}, {5, 8}});
+  EXPECT_DOUBLE_EQ(f.a_us, 4);
+  EXPECT_DOUBLE_EQ(f.b_us_per_melem, 0);
+  const LinearFit e = fit_linear({});
+  EXPECT_EQ(e.samples, 0u);
+  EXPECT_EQ(e.at(1000), 0);
+  // A negative intercept never makes a negative cost.
+  const LinearFit n{-50, 1, 2};
+  EXPECT_EQ(n.at(10), 0);
+}
+
+// ---------------------------------------------------------------- merge
+
+TEST(OnlineMerge, SlowestNodeWins) {
+  NodeProfile a = resnet18(), b = resnet18();
+  b.node_rank = 1;
+  b.tensors[3].ready_us += 5000;
+  a.tensors[7].ready_us += 7000;
+  b.iteration_us = a.iteration_us + 100;
+  a.link_gbps = 0.1;
+  b.link_gbps = 0.05;
+  b.link_latency_us = 900;
+  b.reduce.b_us_per_melem = 999;
+  a.reduce.a_us = 77;
+  b.compressors[1].compress.a_us = 123;
+  b.pool_threads = 1;
+  const NodeProfile m = merge({a, b});
+  EXPECT_EQ(m.tensors[3].ready_us, b.tensors[3].ready_us);
+  EXPECT_EQ(m.tensors[7].ready_us, a.tensors[7].ready_us);
+  EXPECT_EQ(m.iteration_us, b.iteration_us);
+  EXPECT_EQ(m.link_gbps, 0.05);
+  EXPECT_EQ(m.link_latency_us, 900);
+  EXPECT_EQ(m.reduce.a_us, 77);
+  EXPECT_EQ(m.reduce.b_us_per_melem, 999);
+  EXPECT_EQ(m.compressors[1].compress.a_us, 123);
+  EXPECT_EQ(m.pool_threads, 1u);
+  // An unknown link (0) does not count as the narrowest.
+  NodeProfile c = b;
+  c.link_gbps = 0;
+  EXPECT_EQ(merge({a, c}).link_gbps, 0.1);
+}
+
+TEST(OnlineMerge, MismatchesAreRefused) {
+  const NodeProfile a = resnet18();
+  auto refused = [&](NodeProfile b, const std::string& what) {
+    b.node_rank = 3;
+    try {
+      merge({a, b});
+      ADD_FAILURE() << "merged despite: " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("node 3"), std::string::npos) << e.what();
+    }
+  };
+  NodeProfile b = a;
+  b.tensors[5].name = "other";
+  refused(b, "'other'");
+  b = a;
+  b.tensors[5].elements += 1;
+  refused(b, "tensor 5");
+  b = a;
+  b.tensors.pop_back();
+  refused(b, "61 tensors");
+  b = a;
+  b.compressors[2].spec = "topk:0.05";
+  refused(b, "topk:0.05");
+  b = a;
+  b.compressors.pop_back();
+  refused(b, "measured compressors");
+  b = a;
+  b.current_strategy_yaml = "version: 1\n";
+  refused(b, "different strategy");
+  EXPECT_THROW(merge({}), Error);
+}
+
+// ---------------------------------------------------------------- YAML
+
+TEST(OnlineYaml, ProfileRoundTrip) {
+  NodeProfile p = resnet18();
+  p.link_gbps = 0.123456789;
+  p.current_strategy_yaml = "version: 1\ndefault: {compressor: none}\n";
+  const std::string text = p.to_yaml();
+  const NodeProfile q = NodeProfile::parse(text, "again.yaml");
+  EXPECT_EQ(q.to_yaml(), text);
+  EXPECT_EQ(q.link_gbps, p.link_gbps);
+  EXPECT_EQ(q.current_strategy_yaml, p.current_strategy_yaml);
+  ASSERT_EQ(q.tensors.size(), 62u);
+  EXPECT_EQ(q.tensors[0].name, "conv1.weight");
+  EXPECT_EQ(q.tensors[0].ready_us, p.tensors[0].ready_us);
+  EXPECT_EQ(q.compressors[2].spec, "topk:0.01");
+  EXPECT_EQ(q.compressors[2].compress.b_us_per_melem, 6000);
+}
+
+std::string parse_error(const std::string& text) {
+  try {
+    NodeProfile::parse(text, "node.yaml");
+  } catch (const config::ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(OnlineYaml, ProfileErrorsAreLocated) {
+  const std::string head = "version: 1\niteration_us: 1000\n";
+  std::string e = parse_error(head + "tensors:\n  - {name: a, elements: 0, ready_us: 1}\n");
+  EXPECT_NE(e.find("node.yaml:4:"), std::string::npos) << e;
+  EXPECT_NE(e.find("elements"), std::string::npos) << e;
+  e = parse_error(head + "tensors:\n  - {name: a, elements: 4, ready_us: 1}\n"
+                         "compressors:\n  - {spec: \"nosuch\"}\n");
+  EXPECT_NE(e.find("node.yaml:6:"), std::string::npos) << e;
+  EXPECT_NE(e.find("nosuch"), std::string::npos) << e;
+  e = parse_error(head + "tensors:\n  - {name: a, elements: 4, ready_us: 1, colour: red}\n");
+  EXPECT_NE(e.find("colour"), std::string::npos) << e;
+  e = parse_error("version: 1\ntensors: []\niteration_us: 0\n");
+  EXPECT_NE(e.find("iteration_us"), std::string::npos) << e;
+  e = parse_error(head + "tensors:\n  - {name: a, elements: 4, ready_us: 1}\n"
+                         "  - {name: a, elements: 4, ready_us: 2}\n");
+  EXPECT_NE(e.find("twice"), std::string::npos) << e;
+  e = parse_error("version: 2\niteration_us: 1\ntensors: []\n");
+  EXPECT_NE(e.find("version"), std::string::npos) << e;
+}
+
+TEST(OnlineYaml, DecisionRoundTripAndErrors) {
+  const Decision d = decide(resnet18(), two_nodes({"efsignsgd"}));
+  const std::string text = d.to_yaml();
+  const Decision back = Decision::parse(text, "plan.yaml");
+  EXPECT_EQ(back.to_yaml(), text);
+  EXPECT_EQ(back.predicted_us, d.predicted_us);
+  EXPECT_EQ(back.strategy.to_yaml(), d.strategy.to_yaml());
+  EXPECT_EQ(back.timeline_json, d.timeline_json);
+  ASSERT_EQ(back.alternatives.size(), d.alternatives.size());
+  EXPECT_EQ(back.alternatives[2].strategy_yaml, d.alternatives[2].strategy_yaml);
+  EXPECT_EQ(back.explain(), d.explain());
+
+  auto error = [](const std::string& t) {
+    try {
+      Decision::parse(t, "plan.yaml");
+    } catch (const config::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::string e = error("version: 1\npredicted_us: fast\nstrategy: \"\"\ntensors: []\n");
+  EXPECT_NE(e.find("plan.yaml:2:"), std::string::npos) << e;
+  EXPECT_NE(e.find("predicted_us"), std::string::npos) << e;
+  e = error("version: 1\npredicted_us: 5\ntensors: []\n");
+  EXPECT_NE(e.find("strategy"), std::string::npos) << e;
+  e = error("version: 1\npredicted_us: 5\ntensors: []\nstrategy: |\n  version: 1\n  "
+            "default: {compressor: zzz}\n");
+  EXPECT_NE(e.find("plan.yaml: strategy"), std::string::npos) << e;
+  EXPECT_NE(e.find("zzz"), std::string::npos) << e;
+}
+
+// ---------------------------------------------------------------- decide
+
+// The coordinator's contract: CPU runtime, placement unchanged (sharded).
+void expect_executable(const NodeProfile& p, const Decision& d) {
+  std::vector<TensorDecl> decl;
+  for (const TensorMeasure& t : p.tensors) decl.push_back({t.name, 4 * t.elements});
+  EXPECT_NO_THROW(d.strategy.check_cpu_runtime(decl));
+  ASSERT_EQ(d.strategy.entries().size(), p.tensors.size());
+  for (const Entry& e : d.strategy.entries()) {
+    EXPECT_EQ(strategy::plan_for_option(e.option, e.tensor).placement,
+              strategy::Placement::kSharded)
+        << e.tensor << ": " << e.option.describe();
+    EXPECT_EQ(cpu_runtime_unsupported(e.option), "") << e.tensor;
+  }
+  for (const Alternative& a : d.alternatives) {
+    const Strategy s = Strategy::parse(a.strategy_yaml, a.name);
+    EXPECT_NO_THROW(s.check_cpu_runtime(decl)) << a.name;
+    for (const Entry& e : s.entries())
+      EXPECT_EQ(strategy::plan_for_option(e.option, e.tensor).placement,
+                strategy::Placement::kSharded)
+          << a.name << " " << e.tensor;
+  }
+}
+
+TEST(OnlineDecide, SlowLinkCompressesBigTensorsNotTinyOnes) {
+  const NodeProfile p = resnet18();
+  const Decision d = decide(p, two_nodes({"efsignsgd"}));
+  expect_executable(p, d);
+  // The big tensors ready late (layers 1-3: the link has no slack left
+  // for them) are compressed; what is ready early may go uncompressed in
+  // the link's idle time, and nothing of 1000 elements or fewer pays.
+  uint64_t total = 0, squeezed = 0;
+  for (const TensorMeasure& t : p.tensors) {
+    total += t.elements;
+    if (compressed(d, t.name)) {
+      squeezed += t.elements;
+      EXPECT_EQ(d.strategy.resolve(t.name, 4 * t.elements).compressor, "efsignsgd") << t.name;
+    }
+    const bool late = t.name.rfind("layer1", 0) == 0 || t.name.rfind("layer2", 0) == 0 ||
+                      t.name.rfind("layer3", 0) == 0;
+    if (late && t.elements >= 100000) {
+      EXPECT_TRUE(compressed(d, t.name)) << t.name;
+    }
+    if (t.elements <= 1000) {
+      EXPECT_FALSE(compressed(d, t.name)) << t.name;
+    }
+  }
+  EXPECT_GT(squeezed, total / 2);
+  // Per-tensor choice beats (or ties) every hand strategy, and compression
+  // is far ahead of fp32 on this link.
+  for (const Alternative& a : d.alternatives)
+    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 1e-3)) << a.name;
+  EXPECT_LT(d.predicted_us, 0.5 * alternative(d, "fp32").predicted_us);
+  EXPECT_GT(d.decision_ms, 0);
+  EXPECT_NE(d.timeline_json.find("\"traceEvents\""), std::string::npos);
+  EXPECT_NE(d.timeline_json.find("layer4.1.conv2.weight"), std::string::npos);
+}
+
+TEST(OnlineDecide, FastLinkCompressesNothing) {
+  NodeProfile p = resnet18();
+  p.link_gbps = 100;
+  p.link_latency_us = 30;
+  p.iteration_us = p.tensors.front().ready_us + 20000;  // conv1 is ready last
+  const Decision d = decide(p, two_nodes({"efsignsgd", "topk:0.01"}));
+  expect_executable(p, d);
+  for (const TensorMeasure& t : p.tensors) EXPECT_FALSE(compressed(d, t.name)) << t.name;
+  EXPECT_NEAR(d.predicted_us, p.iteration_us, 1e-6 * p.iteration_us);
+}
+
+TEST(OnlineDecide, ExcludedTensorsStayUncompressed) {
+  const NodeProfile p = resnet18();
+  AutoConfig cfg = two_nodes({"efsignsgd"});
+  cfg.exclude = {"conv1.*", "fc.*"};
+  const Decision d = decide(p, cfg);
+  expect_executable(p, d);
+  for (const char* n : {"conv1.weight", "fc.weight", "fc.bias"}) {
+    EXPECT_FALSE(compressed(d, n)) << n;
+    EXPECT_TRUE(choice(d, n).excluded) << n;
+  }
+  EXPECT_FALSE(choice(d, "layer4.1.conv2.weight").excluded);
+  EXPECT_TRUE(compressed(d, "layer4.1.conv2.weight"));
+  // Without the exclusion conv1.weight (ready last) is compressed.
+  EXPECT_TRUE(compressed(decide(p, two_nodes({"efsignsgd"})), "conv1.weight"));
+  // The hand strategies honour the exclusion too.
+  const Strategy all = Strategy::parse(alternative(d, "all:efsignsgd").strategy_yaml, "all");
+  EXPECT_FALSE(all.resolve("fc.weight", 4 * 512000).compressed());
+  EXPECT_TRUE(all.resolve("layer4.1.conv2.weight", 4).compressed());
+}
+
+TEST(OnlineDecide, CalibrationReproducesTheWindow) {
+  // Uncompressed window, probe slower than what the model needs, faster,
+  // and no probe: the fp32 alternative (the window's strategy) predicts the
+  // measured time in every case.
+  for (double probe : {0.1, 0.02, 0.0}) {
+    for (double measured : {3.0e6, 4.2e6, 9.0e6}) {
+      NodeProfile p = resnet18();
+      p.link_gbps = probe;
+      p.iteration_us = measured;
+      const Decision d = decide(p, two_nodes({"efsignsgd"}));
+      EXPECT_NEAR(alternative(d, "fp32").predicted_us, measured, 1e-6 * measured)
+          << "probe " << probe << " measured " << measured;
+      EXPECT_EQ(d.measured_us, measured);
+      EXPECT_NE(d.strategy.meta.at("calibration.link_source"), "");
+    }
+  }
+  // No probe: the link rate comes from the window's time alone, and a
+  // slower window means a slower link.
+  NodeProfile p = resnet18();
+  p.link_gbps = 0;
+  p.iteration_us = 4.2e6;
+  const double r1 = std::stod(decide(p, two_nodes({})).strategy.meta.at("calibration.link_gbps"));
+  p.iteration_us = 8.4e6;
+  const double r2 = std::stod(decide(p, two_nodes({})).strategy.meta.at("calibration.link_gbps"));
+  EXPECT_LT(r2, r1);
+  EXPECT_NEAR(r1 / r2, 2.0, 0.3);  // the window is almost all link time
+
+  // A compressed window: the strategy that ran is what predicts the
+  // measured time (here every tensor under efsignsgd).
+  NodeProfile c = resnet18();
+  const Decision first = decide(c, two_nodes({"efsignsgd"}));
+  c.current_strategy_yaml = alternative(first, "all:efsignsgd").strategy_yaml;
+  c.iteration_us = 900000;
+  const Decision again = decide(c, two_nodes({"efsignsgd"}));
+  EXPECT_NEAR(alternative(again, "all:efsignsgd").predicted_us, 900000, 1e-6 * 900000);
+}
+
+TEST(OnlineDecide, Fp16OnlyByDefault) {
+  const NodeProfile p = resnet18();
+  const Decision d = decide(p, two_nodes({}));
+  expect_executable(p, d);
+  std::set<std::string> names;
+  for (const Alternative& a : d.alternatives) names.insert(a.name);
+  EXPECT_EQ(names, (std::set<std::string>{"fp32", "fp16"}));
+  int fp16 = 0;
+  for (const Entry& e : d.strategy.entries()) {
+    EXPECT_TRUE(e.option.compressor == "none" || e.option.compressor == "fp16") << e.tensor;
+    fp16 += e.option.compressor == "fp16";
+  }
+  EXPECT_GT(fp16, 10);  // on 0.1 Gbit/s halving the bytes pays
+  EXPECT_TRUE(compressed(d, "layer4.1.conv2.weight"));
+  EXPECT_FALSE(compressed(d, "bn1.bias"));
+}
+
+TEST(OnlineDecide, SeveralCompressorsMixAndAlternativesAreListed) {
+  const NodeProfile p = resnet18();
+  const Decision d = decide(p, two_nodes({"efsignsgd", "topk:0.01"}));
+  expect_executable(p, d);
+  std::vector<std::string> names;
+  for (const Alternative& a : d.alternatives) names.push_back(a.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"fp32", "fp16", "all:efsignsgd",
+                                             "threshold:efsignsgd", "all:topk:0.01",
+                                             "threshold:topk:0.01"}));
+  for (const Alternative& a : d.alternatives)
+    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 1e-3)) << a.name;
+  const std::string table = d.explain();
+  EXPECT_NE(table.find("layer4.1.conv2.weight"), std::string::npos) << table;
+  EXPECT_NE(table.find("threshold:topk:0.01"), std::string::npos) << table;
+  EXPECT_NE(table.find("measured"), std::string::npos) << table;
+}
+
+TEST(OnlineDecide, BadInputIsNamed) {
+  const NodeProfile p = resnet18();
+  auto message = [](const NodeProfile& prof, const AutoConfig& cfg) {
+    try {
+      decide(prof, cfg);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(p, two_nodes({"nosuch"})).find("nosuch"), std::string::npos);
+  EXPECT_NE(message(p, two_nodes({"randomk:0.01"})).find("no measurement"), std::string::npos);
+  NodeProfile empty = p;
+  empty.tensors.clear();
+  EXPECT_NE(message(empty, two_nodes({})).find("no tensors"), std::string::npos);
+  NodeProfile no_fp16 = p;
+  no_fp16.compressors.erase(no_fp16.compressors.begin());
+  EXPECT_NE(message(no_fp16, two_nodes({})).find("fp16"), std::string::npos);
+  NodeProfile bad_cur = p;
+  bad_cur.current_strategy_yaml = "version: 1\ndefault: {compressor: qsgd}\n";
+  EXPECT_NE(message(bad_cur, two_nodes({})).find("qsgd"), std::string::npos);
+  NodeProfile zero = p;
+  zero.iteration_us = 0;
+  EXPECT_NE(message(zero, two_nodes({})).find("iteration_us"), std::string::npos);
+}
+
+TEST(OnlineDecide, ShardedOptionsMapToTheServers) {
+  for (const char* spec : {"none", "fp16", "efsignsgd", "topk:0.01", "randomk:0.01", "dgc:0.01"}) {
+    const Option o = sharded_option(spec);
+    EXPECT_EQ(strategy::plan_for_option(o, spec).placement, strategy::Placement::kSharded)
+        << spec;
+    EXPECT_EQ(cpu_runtime_unsupported(o), "") << spec;
+  }
+  EXPECT_THROW(sharded_option("nosuch"), Error);
+}
+
+// ---------------------------------------------------------------- CLI
+
+class ExplainCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("online_explain_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name) << text;
+  }
+  int run(std::string& out, std::string& err) {
+    std::ostringstream o, e;
+    const int rc = run_cli({"explain", dir_.string()}, o, e);
+    out = o.str();
+    err = e.str();
+    return rc;
+  }
+  std::filesystem::path dir_;
+};
+
+TEST_F(ExplainCli, PrintsTableAndMeasured) {
+  const Decision d = decide(resnet18(), two_nodes({"efsignsgd"}));
+  write("plan.yaml", d.to_yaml());
+  std::string out, err;
+  ASSERT_EQ(run(out, err), 0) << err;
+  EXPECT_NE(out.find("layer3.0.downsample.0.weight"), std::string::npos) << out;
+  EXPECT_NE(out.find("efsignsgd"), std::string::npos) << out;
+  EXPECT_NE(out.find("all:efsignsgd"), std::string::npos) << out;
+  EXPECT_NE(out.find("not yet"), std::string::npos) << out;
+
+  write("measured.yaml", "version: 1\niteration_us: " + std::to_string(d.predicted_us * 1.1) +
+                             "\niterations: 30\n");
+  ASSERT_EQ(run(out, err), 0) << err;
+  EXPECT_NE(out.find("median of 30 iterations"), std::string::npos) << out;
+  EXPECT_NE(out.find("+10.0%"), std::string::npos) << out;
+}
+
+TEST_F(ExplainCli, ErrorsNameTheFile) {
+  std::string out, err;
+  EXPECT_EQ(run(out, err), 1);
+  EXPECT_NE(err.find("plan.yaml"), std::string::npos) << err;
+  write("plan.yaml", "version: 1\npredicted_us: [1]\nstrategy: \"\"\ntensors: []\n");
+  EXPECT_EQ(run(out, err), 1);
+  EXPECT_NE(err.find("plan.yaml:2:"), std::string::npos) << err;
+  write("plan.yaml", decide(resnet18(), two_nodes({})).to_yaml());
+  write("measured.yaml", "version: 1\niteration_us: -4\niterations: 3\n");
+  EXPECT_EQ(run(out, err), 1);
+  EXPECT_NE(err.find("measured.yaml:2:"), std::string::npos) << err;
+  write("measured.yaml", "version: 1\niteration_us: 4\n");
+  EXPECT_EQ(run(out, err), 1);
+  EXPECT_NE(err.find("iterations"), std::string::npos) << err;
+  std::ostringstream o, e;
+  EXPECT_EQ(run_cli({"explain"}, o, e), 1);
+  EXPECT_NE(e.str().find("RUN_DIR"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace bytecomp::planner::online
