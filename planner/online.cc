@@ -121,6 +121,21 @@ LinearFit fit_linear(const std::vector<std::pair<double, double>>& points) {
     return f;
   }
   const double b = sxy / sxx;  // microseconds per element
+  // A cost is never negative: noisy timings (a loaded machine) can tilt the
+  // free fit below zero, so fall back to the closest non-negative line.
+  if (b < 0) {
+    f.a_us = std::max(0.0, my);
+    return f;
+  }
+  if (my - b * mx < 0) {
+    double sxx0 = 0, sxy0 = 0;
+    for (const auto& [x, y] : points) {
+      sxx0 += x * x;
+      sxy0 += x * y;
+    }
+    f.b_us_per_melem = std::max(0.0, sxy0 / sxx0) * kMelem;
+    return f;
+  }
   f.b_us_per_melem = b * kMelem;
   f.a_us = my - b * mx;
   return f;

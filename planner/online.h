@@ -44,7 +44,9 @@ struct LinearFit {
 };
 
 // Least squares of (elements, microseconds) points. With fewer than two
-// distinct x values: a = mean of the times, b = 0. Empty: all zero.
+// distinct x values: a = mean of the times, b = 0. Empty: all zero. Never
+// negative: a negative slope gives a = mean, b = 0; a negative intercept the
+// least-squares line through the origin.
 LinearFit fit_linear(const std::vector<std::pair<double, double>>& points);
 
 struct TensorMeasure {

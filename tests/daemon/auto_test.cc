@@ -21,15 +21,27 @@ float agrad(uint32_t grank, uint64_t it, uint64_t i) {
          static_cast<float>(1 + i % 5);
 }
 
-struct Run {
+class AutoNodes : public TwoNodes {
+ public:
+  template <class Fn>
+  void on_every_rank_public(const Fn& fn) { on_every_rank(fn); }
+  bytecomp_client* connect_client_public(uint32_t node, uint32_t rank, const char* job) {
+    return connect_client(node, rank, job);
+  }
+  fs::path run_dir(int node, const std::string& job) const {
+    return fs::path(nodes_[node]->socket()).parent_path() / "runs" / job;
+  }
+};
+
+struct JobRun {
   std::vector<std::vector<std::vector<float>>> got;  // [tensor][iteration] of node 0 rank 0
 };
 
 // 2 x 2 clients push two tensors for `iters` iterations, ~`sleep` apart
 // (the compute a profile sees); node 0's rank 0 keeps every result.
-Run run_job(TwoNodes& t, const char* job, const std::vector<uint64_t>& sizes, int iters,
+JobRun run_job(AutoNodes& t, const char* job, const std::vector<uint64_t>& sizes, int iters,
             std::chrono::milliseconds sleep) {
-  Run out;
+  JobRun out;
   out.got.resize(sizes.size());
   t.on_every_rank_public([&](uint32_t node, uint32_t rank) {
     bytecomp_client* c = t.connect_client_public(node, rank, job);
@@ -77,7 +89,7 @@ int64_t switch_iteration(Process& daemon) {
   return std::stoll(m[1]);
 }
 
-size_t inexact(const Run& r, size_t k, uint64_t n, int from, int to) {
+size_t inexact(const JobRun& r, size_t k, uint64_t n, int from, int to) {
   size_t bad = 0;
   for (int it = from; it < to; ++it)
     for (uint64_t i = 0; i < n; ++i) {
@@ -88,18 +100,6 @@ size_t inexact(const Run& r, size_t k, uint64_t n, int from, int to) {
   return bad;
 }
 
-class AutoNodes : public TwoNodes {
- public:
-  template <class Fn>
-  void on_every_rank_public(const Fn& fn) { on_every_rank(fn); }
-  bytecomp_client* connect_client_public(uint32_t node, uint32_t rank, const char* job) {
-    return connect_client(node, rank, job);
-  }
-  fs::path run_dir(int node, const std::string& job) const {
-    return fs::path(nodes_[node]->socket()).parent_path() / "runs" / job;
-  }
-};
-
 TEST_P(AutoNodes, DecidesFromTheProfileAndAppliesOnEveryNodeAtOneIteration) {
   strategy_section_ =
       "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
@@ -107,7 +107,7 @@ TEST_P(AutoNodes, DecidesFromTheProfileAndAppliesOnEveryNodeAtOneIteration) {
   start(1);
   const std::vector<uint64_t> sizes{64, 150000};
   constexpr int kIters = 70;
-  Run r = run_job(*this, "auto1", sizes, kIters, std::chrono::milliseconds(15));
+  JobRun r = run_job(*this, "auto1", sizes, kIters, std::chrono::milliseconds(15));
   ASSERT_EQ(r.got[0].size(), static_cast<size_t>(kIters));
   const int64_t at0 = switch_iteration(nodes_[0]->daemon());
   const int64_t at1 = switch_iteration(nodes_[1]->daemon());
@@ -129,7 +129,9 @@ TEST_P(AutoNodes, DecidesFromTheProfileAndAppliesOnEveryNodeAtOneIteration) {
   for (size_t k = 0; k < sizes.size(); ++k) {
     EXPECT_EQ(inexact(r, k, sizes[k], 0, static_cast<int>(at0)), 0u) << "tensor " << k;
     const bool none = !s.resolve("t" + std::to_string(k), sizes[k] * 4).compressed();
-    if (none) EXPECT_EQ(inexact(r, k, sizes[k], static_cast<int>(at0), kIters), 0u) << "tensor " << k;
+    if (none) {
+      EXPECT_EQ(inexact(r, k, sizes[k], static_cast<int>(at0), kIters), 0u) << "tensor " << k;
+    }
   }
   // A 64-element tensor is never worth a compressor's fixed cost.
   EXPECT_FALSE(s.resolve("t0", 256).compressed());
@@ -147,7 +149,7 @@ TEST_P(AutoNodes, NodesThatDisagreeGetNoPlanAndKeepTheirStrategy) {
   start(1);
   const std::vector<uint64_t> sizes{1000, 40000};
   constexpr int kIters = 40;
-  Run r = run_job(*this, "auto2", sizes, kIters, std::chrono::milliseconds(10));
+  JobRun r = run_job(*this, "auto2", sizes, kIters, std::chrono::milliseconds(10));
   for (int n = 0; n < 2; ++n) {
     EXPECT_TRUE(nodes_[n]->daemon().wait_output("keeping the current one", 5s))
         << nodes_[n]->daemon().output();
