@@ -690,6 +690,16 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
     }
   }
 
+  // The bar a compressed plan must clear (AutoConfig::min_gain).
+  const double fp32_us = ev.evaluate(Assignment(n, 0));
+  const double bar_fraction =
+      std::max(cfg.min_gain, std::abs(cal.residual_us) / std::max(1.0, prof.iteration_us));
+  std::string kept_uncompressed;
+  if (plan_a != Assignment(n, 0) && fp32_us - plan_v < bar_fraction * prof.iteration_us) {
+    kept_uncompressed = "predicted gain " + fmt(100.0 * (fp32_us - plan_v) / prof.iteration_us, 3) +
+                        "% is below the bar of " + fmt(100.0 * bar_fraction, 3) + "%";
+    plan_a = Assignment(n, 0);
+  }
   Timeline tl;
   const double raw = ev.evaluate(plan_a, &tl);
   d.predicted_us = raw + cal.residual_us;
@@ -721,6 +731,8 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   meta["calibration.probe_gbps"] = fmt(prof.link_gbps, 9);
   meta["calibration.residual_us"] = fmt(cal.residual_us, 9);
   meta["calibration.model_us"] = fmt(cal.raw_prediction_us, 9);
+  meta["min_gain_fraction"] = fmt(bar_fraction, 6);
+  if (!kept_uncompressed.empty()) meta["kept_uncompressed"] = kept_uncompressed;
   meta["nodes"] = std::to_string(cfg.nodes);
   meta["servers"] = std::to_string(cfg.servers) + (cfg.colocated_servers ? " colocated" : " dedicated");
   d.decision_ms =

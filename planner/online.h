@@ -100,6 +100,11 @@ struct AutoConfig {
   uint32_t nodes = 1, servers = 1;
   bool colocated_servers = true;
   uint64_t partition_bytes = 4 << 20;    // the daemon's partitioning
+  // Compress only when the plan is predicted faster than leaving every
+  // tensor uncompressed by at least this fraction of the measured iteration,
+  // or by the calibration's own misfit (|residual| / measured) when that is
+  // larger: a gain the model cannot resolve is not worth the accuracy.
+  double min_gain = 0.05;
 };
 
 // A hand strategy the decision compares against.

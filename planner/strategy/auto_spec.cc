@@ -13,6 +13,7 @@ AutoSpec AutoSpec::read(config::Reader& s) {
   s.get("compressors", a.compressors)
       .get("exclude", a.exclude)
       .get_bytes("min_compress_bytes", a.min_compress_bytes, config::Range<uint64_t>{0, 1ull << 40})
+      .get("min_gain", a.min_gain, config::Range<double>{0.0, 0.9})
       .get("warmup_iterations", a.warmup_iterations, config::Range<uint32_t>{1, 1000})
       .get("skip_iterations", a.skip_iterations, config::Range<uint32_t>{0, 1000})
       .get("plan_timeout_ms", a.plan_timeout_ms, config::Range<uint32_t>{10, 600000})
@@ -76,6 +77,7 @@ std::string AutoSpec::to_yaml() const {
     << "compressors: " << quoted_list(compressors) << "\n"
     << "exclude: " << quoted_list(exclude) << "\n"
     << "min_compress_bytes: " << min_compress_bytes << "\n"
+    << "min_gain: " << min_gain << "\n"
     << "warmup_iterations: " << warmup_iterations << "\n"
     << "skip_iterations: " << skip_iterations << "\n"
     << "plan_timeout_ms: " << plan_timeout_ms << "\n"

@@ -15,6 +15,10 @@ systems see the same machine load and the same data:
   ddp_powersgd   DDP + powerSGD_hook (rank 1, from the 3rd step)
   bc_*           bytecomp.torch DistributedOptimizer with the strategy file
                  DIR/../strategies/<system>.yaml (or --strategy-dir)
+  bc_auto        the same with strategy="auto" (--auto-compressors,
+                 --auto-exclude): the runtime profiles, plans and applies;
+                 the result records the decision of the daemons' run
+                 directory (predicted time, compressed tensors, the switch)
   bc_pushpull    goodput probe: one --pushpull-bytes float32 tensor pushed
                  and pulled through bytecomp uncompressed, no compute
 
@@ -37,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-MODELS = ("resnet18", "transformer", "lstm", "digits")
+MODELS = ("resnet18", "transformer", "lstm", "digits", "mlp")
 
 
 # -- workloads ---------------------------------------------------------------
@@ -71,7 +75,22 @@ class LstmLM(torch.nn.Module):
         return self.decoder(out)
 
 
+class Mlp(torch.nn.Module):
+    """256 -> 512 -> 512 -> 10: 0.4M parameters (the tests' small model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(256, 512)
+        self.fc2 = torch.nn.Linear(512, 512)
+        self.head = torch.nn.Linear(512, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
 def build_model(name):
+    if name == "mlp":
+        return Mlp()
     if name == "digits":
         from bytecomp.examples.digits import MLP
         return MLP()
@@ -93,7 +112,12 @@ def make_batches(name, rank, batch, pool, seed, seq):
     teacher = torch.Generator().manual_seed(12345)
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     out = []
-    if name == "resnet18":
+    if name == "mlp":
+        w = torch.randn(256, 10, generator=teacher)
+        for _ in range(pool):
+            x = torch.randn(batch, 256, generator=g)
+            out.append((x, (x @ w).argmax(1)))
+    elif name == "resnet18":
         w = torch.randn(3 * 8 * 8, 10, generator=teacher)
         for _ in range(pool):
             x = torch.randn(batch, 3, 32, 32, generator=g)
@@ -201,6 +225,12 @@ def wrap(system, model, opt, args):
         elif system != "ddp_fp32":
             raise ValueError("unknown DDP system %r" % system)
         return ddp, opt
+    if system == "bc_auto":
+        import bytecomp.torch as bc
+        return model, bc.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), strategy="auto",
+            compressors=[c for c in args.auto_compressors.split(",") if c],
+            exclude=[e for e in args.auto_exclude.split(",") if e])
     if system.startswith("bc_"):
         import bytecomp.torch as bc
         strategy = os.path.join(args.strategy_dir, system + ".yaml")
@@ -223,6 +253,48 @@ def release(opt):
             ctx.optimizers.remove(opt)
 
 
+def auto_record(opt, wait_s=0.0):
+    """What the daemon of this node decided for the auto job of `opt`
+    (its run directory, docs/auto.md): predicted and measured iteration
+    times, the switch iteration, how many tensors are compressed."""
+    import yaml
+    s = opt._bc_ctx.settings
+    job = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in opt._bc_job)
+    d = os.path.join(os.path.dirname(s.socket_path), "runs", job)
+    rec = {"run_dir": d}
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(os.path.join(d, "measured.yaml")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        with open(os.path.join(d, "plan.yaml")) as f:
+            plan = yaml.safe_load(f)
+        rec["predicted_s"] = plan["predicted_us"] / 1e6
+        rec["profiled_s"] = plan["measured_us"] / 1e6
+        rec["decision_ms"] = plan.get("decision_ms")
+        rec["tensors"] = len(plan["tensors"])
+        rec["compressed"] = [t["name"] for t in plan["tensors"]
+                             if not t["option"].startswith("none")]
+        rec["alternatives"] = {a["name"]: a["predicted_us"] / 1e6
+                               for a in plan.get("alternatives") or []}
+        rec["meta"] = (yaml.safe_load(plan.get("strategy") or "") or {}).get("meta") or {}
+        node = opt._bc_ctx.settings.node_rank
+        with open(os.path.join(d, "profile-node%d.yaml" % node)) as f:
+            prof = yaml.safe_load(f)
+        rec["profile"] = {k: prof.get(k) for k in ("iteration_us", "link_gbps", "link_latency_us",
+                                                   "reduce")}
+        rec["profile"]["ready_us"] = {t["name"]: t["ready_us"] for t in prof.get("tensors") or []}
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        rec["error"] = "no decision in %s (%s)" % (d, e)
+    try:
+        with open(os.path.join(d, "measured.yaml")) as f:
+            m = yaml.safe_load(f)
+        rec["switch_iteration"] = m["switch_iteration"]
+        rec["measured_s"] = m["iteration_us"] / 1e6
+    except (OSError, KeyError, TypeError, ValueError):
+        pass
+    return rec
+
+
 def run_training(system, args, rank, counters):
     torch.manual_seed(args.seed)
     model = build_model(args.model)
@@ -232,6 +304,7 @@ def run_training(system, args, rank, counters):
     steps = args.warmup + args.steps
     times, losses = [], []
     before = after = None
+    auto = None
     try:
         for s in range(steps):
             if s == args.warmup:
@@ -245,10 +318,13 @@ def run_training(system, args, rank, counters):
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.item()))
         after = counters.read()
+        auto = auto_record(opt, 5.0) if system == "bc_auto" else None
     finally:
         release(opt)
     r = {"step_s": times, "loss": losses, "warmup": args.warmup,
          "params": sum(p.numel() for p in model.parameters())}
+    if auto is not None:
+        r["auto"] = auto
     r.update(Counters.delta(before, after, args.steps))
     return r
 
@@ -342,6 +418,10 @@ def main(argv=None):
     ap.add_argument("--pushpull-bytes", type=int, default=16 << 20)
     ap.add_argument("--pushpull-rounds", type=int, default=5)
     ap.add_argument("--strategy-dir", required=True)
+    ap.add_argument("--auto-compressors", default="efsignsgd",
+                    help="bc_auto: compressors the planner may use (comma-separated specs)")
+    ap.add_argument("--auto-exclude", default="",
+                    help="bc_auto: tensors never compressed (comma-separated globs)")
     ap.add_argument("--out", required=True, help="directory; rank<r>.json is written there")
     ap.add_argument("--timeout-s", type=float, default=300.0,
                     help="gloo collectives' timeout (DDP and the barriers between systems)")

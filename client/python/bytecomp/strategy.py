@@ -54,7 +54,7 @@ class Strategy:
         return any(str(o.get("compressor", "none")) != "none" for o in options)
 
 
-_AUTO_KEYS = ("min_compress_bytes", "warmup_iterations", "skip_iterations", "plan_timeout_ms",
+_AUTO_KEYS = ("min_compress_bytes", "min_gain", "warmup_iterations", "skip_iterations", "plan_timeout_ms",
               "colocated_servers", "replan")
 
 
