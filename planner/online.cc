@@ -39,11 +39,15 @@ constexpr double kMelem = 1048576.0;
 constexpr double kMinGainFraction = 1e-3;
 constexpr double kMinGainUs = 5.0;
 // Bounds of the effective link rate calibration derives: without a probe,
-// anything plausible; with one, at most the probe (it measured the link
-// idle) and at least a quarter of it (below that the probe is not the
-// problem: something unmodelled is, and it goes into the residual).
+// anything plausible; with one, within a factor of four of it either way
+// (the probe ran on a loaded node too, and a shaped link's burst or TCP's
+// window make it err both ways; beyond that the probe is not the problem:
+// something unmodelled is, and it goes into the residual). A residual is a
+// constant the model does not explain; raising the rate first keeps an
+// over-prediction from becoming a negative constant that would make cheap
+// strategies look faster than nothing at all.
 constexpr double kMinLinkGbps = 1e-3, kMaxLinkGbps = 1e4;
-constexpr double kProbeFloor = 0.25;
+constexpr double kProbeFloor = 0.25, kProbeCeiling = 4.0;
 constexpr int kRefineRounds = 4;
 
 std::string canonical_spec(std::string_view text) {
@@ -373,6 +377,13 @@ struct Calibration {
   std::string link_source;
   double residual_us = 0;
   double raw_prediction_us = 0;  // of the window's strategy at link_gbps
+  // A model value corrected by the calibration: an unexplained excess is
+  // added as a constant; an over-prediction scales down instead (a negative
+  // constant would push cheap strategies below any possible time).
+  double apply(double v) const {
+    if (residual_us >= 0 || raw_prediction_us <= 0) return v + residual_us;
+    return v * (raw_prediction_us + residual_us) / raw_prediction_us;
+  }
 };
 
 // Finds the link rate at which the window's strategy predicts the measured
@@ -383,14 +394,15 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
   Calibration c;
   double lo = kMinLinkGbps, hi = kMaxLinkGbps;
   if (prof.link_gbps > 0) {
-    hi = prof.link_gbps;
+    hi = prof.link_gbps * kProbeCeiling;
     lo = prof.link_gbps * kProbeFloor;
   }
   const double f_hi = predict(m, hi, current);
   if (f_hi >= T) {
     c.link_gbps = hi;
     c.raw_prediction_us = f_hi;
-    c.link_source = prof.link_gbps > 0 ? "probe" : "upper bound (the model over-predicts)";
+    c.link_source = prof.link_gbps > 0 ? "four times the probe (the model over-predicts)"
+                                       : "upper bound (the model over-predicts)";
   } else {
     const double f_lo = predict(m, lo, current);
     if (f_lo <= T) {
@@ -414,8 +426,10 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
       }
       c.link_gbps = std::exp(b);
       c.raw_prediction_us = fb;
-      c.link_source = prof.link_gbps > 0 ? "derived from iteration_us (the probe was optimistic)"
-                                         : "derived from iteration_us (no probe)";
+      c.link_source = prof.link_gbps > 0
+                          ? std::string("derived from iteration_us (") +
+                                (c.link_gbps > prof.link_gbps ? "above" : "below") + " the probe)"
+                          : "derived from iteration_us (no probe)";
     }
   }
   c.residual_us = T - c.raw_prediction_us;
@@ -672,7 +686,7 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   double best_alt_us = std::numeric_limits<double>::infinity();
   for (const auto& [name, a] : alts) {
     const double v = ev.evaluate(a);
-    d.alternatives.push_back({name, v + cal.residual_us, strategy_of(prof, m, a).to_yaml()});
+    d.alternatives.push_back({name, cal.apply(v), strategy_of(prof, m, a).to_yaml()});
     if (v < best_alt_us) {
       best_alt_us = v;
       best_alt = &a;
@@ -702,7 +716,7 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   }
   Timeline tl;
   const double raw = ev.evaluate(plan_a, &tl);
-  d.predicted_us = raw + cal.residual_us;
+  d.predicted_us = cal.apply(raw);
   d.timeline_json = tl.chrome_trace_json();
   d.strategy = strategy_of(prof, m, plan_a);
 

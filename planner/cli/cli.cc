@@ -565,8 +565,14 @@ int cmd_explain(const std::vector<std::string>& args, std::ostream& out) {
     double measured = 0;
     uint64_t iterations = 0;
     root.require("iteration_us").require("iterations");
+    // The daemon also records which decision it measured (daemon/auto_tuner.cc).
+    uint64_t epoch = 0, switch_iteration = 0;
+    double predicted = 0;
     root.get("iteration_us", measured, config::Range<double>{0, 1e15})
-        .get("iterations", iterations, config::Range<uint64_t>{1, UINT64_MAX});
+        .get("iterations", iterations, config::Range<uint64_t>{1, UINT64_MAX})
+        .get("epoch", epoch)
+        .get("switch_iteration", switch_iteration)
+        .get("predicted_us", predicted, config::Range<double>{0, 1e15});
     if (!(measured > 0)) root.fail("iteration_us", "must be positive", "> 0");
     root.finish();
     char line[200];

@@ -276,6 +276,8 @@ def auto_record(opt, wait_s=0.0):
                              if not t["option"].startswith("none")]
         rec["alternatives"] = {a["name"]: a["predicted_us"] / 1e6
                                for a in plan.get("alternatives") or []}
+        rec["alternative_strategies"] = {a["name"]: a.get("strategy")
+                                         for a in plan.get("alternatives") or []}
         rec["meta"] = (yaml.safe_load(plan.get("strategy") or "") or {}).get("meta") or {}
         node = opt._bc_ctx.settings.node_rank
         with open(os.path.join(d, "profile-node%d.yaml" % node)) as f:
@@ -301,7 +303,7 @@ def run_training(system, args, rank, counters):
     batches = make_batches(args.model, rank, args.batch, args.pool, args.seed, args.seq)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum_of(system))
     fwd, opt = wrap(system, model, opt, args)
-    steps = args.warmup + args.steps
+    steps = args.warmup + args.steps + (args.auto_extra_steps if system == "bc_auto" else 0)
     times, losses = [], []
     before = after = None
     auto = None
@@ -317,6 +319,10 @@ def run_training(system, args, rank, counters):
             opt.step()
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.item()))
+            if args.progress and rank == 0:
+                with open(args.progress + ".tmp", "w") as f:
+                    f.write("%s %d\n" % (system, s))
+                os.replace(args.progress + ".tmp", args.progress)
         after = counters.read()
         auto = auto_record(opt, 5.0) if system == "bc_auto" else None
     finally:
@@ -420,6 +426,10 @@ def main(argv=None):
     ap.add_argument("--strategy-dir", required=True)
     ap.add_argument("--auto-compressors", default="efsignsgd",
                     help="bc_auto: compressors the planner may use (comma-separated specs)")
+    ap.add_argument("--auto-extra-steps", type=int, default=0,
+                    help="bc_auto: steps run before the timed ones (profile and switch)")
+    ap.add_argument("--progress", default="",
+                    help="rank 0 writes '<system> <step>' here after every step")
     ap.add_argument("--auto-exclude", default="",
                     help="bc_auto: tensors never compressed (comma-separated globs)")
     ap.add_argument("--out", required=True, help="directory; rank<r>.json is written there")
