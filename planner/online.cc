@@ -45,6 +45,7 @@ constexpr double kMinGainUs = 5.0;
 constexpr double kMinLinkGbps = 1e-3, kMaxLinkGbps = 1e4;
 constexpr double kProbeFloor = 0.25;
 constexpr int kRefineRounds = 4;
+constexpr double kCalibrationTolerance = 1e-4;
 
 std::string canonical_spec(std::string_view text) {
   return compress::to_string(compress::parse_compressor_spec(text));
@@ -385,20 +386,30 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
                           ? "a quarter of the probe (the rest of the gap is not the link)"
                           : "lower bound";
     } else {
-      // Bisection in log space: 40 steps bring the ratio hi/lo near 1 + 1e-9.
-      double a = std::log(lo), b = std::log(hi), fb = f_hi;
-      for (int it = 0; it < 48 && b - a > 1e-10; ++it) {
-        const double mid = 0.5 * (a + b);
-        const double f = predict(m, std::exp(mid), current);
-        if (f > T) {
-          a = mid;
+      // F is close to linear in the link's time per byte (1 / rate) where
+      // the link matters: regula falsi (Illinois) on u = 1 / rate converges
+      // in a few steps; the residual takes what the tolerance leaves.
+      double ua = 1.0 / hi, ub = 1.0 / lo, fa = f_hi - T, fb = f_lo - T;  // fa < 0 < fb
+      double u = ua, f = fa;
+      int side = 0;
+      for (int it = 0; it < 40; ++it) {
+        u = (ua * fb - ub * fa) / (fb - fa);
+        f = predict(m, 1.0 / u, current) - T;
+        if (std::abs(f) <= kCalibrationTolerance * T) break;
+        if (f < 0) {
+          ua = u;
+          fa = f;
+          if (side == -1) fb /= 2;
+          side = -1;
         } else {
-          b = mid;
+          ub = u;
           fb = f;
+          if (side == 1) fa /= 2;
+          side = 1;
         }
       }
-      c.link_gbps = std::exp(b);
-      c.raw_prediction_us = fb;
+      c.link_gbps = 1.0 / u;
+      c.raw_prediction_us = f + T;
       c.link_source = prof.link_gbps > 0 ? "derived from iteration_us (the probe was optimistic)"
                                          : "derived from iteration_us (no probe)";
     }
@@ -637,38 +648,53 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   Decision d;
   d.measured_us = prof.iteration_us;
   Evaluator ev(p);
-  auto uniform = [&](int opt, uint64_t min_bytes) {
+  // The hand strategies as a user would write them (exclusions first, then
+  // the size window, then the default); their assignments come from
+  // resolving them, so file and prediction cannot disagree.
+  auto hand = [&](const Option& o, uint64_t min_bytes) {
+    Strategy s;
+    s.set_default(min_bytes > 0 ? Option{} : o);
+    for (const std::string& g : cfg.exclude) s.add_rule(Rule{g, 0, UINT64_MAX, Option{}});
+    if (min_bytes > 0) s.add_rule(Rule{"*", min_bytes, UINT64_MAX, o});
     Assignment a(n, 0);
-    for (int k = 0; k < n; ++k)
-      if (!excl[k] && 4 * p.profile().tensors[k].elements >= min_bytes) a[k] = opt;
-    return a;
+    for (int k = 0; k < n; ++k) {
+      const TensorProfile& t = p.profile().tensors[k];
+      const Option& r = s.resolve(t.name, 4 * t.elements);
+      for (size_t c = 0; c < m.candidates; ++c)
+        if (m.options[c] == r) a[k] = static_cast<int>(c);
+    }
+    return std::make_pair(std::move(s), std::move(a));
   };
-  std::vector<std::pair<std::string, Assignment>> alts;
-  alts.push_back({"fp32", Assignment(n, 0)});
-  alts.push_back({"fp16", uniform(1, 0)});
+  std::vector<std::pair<std::string, std::pair<Strategy, Assignment>>> alts;
+  alts.push_back({"fp32", hand(Option{}, 0)});
+  alts.push_back({"fp16", hand(m.options[1], 0)});
   for (const auto& [canon, written] : accepted) {
     int idx = 0;
     for (size_t o = 0; o < m.candidates; ++o)
       if (cands[o].spec == canon) idx = static_cast<int>(o);
-    alts.push_back({"all:" + written, uniform(idx, 0)});
-    alts.push_back({"threshold:" + written, uniform(idx, cfg.min_compress_bytes)});
+    alts.push_back({"all:" + written, hand(m.options[idx], 0)});
+    alts.push_back({"threshold:" + written, hand(m.options[idx], cfg.min_compress_bytes)});
   }
   const Assignment* best_alt = nullptr;
   double best_alt_us = std::numeric_limits<double>::infinity();
-  for (const auto& [name, a] : alts) {
-    const double v = ev.evaluate(a);
-    d.alternatives.push_back({name, v + cal.residual_us, strategy_of(prof, m, a).to_yaml()});
+  for (auto& [name, sa] : alts) {
+    const double v = ev.evaluate(sa.second);
+    sa.first.meta["predicted_us"] = fmt(v + cal.residual_us, 9);
+    sa.first.meta["alternative"] = name;
+    d.alternatives.push_back({name, v + cal.residual_us, sa.first.to_yaml()});
     if (v < best_alt_us) {
       best_alt_us = v;
-      best_alt = &a;
+      best_alt = &sa.second;
     }
   }
 
   auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0));
-  {
+  if (plan_v > best_alt_us) {
+    // Coordinate descent from nothing compressed can stall where only many
+    // tensors changing together pay; the best hand strategy is the other
+    // start. From there the tiny tensors keep what it gave them, so take it
+    // only when it is genuinely better.
     auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt);
-    // From the best hand strategy the tiny tensors keep whatever it gave
-    // them; take that start only when it is genuinely better.
     if (alt_v < plan_v - std::max(kMinGainUs, kMinGainFraction * plan_v)) {
       plan_a = alt_a;
       plan_v = alt_v;
