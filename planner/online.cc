@@ -44,7 +44,7 @@ constexpr double kMinGainUs = 5.0;
 // problem: something unmodelled is, and it goes into the residual).
 constexpr double kMinLinkGbps = 1e-3, kMaxLinkGbps = 1e4;
 constexpr double kProbeFloor = 0.25;
-constexpr int kRefineRounds = 4;
+constexpr int kRefineRounds = 3;
 constexpr double kCalibrationTolerance = 1e-4;
 
 std::string canonical_spec(std::string_view text) {
@@ -419,40 +419,74 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
 }
 
 // Coordinate descent over the candidate options from `start`: first whole
-// groups of equal-sized tensors (what Algorithm 2 moves together), largest
-// first, then single tensors, keeping only changes that beat the gain
-// threshold.
+// groups of equal-sized tensors (what Algorithm 2 moves together; a tensor
+// of a size of its own is a group of one), largest first, then single
+// tensors, keeping only changes that beat the gain threshold; last, tensors
+// whose compression gains less than the resolution go back to none.
 std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<int>>& cands,
-                                     const std::vector<int>& by_size, Assignment start) {
+                                     const std::vector<int>& by_size, Assignment start,
+                                     bool cleanup) {
   Evaluator ev(p);
   ev.set_base(start);
   double best = ev.base_value();
   auto threshold = [&](double v) { return std::max(kMinGainUs, kMinGainFraction * v); };
+  // What changing tensor i's option can gain at most: the work it takes
+  // off the link and off the CPU (a change never speeds up the backward
+  // pass). Tensors whose bound is below the threshold are not tried: most
+  // of a Transformer's tensors are biases and norms.
+  const int n = p.tensors();
+  std::vector<double> bound(n, 0);
+  {
+    std::vector<Op> ops;
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::pair<double, double>> work;  // (link, cpu) per candidate
+      for (int o : cands[i]) {
+        double link = 0, cpu = 0;
+        for (int c = p.first_chunk(i); c < p.first_chunk(i + 1); ++c) {
+          p.chain_into(p.chunks()[c].elements, o, ops);
+          for (const Op& op : ops) {
+            if (op.fork()) continue;
+            (op.resource == Resource::kCpu ? cpu : link) += op.duration_us;
+          }
+        }
+        work.push_back({link, cpu});
+      }
+      for (const auto& a : work)
+        for (const auto& b : work)
+          bound[i] = std::max(bound[i], std::max(0.0, a.first - b.first) +
+                                            std::max(0.0, a.second - b.second));
+    }
+  }
   // Groups of equal element count among tensors that have a choice.
   std::map<uint64_t, std::vector<int>, std::greater<>> groups;
   for (int i : by_size)
     if (cands[i].size() > 1) groups[p.profile().tensors[i].elements].push_back(i);
   std::vector<std::pair<int, int>> changes;
   for (auto& [size, members] : groups) {
-    if (members.size() < 2) continue;
     std::sort(members.begin(), members.end());
+    double group_bound = 0;
+    for (int i : members) group_bound += bound[i];
+    if (group_bound < threshold(best)) continue;
     for (int o : cands[members.front()]) {
       changes.clear();
       for (int i : members)
         if (ev.base()[i] != o) changes.push_back({i, o});
       if (changes.empty()) continue;
-      const double need = best - threshold(best) * static_cast<double>(changes.size());
+      // One move, one threshold: a group of small tensors that together
+      // shorten a saturated link's queue pays even where each alone is
+      // below the resolution.
+      const double need = best - threshold(best);
       const double v = ev.try_changes(changes, need);
       if (v < need) {
         for (auto [i, opt] : changes) ev.commit(i, opt);
-        best = ev.base_value();
+        best = v;
       }
     }
   }
   for (int round = 0; round < kRefineRounds; ++round) {
     bool improved = false;
     for (int i : by_size) {
-      if (cands[i].size() < 2) continue;
+      if (cands[i].size() < 2 || bound[i] < threshold(best)) continue;
       int pick = -1;
       double need = best - threshold(best);
       for (int o : cands[i]) {
@@ -464,8 +498,9 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
         }
       }
       if (pick >= 0) {
+        // try_option's value below the cutoff is exact: no re-simulation.
         ev.commit(i, pick);
-        best = ev.base_value();
+        best = need;
         improved = true;
       }
     }
@@ -474,17 +509,24 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
   // Uncompressed is preferred where compression gains less than the
   // resolution (smallest tensors first): together these reverts cost at
   // most one threshold, so what stays compressed is what pays.
+  // (Only from a hand strategy: from nothing compressed, no tensor was
+  // compressed for less than the threshold.) The first tensors that do not
+  // fit the budget mean the rest will not either: it stops after a few.
   const double budget = best + threshold(best);
-  for (auto it = by_size.rbegin(); it != by_size.rend(); ++it) {
+  int misses = 0;
+  for (auto it = by_size.rbegin(); cleanup && it != by_size.rend() && misses < 8; ++it) {
     const int i = *it;
     if (ev.base()[i] == 0 || cands[i].size() < 2) continue;
     const double v = ev.try_option(i, 0, budget);
     if (v < budget) {
       ev.commit(i, 0);
-      best = ev.base_value();
+      best = v;
+      misses = 0;
+    } else {
+      ++misses;
     }
   }
-  return {ev.base(), best};
+  return {ev.base(), ev.base_value()};
 }
 
 }  // namespace
@@ -688,13 +730,13 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
     }
   }
 
-  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0));
-  if (plan_v > best_alt_us) {
+  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0), false);
+  if (plan_v > best_alt_us + std::max(kMinGainUs, kMinGainFraction * best_alt_us)) {
     // Coordinate descent from nothing compressed can stall where only many
     // tensors changing together pay; the best hand strategy is the other
     // start. From there the tiny tensors keep what it gave them, so take it
     // only when it is genuinely better.
-    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt);
+    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt, true);
     if (alt_v < plan_v - std::max(kMinGainUs, kMinGainFraction * plan_v)) {
       plan_a = alt_a;
       plan_v = alt_v;

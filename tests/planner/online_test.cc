@@ -278,7 +278,7 @@ TEST(OnlineDecide, SlowLinkCompressesBigTensorsNotTinyOnes) {
   // Per-tensor choice beats (or ties) every hand strategy, and compression
   // is far ahead of fp32 on this link.
   for (const Alternative& a : d.alternatives)
-    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 1e-3)) << a.name;
+    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 2e-3)) << a.name;
   EXPECT_LT(d.predicted_us, 0.5 * alternative(d, "fp32").predicted_us);
   EXPECT_GT(d.decision_ms, 0);
   EXPECT_NE(d.timeline_json.find("\"traceEvents\""), std::string::npos);
@@ -380,7 +380,7 @@ TEST(OnlineDecide, SeveralCompressorsMixAndAlternativesAreListed) {
                                              "threshold:efsignsgd", "all:topk:0.01",
                                              "threshold:topk:0.01"}));
   for (const Alternative& a : d.alternatives)
-    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 1e-3)) << a.name;
+    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 2e-3)) << a.name;
   const std::string table = d.explain();
   EXPECT_NE(table.find("layer4.1.conv2.weight"), std::string::npos) << table;
   EXPECT_NE(table.find("threshold:topk:0.01"), std::string::npos) << table;
