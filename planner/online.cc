@@ -39,11 +39,11 @@ constexpr double kMelem = 1048576.0;
 constexpr double kMinGainFraction = 1e-3;
 constexpr double kMinGainUs = 5.0;
 // Bounds of the effective link rate calibration derives: without a probe,
-// anything plausible; with one, at most the probe (it measured the link
-// idle) and at least a quarter of it (below that the probe is not the
-// problem: something unmodelled is, and it goes into the residual).
+// anything plausible; with one, within a factor of 4 of it (beyond that the
+// probe is not what is wrong: something unmodelled is, and it goes into the
+// residual or the scale).
 constexpr double kMinLinkGbps = 1e-3, kMaxLinkGbps = 1e4;
-constexpr double kProbeFloor = 0.25;
+constexpr double kProbeFactor = 4.0;
 constexpr int kRefineRounds = 3;
 constexpr double kCalibrationTolerance = 1e-4;
 
@@ -357,7 +357,13 @@ Strategy strategy_of(const NodeProfile& prof, const Model& m, const Assignment& 
 struct Calibration {
   double link_gbps = 0;
   std::string link_source;
+  // prediction = scale * model + residual_us: the model's shortfall is a
+  // constant (unmodelled work of every iteration: the optimizer step, the
+  // servers' own overheads); an over-prediction is scaled down instead, so
+  // that no prediction can become negative.
   double residual_us = 0;
+  double scale = 1;
+  double apply(double model_us) const { return scale * model_us + residual_us; }
   double raw_prediction_us = 0;  // of the window's strategy at link_gbps
 };
 
@@ -369,14 +375,15 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
   Calibration c;
   double lo = kMinLinkGbps, hi = kMaxLinkGbps;
   if (prof.link_gbps > 0) {
-    hi = prof.link_gbps;
-    lo = prof.link_gbps * kProbeFloor;
+    hi = prof.link_gbps * kProbeFactor;
+    lo = prof.link_gbps / kProbeFactor;
   }
   const double f_hi = predict(m, hi, current);
   if (f_hi >= T) {
     c.link_gbps = hi;
     c.raw_prediction_us = f_hi;
-    c.link_source = prof.link_gbps > 0 ? "probe" : "upper bound (the model over-predicts)";
+    c.link_source = prof.link_gbps > 0 ? "4x the probe (the model over-predicts)"
+                                       : "upper bound (the model over-predicts)";
   } else {
     const double f_lo = predict(m, lo, current);
     if (f_lo <= T) {
@@ -384,7 +391,7 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
       c.raw_prediction_us = f_lo;
       c.link_source = prof.link_gbps > 0
                           ? "a quarter of the probe (the rest of the gap is not the link)"
-                          : "lower bound";
+                          : "lower bound (the rest of the gap is not the link)";
     } else {
       // F is close to linear in the link's time per byte (1 / rate) where
       // the link matters: regula falsi (Illinois) on u = 1 / rate converges
@@ -410,11 +417,17 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
       }
       c.link_gbps = 1.0 / u;
       c.raw_prediction_us = f + T;
-      c.link_source = prof.link_gbps > 0 ? "derived from iteration_us (the probe was optimistic)"
-                                         : "derived from iteration_us (no probe)";
+      c.link_source = prof.link_gbps <= 0 ? "derived from iteration_us (no probe)"
+                      : c.link_gbps < prof.link_gbps
+                          ? "derived from iteration_us (the probe was optimistic)"
+                          : "derived from iteration_us (the probe was pessimistic)";
     }
   }
-  c.residual_us = T - c.raw_prediction_us;
+  if (c.raw_prediction_us <= T) {
+    c.residual_us = T - c.raw_prediction_us;
+  } else {
+    c.scale = T / c.raw_prediction_us;
+  }
   return c;
 }
 
@@ -721,9 +734,9 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   double best_alt_us = std::numeric_limits<double>::infinity();
   for (auto& [name, sa] : alts) {
     const double v = ev.evaluate(sa.second);
-    sa.first.meta["predicted_us"] = fmt(v + cal.residual_us, 9);
+    sa.first.meta["predicted_us"] = fmt(cal.apply(v), 9);
     sa.first.meta["alternative"] = name;
-    d.alternatives.push_back({name, v + cal.residual_us, sa.first.to_yaml()});
+    d.alternatives.push_back({name, cal.apply(v), sa.first.to_yaml()});
     if (v < best_alt_us) {
       best_alt_us = v;
       best_alt = &sa.second;
@@ -745,7 +758,7 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
 
   Timeline tl;
   const double raw = ev.evaluate(plan_a, &tl);
-  d.predicted_us = raw + cal.residual_us;
+  d.predicted_us = cal.apply(raw);
   d.timeline_json = tl.chrome_trace_json();
   d.strategy = strategy_of(prof, m, plan_a);
 
@@ -773,6 +786,7 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   meta["calibration.link_source"] = cal.link_source;
   meta["calibration.probe_gbps"] = fmt(prof.link_gbps, 9);
   meta["calibration.residual_us"] = fmt(cal.residual_us, 9);
+  meta["calibration.scale"] = fmt(cal.scale, 9);
   meta["calibration.model_us"] = fmt(cal.raw_prediction_us, 9);
   meta["nodes"] = std::to_string(cfg.nodes);
   meta["servers"] = std::to_string(cfg.servers) + (cfg.colocated_servers ? " colocated" : " dedicated");
@@ -859,22 +873,36 @@ std::string Decision::explain() const {
   size_t w = 6;
   for (const TensorChoice& t : tensors) w = std::max(w, t.name.size());
   int compressed = 0;
-  for (const TensorChoice& t : tensors)
-    if (t.option.rfind("none", 0) != 0) ++compressed;
-  os << "Decision: " << compressed << " of " << tensors.size() << " tensors compressed";
-  if (auto it = strategy.meta.find("calibration.link_gbps"); it != strategy.meta.end())
-  {
-    os << "; model link " << it->second << " Gbit/s";
-    if (auto src = strategy.meta.find("calibration.link_source"); src != strategy.meta.end())
-      os << " (" << src->second << ")";
-  }
-  os << "\n\n";
-  os << std::string("tensor") + std::string(w - 6 + 2, ' ') << "      bytes  option\n";
+  uint64_t total = 0, squeezed = 0;
   for (const TensorChoice& t : tensors) {
-    std::string b = std::to_string(t.bytes);
+    total += t.bytes;
+    if (t.option.rfind("none", 0) != 0) {
+      ++compressed;
+      squeezed += t.bytes;
+    }
+  }
+  os << "Decision: " << compressed << " of " << tensors.size() << " tensors compressed ("
+     << fmt_fixed(total ? 100.0 * static_cast<double>(squeezed) / static_cast<double>(total) : 0, 1)
+     << "% of the bytes)\n";
+  auto meta_of = [&](const char* k) {
+    auto it = strategy.meta.find(k);
+    return it == strategy.meta.end() ? std::string() : it->second;
+  };
+  if (std::string link = meta_of("calibration.link_gbps"); !link.empty())
+    os << "model: link " << link << " Gbit/s, " << meta_of("calibration.link_source")
+       << "; residual " << meta_of("calibration.residual_us") << " us, scale "
+       << meta_of("calibration.scale") << "\n";
+  // The option's first word is the compressor and its parameters; the rest
+  // (scheme, collectives) is the same sharded shape for every tensor and is
+  // in plan.yaml.
+  os << "\n" << "tensor" << std::string(w - 6 + 2, ' ') << "      bytes  choice\n";
+  for (const TensorChoice& t : tensors) {
+    const std::string b = std::to_string(t.bytes);
+    std::string what = t.option.substr(0, t.option.find(' '));
+    if (t.option.find(" ef ") != std::string::npos) what += " +ef";
     os << t.name << std::string(w - t.name.size() + 2, ' ')
-       << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << t.option
-       << (t.excluded ? "  [excluded]" : "") << "\n";
+       << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << what
+       << (t.excluded ? "  (excluded)" : "") << "\n";
   }
   os << "\npredicted iteration: " << fmt_fixed(predicted_us / 1e3, 2) << " ms\n";
   os << "measured before the decision: " << fmt_fixed(measured_us / 1e3, 2) << " ms\n";

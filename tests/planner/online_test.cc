@@ -330,6 +330,13 @@ TEST(OnlineDecide, CalibrationReproducesTheWindow) {
           << "probe " << probe << " measured " << measured;
       EXPECT_EQ(d.measured_us, measured);
       EXPECT_NE(d.strategy.meta.at("calibration.link_source"), "");
+      const double link = std::stod(d.strategy.meta.at("calibration.link_gbps"));
+      if (probe > 0) {
+        EXPECT_GE(link, probe / 4 * (1 - 1e-9));
+        EXPECT_LE(link, probe * 4 * (1 + 1e-9));
+      }
+      for (const Alternative& a : d.alternatives) EXPECT_GT(a.predicted_us, 0) << a.name;
+      EXPECT_GT(d.predicted_us, 0);
     }
   }
   // No probe: the link rate comes from the window's time alone, and a
@@ -351,6 +358,19 @@ TEST(OnlineDecide, CalibrationReproducesTheWindow) {
   c.iteration_us = 900000;
   const Decision again = decide(c, two_nodes({"efsignsgd"}));
   EXPECT_NEAR(alternative(again, "all:efsignsgd").predicted_us, 900000, 1e-6 * 900000);
+}
+
+TEST(OnlineDecide, DedicatedServersUseBothDirectionsOfTheLink) {
+  NodeProfile p = resnet18();
+  AutoConfig colo = two_nodes({"efsignsgd"});
+  AutoConfig dedi = colo;
+  dedi.colocated_servers = false;
+  const Decision c = decide(p, colo), d = decide(p, dedi);
+  expect_executable(p, d);
+  // Colocated: pull answers share the send direction with the pushes.
+  EXPECT_EQ(c.timeline_json.find("\"tid\":4,\"name\":\"layer"), std::string::npos);
+  EXPECT_NE(d.timeline_json.find("\"tid\":4,\"name\":\"layer"), std::string::npos);
+  EXPECT_EQ(d.strategy.meta.at("servers"), "2 dedicated");
 }
 
 TEST(OnlineDecide, Fp16OnlyByDefault) {
@@ -463,6 +483,41 @@ TEST_F(ExplainCli, PrintsTableAndMeasured) {
   ASSERT_EQ(run(out, err), 0) << err;
   EXPECT_NE(out.find("median of 30 iterations"), std::string::npos) << out;
   EXPECT_NE(out.find("+10.0%"), std::string::npos) << out;
+}
+
+TEST_F(ExplainCli, DecideWritesTheRunDirectory) {
+  const std::string profile = planner_data_dir() + "/profiles/online/resnet18.yaml";
+  std::ostringstream o, e;
+  ASSERT_EQ(run_cli({"decide", profile, profile, "--compressors", "efsignsgd,topk:0.01",
+                     "--exclude", "conv1.*,fc.*", "--out", dir_.string()},
+                    o, e),
+            0)
+      << e.str();
+  EXPECT_NE(o.str().find("conv1.weight"), std::string::npos) << o.str();
+  EXPECT_NE(o.str().find("(excluded)"), std::string::npos) << o.str();
+  for (const char* f : {"plan.yaml", "strategy.yaml", "timeline.json"})
+    EXPECT_TRUE(std::filesystem::exists(dir_ / f)) << f;
+  // The strategy file is what the daemons load.
+  std::ifstream in(dir_ / "strategy.yaml");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const Strategy s = Strategy::parse(ss.str(), "strategy.yaml");
+  EXPECT_FALSE(s.resolve("fc.weight", 4 * 512000).compressed());
+  EXPECT_TRUE(s.resolve("layer3.1.conv2.weight", 4 * 589824).compressed());
+  std::string out, err;
+  ASSERT_EQ(run(out, err), 0) << err;
+  EXPECT_EQ(out.rfind(o.str(), 0), 0u) << "explain repeats decide's table";
+
+  std::ostringstream o2, e2;
+  EXPECT_EQ(run_cli({"decide", profile, "--nodes", "two", "--out", dir_.string()}, o2, e2), 1);
+  EXPECT_NE(e2.str().find("--nodes"), std::string::npos) << e2.str();
+  std::ostringstream o3, e3;
+  EXPECT_EQ(run_cli({"decide", profile, "--compressors", "zip", "--out", dir_.string()}, o3, e3),
+            1);
+  EXPECT_NE(e3.str().find("zip"), std::string::npos) << e3.str();
+  std::ostringstream o4, e4;
+  EXPECT_EQ(run_cli({"decide", profile}, o4, e4), 1);
+  EXPECT_NE(e4.str().find("--out"), std::string::npos) << e4.str();
 }
 
 TEST_F(ExplainCli, ErrorsNameTheFile) {
