@@ -475,50 +475,68 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
   for (int i : by_size)
     if (cands[i].size() > 1) groups[p.profile().tensors[i].elements].push_back(i);
   std::vector<std::pair<int, int>> changes;
-  for (auto& [size, members] : groups) {
-    std::sort(members.begin(), members.end());
-    double group_bound = 0;
-    for (int i : members) group_bound += bound[i];
-    if (group_bound < threshold(best)) continue;
-    for (int o : cands[members.front()]) {
-      changes.clear();
-      for (int i : members)
-        if (ev.base()[i] != o) changes.push_back({i, o});
-      if (changes.empty()) continue;
+  auto group_pass = [&] {
+    bool moved = false;
+    for (auto& [size, members] : groups) {
+      std::sort(members.begin(), members.end());
+      double group_bound = 0;
+      for (int i : members) group_bound += bound[i];
+      if (group_bound < threshold(best)) continue;
       // One move, one threshold: a group of small tensors that together
       // shorten a saturated link's queue pays even where each alone is
-      // below the resolution.
-      const double need = best - threshold(best);
-      const double v = ev.try_changes(changes, need);
-      if (v < need) {
-        for (auto [i, opt] : changes) ev.commit(i, opt);
-        best = v;
-      }
-    }
-  }
-  for (int round = 0; round < kRefineRounds; ++round) {
-    bool improved = false;
-    for (int i : by_size) {
-      if (cands[i].size() < 2 || bound[i] < threshold(best)) continue;
-      int pick = -1;
+      // below the resolution. The group takes its best option.
       double need = best - threshold(best);
-      for (int o : cands[i]) {
-        if (o == ev.base()[i]) continue;
-        const double v = ev.try_option(i, o, need);
+      int pick = -1;
+      for (int o : cands[members.front()]) {
+        changes.clear();
+        for (int i : members)
+          if (ev.base()[i] != o) changes.push_back({i, o});
+        if (changes.empty()) continue;
+        const double v = ev.try_changes(changes, need);
         if (v < need) {
           need = v;
           pick = o;
         }
       }
       if (pick >= 0) {
-        // try_option's value below the cutoff is exact: no re-simulation.
-        ev.commit(i, pick);
+        for (int i : members)
+          if (ev.base()[i] != pick) ev.commit(i, pick);
         best = need;
-        improved = true;
+        moved = true;
       }
     }
-    if (!improved) break;
-  }
+    return moved;
+  };
+  auto single_rounds = [&] {
+    for (int round = 0; round < kRefineRounds; ++round) {
+      bool improved = false;
+      for (int i : by_size) {
+        if (cands[i].size() < 2 || bound[i] < threshold(best)) continue;
+        int pick = -1;
+        double need = best - threshold(best);
+        for (int o : cands[i]) {
+          if (o == ev.base()[i]) continue;
+          const double v = ev.try_option(i, o, need);
+          if (v < need) {
+            need = v;
+            pick = o;
+          }
+        }
+        if (pick >= 0) {
+          // try_option's value below the cutoff is exact: no re-simulation.
+          ev.commit(i, pick);
+          best = need;
+          improved = true;
+        }
+      }
+      if (!improved) break;
+    }
+  };
+  group_pass();
+  single_rounds();
+  // Single changes move the link's queue; a group that did not pay before
+  // may pay now (and then single tensors once more).
+  if (group_pass()) single_rounds();
   // Uncompressed is preferred where compression gains less than the
   // resolution (smallest tensors first): together these reverts cost at
   // most one threshold, so what stays compressed is what pays.
