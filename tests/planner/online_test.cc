@@ -10,6 +10,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "common/config.h"
 #include "common/error.h"
@@ -358,6 +359,43 @@ TEST(OnlineDecide, CalibrationReproducesTheWindow) {
   c.iteration_us = 900000;
   const Decision again = decide(c, two_nodes({"efsignsgd"}));
   EXPECT_NEAR(alternative(again, "all:efsignsgd").predicted_us, 900000, 1e-6 * 900000);
+}
+
+TEST(OnlineDecide, AWindowOutsideTheCandidatesStillCalibrates) {
+  // The window ran options the planner would not emit (a ps_single tensor,
+  // fp16 under allreduce): they calibrate, and the plan keeps to sharded
+  // candidates.
+  NodeProfile p = resnet18();
+  p.current_strategy_yaml =
+      "version: 1\ndefault: {compressor: fp16, inter: allreduce}\n"
+      "rules:\n  - match: \"fc.*\"\n    option: {compressor: none, inter: reduce_broadcast}\n";
+  p.iteration_us = 2.5e6;
+  const Decision d = decide(p, two_nodes({"efsignsgd"}));
+  expect_executable(p, d);
+  EXPECT_GT(d.predicted_us, 0);
+  EXPECT_LT(d.predicted_us, p.iteration_us);
+  NodeProfile q = p;
+  q.current_strategy_yaml = "version: 1\ndefault: {compressor: efsignsgd, inter: alltoall_allgather}\n";
+  q.compressors.erase(q.compressors.begin() + 1);  // efsignsgd not measured
+  EXPECT_THROW(decide(q, two_nodes({})), Error);
+}
+
+TEST(OnlineDecide, ConcurrentCallsAgree) {
+  const NodeProfile p = resnet18();
+  const AutoConfig cfg = two_nodes({"efsignsgd", "topk:0.01"});
+  const std::string serial = decide(p, cfg).strategy.to_yaml();
+  std::string a, b;
+  std::thread t1([&] { a = decide(p, cfg).strategy.to_yaml(); });
+  std::thread t2([&] { b = decide(p, cfg).strategy.to_yaml(); });
+  t1.join();
+  t2.join();
+  // decision_ms differs between runs; everything else is deterministic.
+  auto strip = [](std::string s) {
+    const size_t i = s.find("decision_ms");
+    return i == std::string::npos ? s : s.erase(i, s.find('\n', i) - i);
+  };
+  EXPECT_EQ(strip(a), strip(serial));
+  EXPECT_EQ(strip(b), strip(serial));
 }
 
 TEST(OnlineDecide, DedicatedServersUseBothDirectionsOfTheLink) {
