@@ -621,8 +621,8 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
     } catch (const Error& e) {
       bad("compressor '" + s + "': " + e.what());
     }
-    if (&s != &specs.front() && canon != "fp16") accepted.push_back({canon, s});
-    if (!seen.insert(canon).second) continue;
+    if (!seen.insert(canon).second) continue;  // named twice (or fp16 again)
+    if (&s != &specs.front()) accepted.push_back({canon, s});
     if (!measured.count(canon))
       bad("the profile has no measurement of compressor '" + s + "'" +
           (canon == "fp16" ? " (fp16 is always a candidate: the nodes must measure it)" : ""));

@@ -439,6 +439,9 @@ TEST(OnlineDecide, SeveralCompressorsMixAndAlternativesAreListed) {
                                              "threshold:topk:0.01"}));
   for (const Alternative& a : d.alternatives)
     EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 2e-3)) << a.name;
+  // Naming a compressor twice (or fp16 among them) adds nothing.
+  const Decision twice = decide(p, two_nodes({"efsignsgd", "fp16", "efsignsgd"}));
+  EXPECT_EQ(twice.alternatives.size(), 4u);
   const std::string table = d.explain();
   EXPECT_NE(table.find("layer4.1.conv2.weight"), std::string::npos) << table;
   EXPECT_NE(table.find("threshold:topk:0.01"), std::string::npos) << table;
