@@ -545,16 +545,33 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
   // fit the budget mean the rest will not either: it stops after a few.
   const double budget = best + threshold(best);
   int misses = 0;
-  for (auto it = by_size.rbegin(); cleanup && it != by_size.rend() && misses < 8; ++it) {
-    const int i = *it;
-    if (ev.base()[i] == 0 || cands[i].size() < 2) continue;
-    const double v = ev.try_option(i, 0, budget);
-    if (v < budget) {
-      ev.commit(i, 0);
-      best = v;
-      misses = 0;
-    } else {
-      ++misses;
+  // Smallest groups first; a whole group of equal-sized tensors is tried at
+  // once (most of a Transformer's are 110 vectors of one size), then its
+  // members one by one.
+  for (auto g = groups.rbegin(); cleanup && g != groups.rend() && misses < 8; ++g) {
+    changes.clear();
+    for (int i : g->second)
+      if (ev.base()[i] != 0) changes.push_back({i, 0});
+    if (changes.empty()) continue;
+    if (changes.size() > 1) {
+      const double v = ev.try_changes(changes, budget);
+      if (v < budget) {
+        for (auto [i, opt] : changes) ev.commit(i, opt);
+        best = v;
+        misses = 0;
+        continue;
+      }
+    }
+    for (auto [i, opt] : changes) {
+      if (misses >= 8) break;
+      const double v = ev.try_option(i, 0, budget);
+      if (v < budget) {
+        ev.commit(i, 0);
+        best = v;
+        misses = 0;
+      } else {
+        ++misses;
+      }
     }
   }
   return {ev.base(), ev.base_value()};
