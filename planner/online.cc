@@ -434,8 +434,10 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
 // Coordinate descent over the candidate options from `start`: first whole
 // groups of equal-sized tensors (what Algorithm 2 moves together; a tensor
 // of a size of its own is a group of one), largest first, then single
-// tensors, keeping only changes that beat the gain threshold; last, tensors
-// whose compression gains less than the resolution go back to none.
+// tensors, keeping only changes that beat the gain threshold. From a hand
+// strategy (`cleanup`: uniform, so what it can improve on is whole groups)
+// the group moves only, then tensors whose compression gains less than the
+// resolution go back to none.
 std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<int>>& cands,
                                      const std::vector<int>& by_size, Assignment start,
                                      bool cleanup) {
@@ -533,10 +535,12 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
     }
   };
   group_pass();
-  single_rounds();
-  // Single changes move the link's queue; a group that did not pay before
-  // may pay now (and then single tensors once more).
-  if (group_pass()) single_rounds();
+  if (!cleanup) {
+    single_rounds();
+    // Single changes move the link's queue; a group that did not pay
+    // before may pay now (and then single tensors once more).
+    if (group_pass()) single_rounds();
+  }
   // Uncompressed is preferred where compression gains less than the
   // resolution (smallest tensors first): together these reverts cost at
   // most one threshold, so what stays compressed is what pays.
