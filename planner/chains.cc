@@ -60,6 +60,11 @@ Problem::Problem(Profile profile, Cluster cluster, CostTable costs, CompressorSp
   for (const auto& [k, v] : spec_.params) cc.params[k] = v;
   spec_.params = cc.params;
   if (cluster_.cpu_cores == 0) constraints_.allow_cpu = false;
+  if (cluster_.cpu_nodes) {
+    // CPU-only nodes run the CPU runtime: nothing else can execute there.
+    constraints_.allow_gpu = false;
+    constraints_.cpu_runtime_only = true;
+  }
   for (Option& o : enumerate_options(spec_, constraints_, cc.error_feedback)) {
     if (o.compressed()) {
       const CompressorCost* c = costs_.find(o.compressor);

@@ -147,7 +147,23 @@ Cluster Cluster::parse(std::string_view text, std::string name) {
   Document doc = Document::parse(text, std::move(name));
   Reader root = doc.root("");
   Cluster c;
-  root.require("machines").require("gpus_per_machine");
+  // CPU-only nodes (the CPU runtime) have no GPU terms at all.
+  c.cpu_nodes = root.has("cpu_nodes");
+  root.require("machines");
+  if (!c.cpu_nodes) root.require("gpus_per_machine");
+  if (c.cpu_nodes) {
+    for (const char* gpu_only : {"gpus_per_machine", "intra", "host_copy_gbps"})
+      if (root.has(gpu_only))
+        root.fail(gpu_only, "a cluster of cpu_nodes has no GPUs and no intra-node link",
+                  "remove the key, or the cpu_nodes section");
+    Reader n = root.section("cpu_nodes");
+    n.get("pool_threads", c.pool_threads, Range<int>{1, 4096});
+    Reader r = n.section("reduce");
+    r.get("a_us", c.reduce.a_us, Range<double>{0, 1e9})
+        .get("b_us_per_melem", c.reduce.b_us_per_melem, Range<double>{0, 1e12});
+    r.finish();
+    n.finish();
+  }
   root.get("name", c.name)
       .get("machines", c.machines, Range<int>{1, 100000})
       .get("gpus_per_machine", c.gpus_per_machine, Range<int>{1, 1024})
@@ -155,6 +171,7 @@ Cluster Cluster::parse(std::string_view text, std::string name) {
       .get("host_copy_gbps", c.host_copy_gbps, Range<double>{0, 1e6})
       .get_bytes("partition_bytes", c.partition_bytes);
   for (const char* key : {"intra", "inter"}) {
+    if (c.cpu_nodes && std::string(key) == "intra") continue;
     Reader l = root.section(key);
     Link& link = std::string(key) == "intra" ? c.intra : c.inter;
     l.get("gbps", link.gbps, Range<double>{0.001, 1e6})

@@ -39,16 +39,13 @@ constexpr double kMelem = 1048576.0;
 constexpr double kMinGainFraction = 1e-3;
 constexpr double kMinGainUs = 5.0;
 // Bounds of the effective link rate calibration derives: without a probe,
-// anything plausible; with one, within a factor of four of it either way
-// (the probe ran on a loaded node too, and a shaped link's burst or TCP's
-// window make it err both ways; beyond that the probe is not the problem:
-// something unmodelled is, and it goes into the residual). A residual is a
-// constant the model does not explain; raising the rate first keeps an
-// over-prediction from becoming a negative constant that would make cheap
-// strategies look faster than nothing at all.
+// anything plausible; with one, within a factor of 4 of it (beyond that the
+// probe is not what is wrong: something unmodelled is, and it goes into the
+// residual or the scale).
 constexpr double kMinLinkGbps = 1e-3, kMaxLinkGbps = 1e4;
-constexpr double kProbeFloor = 0.25, kProbeCeiling = 4.0;
-constexpr int kRefineRounds = 4;
+constexpr double kProbeFactor = 4.0;
+constexpr int kRefineRounds = 3;
+constexpr double kCalibrationTolerance = 1e-4;
 
 std::string canonical_spec(std::string_view text) {
   return compress::to_string(compress::parse_compressor_spec(text));
@@ -375,15 +372,14 @@ Strategy strategy_of(const NodeProfile& prof, const Model& m, const Assignment& 
 struct Calibration {
   double link_gbps = 0;
   std::string link_source;
+  // prediction = scale * model + residual_us: the model's shortfall is a
+  // constant (unmodelled work of every iteration: the optimizer step, the
+  // servers' own overheads); an over-prediction is scaled down instead, so
+  // that no prediction can become negative.
   double residual_us = 0;
+  double scale = 1;
+  double apply(double model_us) const { return scale * model_us + residual_us; }
   double raw_prediction_us = 0;  // of the window's strategy at link_gbps
-  // A model value corrected by the calibration: an unexplained excess is
-  // added as a constant; an over-prediction scales down instead (a negative
-  // constant would push cheap strategies below any possible time).
-  double apply(double v) const {
-    if (residual_us >= 0 || raw_prediction_us <= 0) return v + residual_us;
-    return v * (raw_prediction_us + residual_us) / raw_prediction_us;
-  }
 };
 
 // Finds the link rate at which the window's strategy predicts the measured
@@ -394,14 +390,14 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
   Calibration c;
   double lo = kMinLinkGbps, hi = kMaxLinkGbps;
   if (prof.link_gbps > 0) {
-    hi = prof.link_gbps * kProbeCeiling;
-    lo = prof.link_gbps * kProbeFloor;
+    hi = prof.link_gbps * kProbeFactor;
+    lo = prof.link_gbps / kProbeFactor;
   }
   const double f_hi = predict(m, hi, current);
   if (f_hi >= T) {
     c.link_gbps = hi;
     c.raw_prediction_us = f_hi;
-    c.link_source = prof.link_gbps > 0 ? "four times the probe (the model over-predicts)"
+    c.link_source = prof.link_gbps > 0 ? "4x the probe (the model over-predicts)"
                                        : "upper bound (the model over-predicts)";
   } else {
     const double f_lo = predict(m, lo, current);
@@ -410,99 +406,194 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
       c.raw_prediction_us = f_lo;
       c.link_source = prof.link_gbps > 0
                           ? "a quarter of the probe (the rest of the gap is not the link)"
-                          : "lower bound";
+                          : "lower bound (the rest of the gap is not the link)";
     } else {
-      // Bisection in log space: 40 steps bring the ratio hi/lo near 1 + 1e-9.
-      double a = std::log(lo), b = std::log(hi), fb = f_hi;
-      for (int it = 0; it < 48 && b - a > 1e-10; ++it) {
-        const double mid = 0.5 * (a + b);
-        const double f = predict(m, std::exp(mid), current);
-        if (f > T) {
-          a = mid;
+      // F is close to linear in the link's time per byte (1 / rate) where
+      // the link matters: regula falsi (Illinois) on u = 1 / rate converges
+      // in a few steps; the residual takes what the tolerance leaves.
+      double ua = 1.0 / hi, ub = 1.0 / lo, fa = f_hi - T, fb = f_lo - T;  // fa < 0 < fb
+      double u = ua, f = fa;
+      int side = 0;
+      for (int it = 0; it < 40; ++it) {
+        u = (ua * fb - ub * fa) / (fb - fa);
+        f = predict(m, 1.0 / u, current) - T;
+        if (std::abs(f) <= kCalibrationTolerance * T) break;
+        if (f < 0) {
+          ua = u;
+          fa = f;
+          if (side == -1) fb /= 2;
+          side = -1;
         } else {
-          b = mid;
+          ub = u;
           fb = f;
+          if (side == 1) fa /= 2;
+          side = 1;
         }
       }
-      c.link_gbps = std::exp(b);
-      c.raw_prediction_us = fb;
-      c.link_source = prof.link_gbps > 0
-                          ? std::string("derived from iteration_us (") +
-                                (c.link_gbps > prof.link_gbps ? "above" : "below") + " the probe)"
-                          : "derived from iteration_us (no probe)";
+      c.link_gbps = 1.0 / u;
+      c.raw_prediction_us = f + T;
+      c.link_source = prof.link_gbps <= 0 ? "derived from iteration_us (no probe)"
+                      : c.link_gbps < prof.link_gbps
+                          ? "derived from iteration_us (the probe was optimistic)"
+                          : "derived from iteration_us (the probe was pessimistic)";
     }
   }
-  c.residual_us = T - c.raw_prediction_us;
+  if (c.raw_prediction_us <= T) {
+    c.residual_us = T - c.raw_prediction_us;
+  } else {
+    c.scale = T / c.raw_prediction_us;
+  }
   return c;
 }
 
 // Coordinate descent over the candidate options from `start`: first whole
-// groups of equal-sized tensors (what Algorithm 2 moves together), largest
-// first, then single tensors, keeping only changes that beat the gain
-// threshold.
+// groups of equal-sized tensors (what Algorithm 2 moves together; a tensor
+// of a size of its own is a group of one), largest first, then single
+// tensors, keeping only changes that beat the gain threshold. From a hand
+// strategy (`cleanup`: uniform, so what it can improve on is whole groups)
+// the group moves only, then tensors whose compression gains less than the
+// resolution go back to none.
 std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<int>>& cands,
-                                     const std::vector<int>& by_size, Assignment start) {
+                                     const std::vector<int>& by_size, Assignment start,
+                                     bool cleanup) {
   Evaluator ev(p);
   ev.set_base(start);
   double best = ev.base_value();
   auto threshold = [&](double v) { return std::max(kMinGainUs, kMinGainFraction * v); };
+  // What changing tensor i's option can gain at most: the work it takes
+  // off the link and off the CPU (a change never speeds up the backward
+  // pass). Tensors whose bound is below the threshold are not tried: most
+  // of a Transformer's tensors are biases and norms.
+  const int n = p.tensors();
+  std::vector<double> bound(n, 0);
+  {
+    std::vector<Op> ops;
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::pair<double, double>> work;  // (link, cpu) per candidate
+      for (int o : cands[i]) {
+        double link = 0, cpu = 0;
+        for (int c = p.first_chunk(i); c < p.first_chunk(i + 1); ++c) {
+          p.chain_into(p.chunks()[c].elements, o, ops);
+          for (const Op& op : ops) {
+            if (op.fork()) continue;
+            (op.resource == Resource::kCpu ? cpu : link) += op.duration_us;
+          }
+        }
+        work.push_back({link, cpu});
+      }
+      for (const auto& a : work)
+        for (const auto& b : work)
+          bound[i] = std::max(bound[i], std::max(0.0, a.first - b.first) +
+                                            std::max(0.0, a.second - b.second));
+    }
+  }
   // Groups of equal element count among tensors that have a choice.
   std::map<uint64_t, std::vector<int>, std::greater<>> groups;
   for (int i : by_size)
     if (cands[i].size() > 1) groups[p.profile().tensors[i].elements].push_back(i);
   std::vector<std::pair<int, int>> changes;
-  for (auto& [size, members] : groups) {
-    if (members.size() < 2) continue;
-    std::sort(members.begin(), members.end());
-    for (int o : cands[members.front()]) {
-      changes.clear();
-      for (int i : members)
-        if (ev.base()[i] != o) changes.push_back({i, o});
-      if (changes.empty()) continue;
-      const double need = best - threshold(best) * static_cast<double>(changes.size());
-      const double v = ev.try_changes(changes, need);
-      if (v < need) {
-        for (auto [i, opt] : changes) ev.commit(i, opt);
-        best = ev.base_value();
-      }
-    }
-  }
-  for (int round = 0; round < kRefineRounds; ++round) {
-    bool improved = false;
-    for (int i : by_size) {
-      if (cands[i].size() < 2) continue;
-      int pick = -1;
+  auto group_pass = [&] {
+    bool moved = false;
+    for (auto& [size, members] : groups) {
+      std::sort(members.begin(), members.end());
+      double group_bound = 0;
+      for (int i : members) group_bound += bound[i];
+      if (group_bound < threshold(best)) continue;
+      // One move, one threshold: a group of small tensors that together
+      // shorten a saturated link's queue pays even where each alone is
+      // below the resolution. The group takes its best option.
       double need = best - threshold(best);
-      for (int o : cands[i]) {
-        if (o == ev.base()[i]) continue;
-        const double v = ev.try_option(i, o, need);
+      int pick = -1;
+      for (int o : cands[members.front()]) {
+        changes.clear();
+        for (int i : members)
+          if (ev.base()[i] != o) changes.push_back({i, o});
+        if (changes.empty()) continue;
+        const double v = ev.try_changes(changes, need);
         if (v < need) {
           need = v;
           pick = o;
         }
       }
       if (pick >= 0) {
-        ev.commit(i, pick);
-        best = ev.base_value();
-        improved = true;
+        for (int i : members)
+          if (ev.base()[i] != pick) ev.commit(i, pick);
+        best = need;
+        moved = true;
       }
     }
-    if (!improved) break;
+    return moved;
+  };
+  auto single_rounds = [&] {
+    for (int round = 0; round < kRefineRounds; ++round) {
+      bool improved = false;
+      for (int i : by_size) {
+        if (cands[i].size() < 2 || bound[i] < threshold(best)) continue;
+        int pick = -1;
+        double need = best - threshold(best);
+        for (int o : cands[i]) {
+          if (o == ev.base()[i]) continue;
+          const double v = ev.try_option(i, o, need);
+          if (v < need) {
+            need = v;
+            pick = o;
+          }
+        }
+        if (pick >= 0) {
+          // try_option's value below the cutoff is exact: no re-simulation.
+          ev.commit(i, pick);
+          best = need;
+          improved = true;
+        }
+      }
+      if (!improved) break;
+    }
+  };
+  group_pass();
+  if (!cleanup) {
+    single_rounds();
+    // Single changes move the link's queue; a group that did not pay
+    // before may pay now (and then single tensors once more).
+    if (group_pass()) single_rounds();
   }
   // Uncompressed is preferred where compression gains less than the
   // resolution (smallest tensors first): together these reverts cost at
   // most one threshold, so what stays compressed is what pays.
+  // (Only from a hand strategy: from nothing compressed, no tensor was
+  // compressed for less than the threshold.) The first tensors that do not
+  // fit the budget mean the rest will not either: it stops after a few.
   const double budget = best + threshold(best);
-  for (auto it = by_size.rbegin(); it != by_size.rend(); ++it) {
-    const int i = *it;
-    if (ev.base()[i] == 0 || cands[i].size() < 2) continue;
-    const double v = ev.try_option(i, 0, budget);
-    if (v < budget) {
-      ev.commit(i, 0);
-      best = ev.base_value();
+  int misses = 0;
+  // Smallest groups first; a whole group of equal-sized tensors is tried at
+  // once (most of a Transformer's are 110 vectors of one size), then its
+  // members one by one.
+  for (auto g = groups.rbegin(); cleanup && g != groups.rend() && misses < 8; ++g) {
+    changes.clear();
+    for (int i : g->second)
+      if (ev.base()[i] != 0) changes.push_back({i, 0});
+    if (changes.empty()) continue;
+    if (changes.size() > 1) {
+      const double v = ev.try_changes(changes, budget);
+      if (v < budget) {
+        for (auto [i, opt] : changes) ev.commit(i, opt);
+        best = v;
+        misses = 0;
+        continue;
+      }
+    }
+    for (auto [i, opt] : changes) {
+      if (misses >= 8) break;
+      const double v = ev.try_option(i, 0, budget);
+      if (v < budget) {
+        ev.commit(i, 0);
+        best = v;
+        misses = 0;
+      } else {
+        ++misses;
+      }
     }
   }
-  return {ev.base(), best};
+  return {ev.base(), ev.base_value()};
 }
 
 }  // namespace
@@ -566,8 +657,8 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
     } catch (const Error& e) {
       bad("compressor '" + s + "': " + e.what());
     }
-    if (&s != &specs.front() && canon != "fp16") accepted.push_back({canon, s});
-    if (!seen.insert(canon).second) continue;
+    if (!seen.insert(canon).second) continue;  // named twice (or fp16 again)
+    if (&s != &specs.front()) accepted.push_back({canon, s});
     if (!measured.count(canon))
       bad("the profile has no measurement of compressor '" + s + "'" +
           (canon == "fp16" ? " (fp16 is always a candidate: the nodes must measure it)" : ""));
@@ -666,38 +757,53 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   Decision d;
   d.measured_us = prof.iteration_us;
   Evaluator ev(p);
-  auto uniform = [&](int opt, uint64_t min_bytes) {
+  // The hand strategies as a user would write them (exclusions first, then
+  // the size window, then the default); their assignments come from
+  // resolving them, so file and prediction cannot disagree.
+  auto hand = [&](const Option& o, uint64_t min_bytes) {
+    Strategy s;
+    s.set_default(min_bytes > 0 ? Option{} : o);
+    for (const std::string& g : cfg.exclude) s.add_rule(Rule{g, 0, UINT64_MAX, Option{}});
+    if (min_bytes > 0) s.add_rule(Rule{"*", min_bytes, UINT64_MAX, o});
     Assignment a(n, 0);
-    for (int k = 0; k < n; ++k)
-      if (!excl[k] && 4 * p.profile().tensors[k].elements >= min_bytes) a[k] = opt;
-    return a;
+    for (int k = 0; k < n; ++k) {
+      const TensorProfile& t = p.profile().tensors[k];
+      const Option& r = s.resolve(t.name, 4 * t.elements);
+      for (size_t c = 0; c < m.candidates; ++c)
+        if (m.options[c] == r) a[k] = static_cast<int>(c);
+    }
+    return std::make_pair(std::move(s), std::move(a));
   };
-  std::vector<std::pair<std::string, Assignment>> alts;
-  alts.push_back({"fp32", Assignment(n, 0)});
-  alts.push_back({"fp16", uniform(1, 0)});
+  std::vector<std::pair<std::string, std::pair<Strategy, Assignment>>> alts;
+  alts.push_back({"fp32", hand(Option{}, 0)});
+  alts.push_back({"fp16", hand(m.options[1], 0)});
   for (const auto& [canon, written] : accepted) {
     int idx = 0;
     for (size_t o = 0; o < m.candidates; ++o)
       if (cands[o].spec == canon) idx = static_cast<int>(o);
-    alts.push_back({"all:" + written, uniform(idx, 0)});
-    alts.push_back({"threshold:" + written, uniform(idx, cfg.min_compress_bytes)});
+    alts.push_back({"all:" + written, hand(m.options[idx], 0)});
+    alts.push_back({"threshold:" + written, hand(m.options[idx], cfg.min_compress_bytes)});
   }
   const Assignment* best_alt = nullptr;
   double best_alt_us = std::numeric_limits<double>::infinity();
-  for (const auto& [name, a] : alts) {
-    const double v = ev.evaluate(a);
-    d.alternatives.push_back({name, cal.apply(v), strategy_of(prof, m, a).to_yaml()});
+  for (auto& [name, sa] : alts) {
+    const double v = ev.evaluate(sa.second);
+    sa.first.meta["predicted_us"] = fmt(cal.apply(v), 9);
+    sa.first.meta["alternative"] = name;
+    d.alternatives.push_back({name, cal.apply(v), sa.first.to_yaml()});
     if (v < best_alt_us) {
       best_alt_us = v;
-      best_alt = &a;
+      best_alt = &sa.second;
     }
   }
 
-  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0));
-  {
-    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt);
-    // From the best hand strategy the tiny tensors keep whatever it gave
-    // them; take that start only when it is genuinely better.
+  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0), false);
+  if (plan_v > best_alt_us + std::max(kMinGainUs, kMinGainFraction * best_alt_us)) {
+    // Coordinate descent from nothing compressed can stall where only many
+    // tensors changing together pay; the best hand strategy is the other
+    // start. From there the tiny tensors keep what it gave them, so take it
+    // only when it is genuinely better.
+    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt, true);
     if (alt_v < plan_v - std::max(kMinGainUs, kMinGainFraction * plan_v)) {
       plan_a = alt_a;
       plan_v = alt_v;
@@ -705,13 +811,18 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   }
 
   // The bar a compressed plan must clear (AutoConfig::min_gain).
-  const double fp32_us = ev.evaluate(Assignment(n, 0));
-  const double bar_fraction =
-      std::max(cfg.min_gain, std::abs(cal.residual_us) / std::max(1.0, prof.iteration_us));
+  // The calibration's misfit (what the link rate could not explain, as a
+  // fraction of the iteration) raises it: a gain the model cannot resolve
+  // is not worth the accuracy compression costs.
+  const double T = std::max(1.0, prof.iteration_us);
+  const double fp32_us = cal.apply(ev.evaluate(Assignment(n, 0)));
+  const double misfit = std::max(cal.residual_us / T, 1.0 - cal.scale);
+  const double bar_fraction = std::max(cfg.min_gain, misfit);
+  const double gain = fp32_us - cal.apply(plan_v);
   std::string kept_uncompressed;
-  if (plan_a != Assignment(n, 0) && fp32_us - plan_v < bar_fraction * prof.iteration_us) {
-    kept_uncompressed = "predicted gain " + fmt(100.0 * (fp32_us - plan_v) / prof.iteration_us, 3) +
-                        "% is below the bar of " + fmt(100.0 * bar_fraction, 3) + "%";
+  if (plan_a != Assignment(n, 0) && gain < bar_fraction * T) {
+    kept_uncompressed = "predicted gain " + fmt(100.0 * gain / T, 3) + "% is below the bar of " +
+                        fmt(100.0 * bar_fraction, 3) + "%";
     plan_a = Assignment(n, 0);
   }
   Timeline tl;
@@ -744,6 +855,7 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   meta["calibration.link_source"] = cal.link_source;
   meta["calibration.probe_gbps"] = fmt(prof.link_gbps, 9);
   meta["calibration.residual_us"] = fmt(cal.residual_us, 9);
+  meta["calibration.scale"] = fmt(cal.scale, 9);
   meta["calibration.model_us"] = fmt(cal.raw_prediction_us, 9);
   meta["min_gain_fraction"] = fmt(bar_fraction, 6);
   if (!kept_uncompressed.empty()) meta["kept_uncompressed"] = kept_uncompressed;
@@ -832,22 +944,36 @@ std::string Decision::explain() const {
   size_t w = 6;
   for (const TensorChoice& t : tensors) w = std::max(w, t.name.size());
   int compressed = 0;
-  for (const TensorChoice& t : tensors)
-    if (t.option.rfind("none", 0) != 0) ++compressed;
-  os << "Decision: " << compressed << " of " << tensors.size() << " tensors compressed";
-  if (auto it = strategy.meta.find("calibration.link_gbps"); it != strategy.meta.end())
-  {
-    os << "; model link " << it->second << " Gbit/s";
-    if (auto src = strategy.meta.find("calibration.link_source"); src != strategy.meta.end())
-      os << " (" << src->second << ")";
-  }
-  os << "\n\n";
-  os << std::string("tensor") + std::string(w - 6 + 2, ' ') << "      bytes  option\n";
+  uint64_t total = 0, squeezed = 0;
   for (const TensorChoice& t : tensors) {
-    std::string b = std::to_string(t.bytes);
+    total += t.bytes;
+    if (t.option.rfind("none", 0) != 0) {
+      ++compressed;
+      squeezed += t.bytes;
+    }
+  }
+  os << "Decision: " << compressed << " of " << tensors.size() << " tensors compressed ("
+     << fmt_fixed(total ? 100.0 * static_cast<double>(squeezed) / static_cast<double>(total) : 0, 1)
+     << "% of the bytes)\n";
+  auto meta_of = [&](const char* k) {
+    auto it = strategy.meta.find(k);
+    return it == strategy.meta.end() ? std::string() : it->second;
+  };
+  if (std::string link = meta_of("calibration.link_gbps"); !link.empty())
+    os << "model: link " << link << " Gbit/s, " << meta_of("calibration.link_source")
+       << "; residual " << meta_of("calibration.residual_us") << " us, scale "
+       << meta_of("calibration.scale") << "\n";
+  // The option's first word is the compressor and its parameters; the rest
+  // (scheme, collectives) is the same sharded shape for every tensor and is
+  // in plan.yaml.
+  os << "\n" << "tensor" << std::string(w - 6 + 2, ' ') << "      bytes  choice\n";
+  for (const TensorChoice& t : tensors) {
+    const std::string b = std::to_string(t.bytes);
+    std::string what = t.option.substr(0, t.option.find(' '));
+    if (t.option.find(" ef ") != std::string::npos) what += " +ef";
     os << t.name << std::string(w - t.name.size() + 2, ' ')
-       << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << t.option
-       << (t.excluded ? "  [excluded]" : "") << "\n";
+       << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << what
+       << (t.excluded ? "  (excluded)" : "") << "\n";
   }
   os << "\npredicted iteration: " << fmt_fixed(predicted_us / 1e3, 2) << " ms\n";
   os << "measured before the decision: " << fmt_fixed(measured_us / 1e3, 2) << " ms\n";

@@ -76,8 +76,11 @@ struct NodeProfile {
   double link_gbps = 0, link_latency_us = 0;     // node<->servers probe; 0 = unknown
   std::string current_strategy_yaml;             // what ran during the window ("" = uncompressed)
 
-  // Versioned YAML (version: 1); parse(to_yaml()) gives back an equal
-  // profile.
+  // Versioned YAML (version: 1): the keys are the field names, except
+  // current_strategy (for current_strategy_yaml, a string); fits are
+  // {a_us, b_us_per_melem, samples}; tensors and compressors are lists of
+  // mappings (planner/profiles/online/resnet18.yaml is an example).
+  // parse(to_yaml()) gives back an equal profile.
   std::string to_yaml() const;
   // Throws config::ConfigError located at file:line:col with the key path
   // for malformed or out-of-range items (`name` stands for the file).

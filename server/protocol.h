@@ -68,7 +68,7 @@ enum MsgType : uint16_t {
   kStats = 0x5142,        // req; reply: ServerStats
   // req: arg=answer bytes, payload: ignored bytes; reply: arg bytes (link probe,
   // both at most kMaxProbeBytes)
-  kProbe = 0x5143,
+  kProbe = 0x5144,
   // replies
   kOkReply = 0x51F0,
   kErrorReply = 0x51F1,

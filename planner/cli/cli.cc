@@ -35,6 +35,9 @@ constexpr const char* kUsage =
     "  bytecomp-plan count --compressor NAME [--no-fp16] [--no-gpu] [--no-cpu]\n"
     "  bytecomp-plan convert-bench compress_bench.json [--out costs.yaml]\n"
     "  bytecomp-plan bench [--runs N] [--instances N] [--seed S]\n"
+    "  bytecomp-plan decide NODE_PROFILE.yaml... --out RUN_DIR [--compressors a,b]\n"
+    "                [--exclude glob,glob] [--nodes N] [--servers N] [--dedicated-servers]\n"
+    "                [--partition-bytes B] [--min-compress-bytes B]\n"
     "  bytecomp-plan explain RUN_DIR   (RUN_DIR/plan.yaml, RUN_DIR/measured.yaml if present)\n";
 
 std::string jstr(const std::string& s) {
@@ -549,6 +552,68 @@ std::optional<std::string> slurp(const std::string& path, bool must_exist) {
   return os.str();
 }
 
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == ',') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
+uint64_t count_arg(const Args& a, const std::string& key, uint64_t def, uint64_t min) {
+  auto it = a.values.find(key);
+  if (it == a.values.end()) return def;
+  size_t used = 0;
+  uint64_t v = 0;
+  try {
+    v = std::stoull(it->second, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != it->second.size() || used == 0 || v < min)
+    throw Error(ErrorCode::kInvalidArgument,
+                key + ": '" + it->second + "' is not an integer >= " + std::to_string(min));
+  return v;
+}
+
+// decide: what the coordinator does with the nodes' profiles, from files
+// (reproducing or trying a decision offline).
+int cmd_decide(const std::vector<std::string>& args, std::ostream& out) {
+  const Args a = parse_args(args,
+                            {"--out", "--compressors", "--exclude", "--nodes", "--servers",
+                             "--partition-bytes", "--min-compress-bytes"},
+                            {"--dedicated-servers"});
+  if (a.positional.empty())
+    throw Error(ErrorCode::kInvalidArgument, "decide needs at least one node profile");
+  if (!a.values.count("--out")) throw Error(ErrorCode::kInvalidArgument, "decide needs --out RUN_DIR");
+  std::vector<online::NodeProfile> nodes;
+  for (const std::string& path : a.positional)
+    nodes.push_back(online::NodeProfile::parse(*slurp(path, true), path));
+  online::AutoConfig cfg;
+  if (auto it = a.values.find("--compressors"); it != a.values.end())
+    cfg.compressors = split_list(it->second);
+  if (auto it = a.values.find("--exclude"); it != a.values.end()) cfg.exclude = split_list(it->second);
+  cfg.nodes = static_cast<uint32_t>(count_arg(a, "--nodes", nodes.size(), 1));
+  cfg.servers = static_cast<uint32_t>(count_arg(a, "--servers", cfg.nodes, 1));
+  cfg.colocated_servers = !a.flags.count("--dedicated-servers");
+  cfg.partition_bytes = count_arg(a, "--partition-bytes", cfg.partition_bytes, 4096);
+  cfg.min_compress_bytes = count_arg(a, "--min-compress-bytes", cfg.min_compress_bytes, 0);
+  const online::Decision d = online::decide(online::merge(nodes), cfg);
+  const std::string dir = a.values.at("--out");
+  write_file(dir + "/plan.yaml", d.to_yaml());
+  write_file(dir + "/strategy.yaml", d.strategy.to_yaml());
+  write_file(dir + "/timeline.json", d.timeline_json);
+  out << d.explain();
+  return 0;
+}
+
 // explain RUN_DIR: the decision record the daemon wrote (plan.yaml) and,
 // once the job has run with it, what it measured (measured.yaml).
 int cmd_explain(const std::vector<std::string>& args, std::ostream& out) {
@@ -602,6 +667,7 @@ int run_cli(const std::vector<std::string>& args, std::ostream& out, std::ostrea
     if (args[0] == "convert-bench") return cmd_convert(rest, out);
     if (args[0] == "bench") return cmd_bench(rest, out);
     if (args[0] == "explain") return cmd_explain(rest, out);
+    if (args[0] == "decide") return cmd_decide(rest, out);
     return cmd_plan(args, out);
   } catch (const std::exception& e) {
     err << "bytecomp-plan: " << e.what() << "\n";

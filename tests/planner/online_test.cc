@@ -10,6 +10,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "common/config.h"
 #include "common/error.h"
@@ -278,7 +279,7 @@ TEST(OnlineDecide, SlowLinkCompressesBigTensorsNotTinyOnes) {
   // Per-tensor choice beats (or ties) every hand strategy, and compression
   // is far ahead of fp32 on this link.
   for (const Alternative& a : d.alternatives)
-    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 1e-3)) << a.name;
+    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 2e-3)) << a.name;
   EXPECT_LT(d.predicted_us, 0.5 * alternative(d, "fp32").predicted_us);
   EXPECT_GT(d.decision_ms, 0);
   EXPECT_NE(d.timeline_json.find("\"traceEvents\""), std::string::npos);
@@ -330,6 +331,13 @@ TEST(OnlineDecide, CalibrationReproducesTheWindow) {
           << "probe " << probe << " measured " << measured;
       EXPECT_EQ(d.measured_us, measured);
       EXPECT_NE(d.strategy.meta.at("calibration.link_source"), "");
+      const double link = std::stod(d.strategy.meta.at("calibration.link_gbps"));
+      if (probe > 0) {
+        EXPECT_GE(link, probe / 4 * (1 - 1e-9));
+        EXPECT_LE(link, probe * 4 * (1 + 1e-9));
+      }
+      for (const Alternative& a : d.alternatives) EXPECT_GT(a.predicted_us, 0) << a.name;
+      EXPECT_GT(d.predicted_us, 0);
     }
   }
   // No probe: the link rate comes from the window's time alone, and a
@@ -351,6 +359,56 @@ TEST(OnlineDecide, CalibrationReproducesTheWindow) {
   c.iteration_us = 900000;
   const Decision again = decide(c, two_nodes({"efsignsgd"}));
   EXPECT_NEAR(alternative(again, "all:efsignsgd").predicted_us, 900000, 1e-6 * 900000);
+}
+
+TEST(OnlineDecide, AWindowOutsideTheCandidatesStillCalibrates) {
+  // The window ran options the planner would not emit (a ps_single tensor,
+  // fp16 under allreduce): they calibrate, and the plan keeps to sharded
+  // candidates.
+  NodeProfile p = resnet18();
+  p.current_strategy_yaml =
+      "version: 1\ndefault: {compressor: fp16, inter: allreduce}\n"
+      "rules:\n  - match: \"fc.*\"\n    option: {compressor: none, inter: reduce_broadcast}\n";
+  p.iteration_us = 2.5e6;
+  const Decision d = decide(p, two_nodes({"efsignsgd"}));
+  expect_executable(p, d);
+  EXPECT_GT(d.predicted_us, 0);
+  EXPECT_LT(d.predicted_us, p.iteration_us);
+  NodeProfile q = p;
+  q.current_strategy_yaml = "version: 1\ndefault: {compressor: efsignsgd, inter: alltoall_allgather}\n";
+  q.compressors.erase(q.compressors.begin() + 1);  // efsignsgd not measured
+  EXPECT_THROW(decide(q, two_nodes({})), Error);
+}
+
+TEST(OnlineDecide, ConcurrentCallsAgree) {
+  const NodeProfile p = resnet18();
+  const AutoConfig cfg = two_nodes({"efsignsgd", "topk:0.01"});
+  const std::string serial = decide(p, cfg).strategy.to_yaml();
+  std::string a, b;
+  std::thread t1([&] { a = decide(p, cfg).strategy.to_yaml(); });
+  std::thread t2([&] { b = decide(p, cfg).strategy.to_yaml(); });
+  t1.join();
+  t2.join();
+  // decision_ms differs between runs; everything else is deterministic.
+  auto strip = [](std::string s) {
+    const size_t i = s.find("decision_ms");
+    return i == std::string::npos ? s : s.erase(i, s.find('\n', i) - i);
+  };
+  EXPECT_EQ(strip(a), strip(serial));
+  EXPECT_EQ(strip(b), strip(serial));
+}
+
+TEST(OnlineDecide, DedicatedServersUseBothDirectionsOfTheLink) {
+  NodeProfile p = resnet18();
+  AutoConfig colo = two_nodes({"efsignsgd"});
+  AutoConfig dedi = colo;
+  dedi.colocated_servers = false;
+  const Decision c = decide(p, colo), d = decide(p, dedi);
+  expect_executable(p, d);
+  // Colocated: pull answers share the send direction with the pushes.
+  EXPECT_EQ(c.timeline_json.find("\"tid\":4,\"name\":\"layer"), std::string::npos);
+  EXPECT_NE(d.timeline_json.find("\"tid\":4,\"name\":\"layer"), std::string::npos);
+  EXPECT_EQ(d.strategy.meta.at("servers"), "2 dedicated");
 }
 
 TEST(OnlineDecide, Fp16OnlyByDefault) {
@@ -380,7 +438,10 @@ TEST(OnlineDecide, SeveralCompressorsMixAndAlternativesAreListed) {
                                              "threshold:efsignsgd", "all:topk:0.01",
                                              "threshold:topk:0.01"}));
   for (const Alternative& a : d.alternatives)
-    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 1e-3)) << a.name;
+    EXPECT_LE(d.predicted_us, a.predicted_us * (1 + 2e-3)) << a.name;
+  // Naming a compressor twice (or fp16 among them) adds nothing.
+  const Decision twice = decide(p, two_nodes({"efsignsgd", "fp16", "efsignsgd"}));
+  EXPECT_EQ(twice.alternatives.size(), 4u);
   const std::string table = d.explain();
   EXPECT_NE(table.find("layer4.1.conv2.weight"), std::string::npos) << table;
   EXPECT_NE(table.find("threshold:topk:0.01"), std::string::npos) << table;
@@ -463,6 +524,41 @@ TEST_F(ExplainCli, PrintsTableAndMeasured) {
   ASSERT_EQ(run(out, err), 0) << err;
   EXPECT_NE(out.find("median of 30 iterations"), std::string::npos) << out;
   EXPECT_NE(out.find("+10.0%"), std::string::npos) << out;
+}
+
+TEST_F(ExplainCli, DecideWritesTheRunDirectory) {
+  const std::string profile = planner_data_dir() + "/profiles/online/resnet18.yaml";
+  std::ostringstream o, e;
+  ASSERT_EQ(run_cli({"decide", profile, profile, "--compressors", "efsignsgd,topk:0.01",
+                     "--exclude", "conv1.*,fc.*", "--out", dir_.string()},
+                    o, e),
+            0)
+      << e.str();
+  EXPECT_NE(o.str().find("conv1.weight"), std::string::npos) << o.str();
+  EXPECT_NE(o.str().find("(excluded)"), std::string::npos) << o.str();
+  for (const char* f : {"plan.yaml", "strategy.yaml", "timeline.json"})
+    EXPECT_TRUE(std::filesystem::exists(dir_ / f)) << f;
+  // The strategy file is what the daemons load.
+  std::ifstream in(dir_ / "strategy.yaml");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const Strategy s = Strategy::parse(ss.str(), "strategy.yaml");
+  EXPECT_FALSE(s.resolve("fc.weight", 4 * 512000).compressed());
+  EXPECT_TRUE(s.resolve("layer3.1.conv2.weight", 4 * 589824).compressed());
+  std::string out, err;
+  ASSERT_EQ(run(out, err), 0) << err;
+  EXPECT_EQ(out.rfind(o.str(), 0), 0u) << "explain repeats decide's table";
+
+  std::ostringstream o2, e2;
+  EXPECT_EQ(run_cli({"decide", profile, "--nodes", "two", "--out", dir_.string()}, o2, e2), 1);
+  EXPECT_NE(e2.str().find("--nodes"), std::string::npos) << e2.str();
+  std::ostringstream o3, e3;
+  EXPECT_EQ(run_cli({"decide", profile, "--compressors", "zip", "--out", dir_.string()}, o3, e3),
+            1);
+  EXPECT_NE(e3.str().find("zip"), std::string::npos) << e3.str();
+  std::ostringstream o4, e4;
+  EXPECT_EQ(run_cli({"decide", profile}, o4, e4), 1);
+  EXPECT_NE(e4.str().find("--out"), std::string::npos) << e4.str();
 }
 
 TEST_F(ExplainCli, ErrorsNameTheFile) {

@@ -781,6 +781,44 @@ TEST(Cli, PlansWritesAStrategyTheDaemonAcceptsAndATrace) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Cli, PlansForCpuNodesWithoutGpuTerms) {
+  const std::string dir = std::filesystem::temp_directory_path() /
+                          ("bc_plan_cpu_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream c(dir + "/cpu.yaml");
+    c << "version: 1\nmachines: 4\ncpu_cores: 2\ninter: {gbps: 0.1, latency_us: 200}\n"
+         "cpu_nodes: {pool_threads: 2, reduce: {a_us: 6, b_us_per_melem: 400}}\n"
+         "partition_bytes: 4MiB\n";
+  }
+  const Cluster cl = Cluster::load_file(dir + "/cpu.yaml");
+  EXPECT_TRUE(cl.cpu_nodes);
+  EXPECT_EQ(cl.pool_threads, 2);
+  EXPECT_EQ(cl.reduce.b_us_per_melem, 400);
+  std::ostringstream out, err;
+  ASSERT_EQ(run_cli({"--profile", data("profiles/lstm.yaml"), "--cluster", dir + "/cpu.yaml",
+                     "--compressor", "randomk:0.01", "--out", dir + "/s.yaml", "--json"},
+                    out, err),
+            0)
+      << err.str();
+  YAML::Node j = YAML::Load(out.str());
+  EXPECT_GT(j["speedup_over_fp32"]["ours"].as<double>(), 1.0);  // 0.1 Gbit/s: compression pays
+  Strategy s = Strategy::load_file(dir + "/s.yaml");
+  std::vector<TensorDecl> decl;
+  for (const auto& t : Profile::load_file(data("profiles/lstm.yaml")).tensors)
+    decl.push_back({t.name, 4 * t.elements});
+  EXPECT_NO_THROW(s.check_cpu_runtime(decl));
+  // GPU terms in a CPU-node cluster are refused, located.
+  try {
+    Cluster::parse("version: 1\nmachines: 2\ngpus_per_machine: 1\ncpu_nodes: {}\n", "c.yaml");
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("c.yaml:3:"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cpu_nodes"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Cli, ErrorsNameWhatIsWrong) {
   auto run = [](std::vector<std::string> args) {
     std::ostringstream out, err;
