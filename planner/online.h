@@ -107,7 +107,7 @@ struct AutoConfig {
   // tensor uncompressed by at least this fraction of the measured iteration,
   // or by the calibration's own misfit (|residual| / measured) when that is
   // larger: a gain the model cannot resolve is not worth the accuracy.
-  double min_gain = 0.05;
+  double min_gain = 0.1;
 };
 
 // A hand strategy the decision compares against.

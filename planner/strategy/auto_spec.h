@@ -9,7 +9,7 @@
 //   compressors: [efsignsgd, "topk:0.01"]   # empty: fp16 only
 //   exclude: ["conv1.*", "fc.*"]            # fnmatch globs, never compressed
 //   min_compress_bytes: 1MiB                # the size-threshold alternative
-//   min_gain: 0.05                          # compress only for a larger gain
+//   min_gain: 0.1                           # compress only for a larger gain
 //   warmup_iterations: 5                    # profiled iterations
 //   skip_iterations: 2                      # first iterations not profiled
 //   plan_timeout_ms: 5000                   # coordinator's planning bound
@@ -34,7 +34,7 @@ struct AutoSpec {
   std::vector<std::string> exclude;
   uint64_t min_compress_bytes = 1ull << 20;
   // A compressed plan must be predicted this fraction faster than none.
-  double min_gain = 0.05;
+  double min_gain = 0.1;
   uint32_t warmup_iterations = 5;
   uint32_t skip_iterations = 2;
   uint32_t plan_timeout_ms = 5000;

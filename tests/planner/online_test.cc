@@ -286,6 +286,25 @@ TEST(OnlineDecide, SlowLinkCompressesBigTensorsNotTinyOnes) {
   EXPECT_NE(d.timeline_json.find("layer4.1.conv2.weight"), std::string::npos);
 }
 
+TEST(OnlineDecide, AGainBelowTheBarKeepsEveryTensorUncompressed) {
+  const NodeProfile p = resnet18();
+  AutoConfig c = two_nodes({"efsignsgd"});
+  c.min_gain = 0;
+  const Decision low = decide(p, c);
+  const double fp32 = alternative(low, "fp32").predicted_us;
+  const double gain = (fp32 - low.predicted_us) / p.iteration_us;
+  ASSERT_GT(gain, 0.1);
+  EXPECT_EQ(low.strategy.meta.count("kept_uncompressed"), 0u);
+  // The same profile with a bar above the predicted gain: nothing compressed,
+  // and the record says why.
+  c.min_gain = std::min(0.9, gain + 0.05);
+  const Decision high = decide(p, c);
+  for (const TensorMeasure& t : p.tensors) EXPECT_FALSE(compressed(high, t.name)) << t.name;
+  EXPECT_NEAR(high.predicted_us, fp32, 1e-6 * fp32);
+  ASSERT_EQ(high.strategy.meta.count("kept_uncompressed"), 1u);
+  EXPECT_NE(high.strategy.meta.at("kept_uncompressed").find("below the bar"), std::string::npos);
+}
+
 TEST(OnlineDecide, FastLinkCompressesNothing) {
   NodeProfile p = resnet18();
   p.link_gbps = 100;
