@@ -924,6 +924,33 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
                                      : "no job '" + req.arg +
                                            "' on this bytecompd (bytecompctl jobs lists them)");
   }
+  if (cmd == "trace") {
+    for (auto& [key, j] : jobs_) {
+      if (j->id != req.arg || !(privileged || j->uid == c.uid)) continue;
+      if (!j->engine) {
+        return reply_ctl(c, ErrorCode::kUnavailable,
+                         "job '" + req.arg + "' is still forming: no iteration to trace yet");
+      }
+      const std::vector<uint32_t> parts = j->engine->phase_partitions();
+      if (parts.empty()) {
+        return reply_ctl(c, ErrorCode::kUnavailable,
+                         "job '" + req.arg + "' has no phase records: engine.phase_timestamps "
+                         "was off when it started" +
+                             std::string(j->num_nodes > 1
+                                             ? ", or it has not joined its servers yet"
+                                             : ""));
+      }
+      std::vector<std::string> names;
+      for (const TensorSpec& t : j->specs) names.push_back(t.name);
+      return reply_ctl(c, ErrorCode::kOk,
+                       trace_json(j->id, names, parts, j->engine->phase_records(),
+                                  monotonic_ns()));
+    }
+    return reply_ctl(c, ErrorCode::kInvalidArgument,
+                     req.arg.empty() ? "trace needs a job id (bytecompctl jobs lists them)"
+                                     : "no job '" + req.arg +
+                                           "' on this bytecompd (bytecompctl jobs lists them)");
+  }
   if (cmd == "metrics") {
     if (!config_.metrics_textfile_dir.empty()) write_metrics();
     return reply_ctl(c, ErrorCode::kOk, metrics_text(view(privileged, c.uid)));
@@ -948,7 +975,7 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
   }
   reply_ctl(c, ErrorCode::kInvalidArgument,
             "unknown command '" + cmd +
-                "' (accepted: status, jobs, strategy, metrics, reload, drain)");
+                "' (accepted: status, jobs, strategy, trace, metrics, reload, drain)");
 }
 
 void Daemon::sample(Job& j) {
@@ -995,6 +1022,23 @@ JobView Daemon::job_view(Job& j, bool with_tensors) {
   }
   v.pushpulls = j.pushpulls;
   v.last_iteration = j.last_iteration;
+  if (j.engine) {
+    const Engine::Gauges g = j.engine->gauges();
+    v.engine_gauges = true;
+    v.queued_partitions = g.queued_partitions;
+    v.inflight_bytes = g.inflight_bytes;
+    v.waiting_tensors = g.waiting_tensors;
+    // Empty with engine.phase_timestamps off, or before a multi-node job
+    // joined its servers.
+    if (!j.engine->phase_partitions().empty()) {
+      v.phase_stats = j.engine->phase_stats();
+      for (size_t i = 0; i < kSpanCount; ++i) {
+        v.phase_seconds[std::string(span_name(i))] =
+            static_cast<double>(v.phase_stats->sum_ns[i]) / 1e9;
+      }
+      v.last_iteration_seconds = last_iteration_seconds(j.engine->phase_records());
+    }
+  }
   // Multi-node jobs compress with the coordinator's plans, inside the engine.
   v.compress_counted = j.engine && j.num_nodes == 1;
   v.compress_input_bytes = j.bytes->input_bytes.load();

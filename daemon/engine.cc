@@ -240,6 +240,14 @@ void Engine::log_phases() const {
   }
 }
 
+void Engine::publish_gauges() {
+  uint32_t waiting = 0;
+  for (const Round& r : rounds_) waiting += r.arrived > 0 && !r.running;
+  queued_pub_.store(sched_.size(), std::memory_order_relaxed);
+  inflight_pub_.store(inflight_bytes_, std::memory_order_relaxed);
+  waiting_pub_.store(waiting, std::memory_order_relaxed);
+}
+
 int64_t Engine::latest_begun() const {
   int64_t latest = -1;
   for (const Round& r : rounds_) {
@@ -319,6 +327,7 @@ void Engine::loop() {
   try {
     if (join_ && !open_paths()) return;
     while (!stop_.load()) {
+      publish_gauges();
       ipc::timed_wait(header_->doorbell, kIdleWait);
       if (stop_.load()) break;
       if (const Status f = inbox_->failure(); !f.ok()) {
@@ -348,6 +357,7 @@ void Engine::loop() {
         // readiness), so a bound held until the answers would deadlock them.
         if (inflight_bytes_ >= bound) break;
         run_batch(sched_.next_batch(pool_.concurrency(), bound - inflight_bytes_));
+        publish_gauges();
         // New arrivals between batches, so a high-priority tensor overtakes
         // the rest of a large one.
         if (!drain()) break;

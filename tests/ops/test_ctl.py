@@ -37,6 +37,8 @@ rules:
 """
 BIG = 65536    # float32 elements: 256 KiB, compressed with fp16
 SMALL = 100    # uncompressed
+PARTITION = 64 * 1024  # the daemons' scheduler.partition_bytes: BIG has 4 partitions
+PARTS = {"big.w": 4, "small": 1}
 
 
 def wait_until(pred, timeout, step=0.05):
@@ -77,8 +79,9 @@ class Daemon:
         with open(self.config, "w") as f:
             f.write("version: 1\ncontrol:\n  socket: %s\n  setup_timeout_ms: 10000\n"
                     "shm:\n  instance: %s\nscheduler:\n  threads: %d\n"
+                    "  partition_bytes: %d\n"
                     "metrics:\n  textfile_dir: %s\n  interval_ms: 500\n%s%s"
-                    % (self.socket, self.instance, threads, self.metrics_dir,
+                    % (self.socket, self.instance, threads, PARTITION, self.metrics_dir,
                        "strategy:\n  file: %s\n" % self.strategy if strategy else "", extra))
 
     def output(self):
@@ -120,8 +123,8 @@ def ctl_json(sock, *args):
 class Job:
     """One local rank of a job, driven in-process through libbytecomp."""
 
-    def __init__(self, daemon, job_id, tensors=(("big.w", BIG), ("small", SMALL))):
-        self.c = _lib.Client(job_id, socket_path=daemon.socket)
+    def __init__(self, daemon, job_id, tensors=(("big.w", BIG), ("small", SMALL)), **where):
+        self.c = _lib.Client(job_id, socket_path=daemon.socket, **where)
         self.ids = []
         self.bufs = []
         for name, n in tensors:
@@ -182,8 +185,45 @@ def check_exposition_format(test, text):
                 test.assertTrue(name.endswith("_total"), name)
         elif line and not line.startswith("#"):
             name = re.match(r"^[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+            if name not in types and types.get(family) == "histogram":
+                name = family
+                test.assertTrue(family.endswith("_seconds"), family)
             test.assertIn(name, types, f"sample before its TYPE: {line}")
             test.assertTrue(name.startswith("bytecomp_"), name)
+
+
+SPANS = ("wait_ranks", "queue", "reduce", "compress", "send", "wire", "decompress", "copy_out")
+
+
+def histogram(text, name, labels):
+    """[(le, cumulative count)] of one histogram series, in file order."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"^%s_bucket\{([^}]*)\} (\S+)$" % re.escape(name), line)
+        if not m:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            out.append((float(got["le"]), float(m.group(2))))
+    return out
+
+
+def check_histograms(test, text, lab, rounds):
+    """Every span's histogram of the job counts `rounds` rounds, buckets
+    cumulative and increasing in le, +Inf = _count."""
+    for span in SPANS:
+        l = dict(lab, phase=span)
+        buckets = histogram(text, "bytecomp_job_phase_seconds", l)
+        test.assertGreater(len(buckets), 5, span)
+        les = [b[0] for b in buckets]
+        test.assertEqual(les, sorted(les), span)
+        test.assertEqual(les[-1], float("inf"), span)
+        counts = [b[1] for b in buckets]
+        test.assertEqual(counts, sorted(counts), span)
+        test.assertEqual(counts[-1], rounds, span)
+        test.assertEqual(metric(text, "bytecomp_job_phase_seconds_count", l), rounds, span)
+        test.assertGreaterEqual(metric(text, "bytecomp_job_phase_seconds_sum", l), 0, span)
 
 
 class NoDaemon(unittest.TestCase):
@@ -198,7 +238,9 @@ class NoDaemon(unittest.TestCase):
             s.close()
             for sock, words in ((missing, "does not exist"), (stale, "connection refused")):
                 for cmd in (["status"], ["jobs"], ["strategy", "j"], ["metrics"], ["reload"],
-                            ["drain"], ["drain", "--off"]):
+                            ["drain"], ["drain", "--off"],
+                            ["trace", "--job", "j", "-o", os.path.join(d, "t.json")],
+                            ["trace", "-o", os.path.join(d, "t.json")]):
                     rc, out, err = ctl(sock, *cmd)
                     self.assertEqual(rc, 3, (cmd, out, err))
                     self.assertIn("no bytecompd at " + sock, err)
@@ -213,6 +255,15 @@ class NoDaemon(unittest.TestCase):
         self.assertIn("invalid choice", err)
         rc, _, err = ctl("/nonexistent", "strategy")
         self.assertEqual(rc, 2)
+        rc, _, err = ctl("/nonexistent", "trace")  # no -o
+        self.assertEqual(rc, 2)
+        self.assertIn("-o/--out", err)
+        rc, _, err = ctl("/nonexistent", "trace", "-o", "x", "--seconds", "1", "--iterations", "2")
+        self.assertEqual(rc, 2)
+        self.assertIn("not allowed with", err)
+        rc, _, err = ctl("/nonexistent", "trace", "-o", "x", "--iterations", "0")
+        self.assertEqual(rc, 2)
+        self.assertIn("at least 1", err)
 
 
 class WithDaemon(unittest.TestCase):
@@ -243,6 +294,7 @@ class WithDaemon(unittest.TestCase):
                              ("opsjob", "running", 1, 1))
             self.assertEqual(j["tensors"], 2)
             self.assertEqual(j["pushpulls"], 2 * k)
+            self.assertEqual(j["rounds"], k * sum(PARTS.values()))
             self.assertEqual(j["iteration"], k - 1)
             self.assertEqual(j["strategy"]["mode"], "daemon")
             self.assertEqual(j["strategy"]["source"], self.d.strategy)
@@ -288,6 +340,29 @@ class WithDaemon(unittest.TestCase):
             prom = os.path.join(self.d.metrics_dir, "bytecompd.prom")
             with open(prom) as f:
                 self.assertEqual(metric(f.read(), "bytecomp_job_pushpulls_total", lab), 2 * k)
+            # The engine's side: one round per partition and iteration, each
+            # in every span's histogram.
+            rounds = k * sum(PARTS.values())
+            self.assertEqual(metric(text, "bytecomp_job_rounds_total", lab), rounds)
+            check_histograms(self, text, lab, rounds)
+            self.assertEqual(metric(text, "bytecomp_job_queued_partitions", lab), 0)
+            self.assertEqual(metric(text, "bytecomp_job_waiting_tensors", lab), 0)
+            self.assertEqual(metric(text, "bytecomp_job_inflight_bytes", lab), 0)
+            last = metric(text, "bytecomp_job_last_iteration_seconds", lab)
+            self.assertIsNotNone(last)
+            self.assertGreater(last, 0)
+            self.assertLess(last, j["age_seconds"] + 5)
+            j2 = ctl_json(self.d.socket, "jobs")["jobs"][0]
+            self.assertEqual(j2["rounds"], rounds)
+            self.assertEqual(j2["engine"], {"queued_partitions": 0, "waiting_tensors": 0,
+                                            "inflight_bytes": 0})
+            self.assertEqual(sorted(j2["phase_seconds"]), sorted(SPANS))
+            # The JSON sums are the histograms' (rendered to 6 digits).
+            for span, secs in j2["phase_seconds"].items():
+                self.assertAlmostEqual(
+                    secs, metric(text, "bytecomp_job_phase_seconds_sum", dict(lab, phase=span)),
+                    delta=1e-5 + secs * 1e-4)
+            self.assertGreater(j2["last_iteration_seconds"], 0)
 
             for _ in range(2):
                 job.step()
@@ -303,6 +378,185 @@ class WithDaemon(unittest.TestCase):
         self.assertEqual(metric(text, "bytecomp_jobs_started_total"), 1)
         self.assertEqual(metric(text, "bytecomp_jobs_finished_total"), 1)
         self.assertIsNone(metric(text, "bytecomp_job_pushpulls_total"))
+
+    def trace(self, *args, timeout=60):
+        """(exit status, parsed trace or None, stdout, stderr) of bytecompctl trace."""
+        out = os.path.join(self.d.dir, "trace-%s.json" % uuid.uuid4().hex[:6])
+        rc, so, se = ctl(self.d.socket, "trace", "-o", out, *args, timeout=timeout)
+        doc = None
+        if os.path.exists(out):
+            with open(out) as f:
+                doc = json.load(f)
+        return rc, doc, so, se
+
+    def check_trace(self, doc, iterations, tracks="phase"):
+        """The trace holds, for every partition of every tensor and each of
+        `iterations`, slices in phase order; events sorted by time."""
+        evs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+        self.assertTrue(evs)
+        self.assertEqual([e["ts"] for e in evs], sorted(e["ts"] for e in evs))
+        first_x = doc["traceEvents"].index(evs[0])
+        self.assertTrue(all(e["ph"] == "M" for e in doc["traceEvents"][:first_x]))
+        threads = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+        self.assertEqual(doc["otherData"]["iterations"], iterations)
+        seen = {}
+        for e in evs:
+            self.assertGreaterEqual(e["dur"], 0)
+            self.assertIn(e["tid"], threads)
+            a = e["args"]
+            if a.get("phase") is None:  # the iterations track
+                self.assertEqual(threads[e["tid"]], "iterations")
+                self.assertEqual(e["name"], "iteration %d" % a["iteration"])
+                continue
+            self.assertIn(a["tensor"], PARTS)
+            self.assertIn(a["phase"], SPANS)
+            self.assertLess(a["partition"], PARTS[a["tensor"]])
+            self.assertIn(a["iteration"], iterations)
+            if tracks == "phase":
+                self.assertEqual(e["name"], a["tensor"])
+            else:
+                self.assertEqual(e["name"], a["phase"])
+                self.assertEqual(threads[e["tid"]].split(" #")[0], a["tensor"])
+            seen.setdefault((a["tensor"], a["partition"], a["iteration"]), []).append(e)
+        want = {(t, p, it) for t, n in PARTS.items() for p in range(n) for it in iterations}
+        self.assertEqual(set(seen), want)
+        for key, es in seen.items():
+            # Each round's spans follow one another.
+            es.sort(key=lambda e: SPANS.index(e["args"]["phase"]))
+            for a, b in zip(es, es[1:]):
+                self.assertLessEqual(a["ts"] + a["dur"], b["ts"] + 0.001, key)
+        # Slices of one lane never overlap (they would not render).
+        by_tid = {}
+        for e in evs:
+            by_tid.setdefault(e["tid"], []).append(e)
+        for tid, es in by_tid.items():
+            for a, b in zip(es, es[1:]):
+                self.assertLessEqual(a["ts"] + a["dur"], b["ts"] + 0.001, threads[tid])
+        return evs, threads
+
+    def test_trace_of_a_running_job(self):
+        job = Job(self.d, "traced")
+        try:
+            for _ in range(5):
+                job.step()
+            # The latest 3 whole iterations, held by the daemon already.
+            rc, doc, out, err = self.trace("--job", "traced", "--iterations", "3")
+            self.assertEqual(rc, 0, err)
+            self.assertIn("wrote ", out)
+            evs, threads = self.check_trace(doc, [2, 3, 4])
+            names = set(threads.values())
+            # fp16 compression of big.w on the CPU pool, sums and copies on
+            # the intra-node link: the planner's track names.
+            self.assertIn("CPU compression pool", names)
+            self.assertIn("intra-node link", names)
+            self.assertIn("iterations", names)
+            self.assertTrue(any(e["args"].get("phase") == "compress" and
+                                e["name"] == "big.w" for e in evs))
+            self.assertFalse(any(e["args"].get("phase") == "compress" and
+                                 e["name"] == "small" for e in evs))
+
+            # Per-tensor tracks; --job may be left out with one job.
+            rc, doc, _, err = self.trace("--iterations", "2", "--tracks", "tensor")
+            self.assertEqual(rc, 0, err)
+            _, threads = self.check_trace(doc, [3, 4], tracks="tensor")
+            self.assertEqual({n.split(" #")[0] for n in threads.values()},
+                             {"big.w", "small", "iterations"})
+
+            # --iterations waits for iterations still to come.
+            out = os.path.join(self.d.dir, "wait.json")
+            p = subprocess.Popen(["/usr/bin/python3", CTL, "--socket", self.d.socket, "--json",
+                                  "trace", "--iterations", "8", "--within", "60", "-o", out],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(0.5)
+            self.assertIsNone(p.poll(), "returned before 8 iterations were held")
+            for _ in range(4):
+                job.step()
+            so, se = p.communicate(timeout=60)
+            self.assertEqual(p.returncode, 0, se)
+            self.assertEqual(json.loads(so)["iterations"], list(range(1, 9)))
+            with open(out) as f:
+                self.check_trace(json.load(f), list(range(1, 9)))
+
+            # --seconds: every round finished meanwhile (iterations 9..14).
+            stepper = threading.Thread(target=lambda: [job.step() for _ in range(6)])
+            out = os.path.join(self.d.dir, "secs.json")
+            p = subprocess.Popen(["/usr/bin/python3", CTL, "--socket", self.d.socket, "--json",
+                                  "trace", "--seconds", "3", "--interval", "0.01", "-o", out],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(0.3)
+            stepper.start()
+            stepper.join(60)
+            so, se = p.communicate(timeout=60)
+            self.assertEqual(p.returncode, 0, se)
+            with open(out) as f:
+                doc = json.load(f)
+            its = doc["otherData"]["iterations"]
+            self.assertEqual(its[-1], 14)
+            if doc["otherData"]["missed_records"] == 0:
+                self.check_trace(doc, its)
+
+            # Bad requests.
+            rc, doc, _, err = self.trace("--job", "nosuchjob")
+            self.assertEqual(rc, 1)
+            self.assertIn("no job 'nosuchjob'", err)
+            self.assertIsNone(doc)
+            other = Job(self.d, "other")
+            try:
+                rc, doc, _, err = self.trace()
+                self.assertEqual(rc, 1)
+                self.assertIn("2 jobs (other, traced): choose one with --job", err)
+                # A job that makes no progress: a bounded wait, nothing written.
+                rc, doc, _, err = self.trace("--job", "other", "--iterations", "2",
+                                             "--within", "0.5")
+                self.assertEqual(rc, 1)
+                self.assertIn("completed 0 of 2 iterations within 0.5 s", err)
+                self.assertIsNone(doc)
+                rc, doc, _, err = self.trace("--job", "other")
+                self.assertEqual(rc, 1)
+                self.assertIn("no finished partition round yet", err)
+            finally:
+                self.assertIsNone(other.close())
+        finally:
+            self.assertIsNone(job.close())
+
+    def test_waiting_tensors_gauge_follows_the_local_ranks(self):
+        jobs = [None, None]
+
+        def join(r):
+            jobs[r] = Job(self.d, "pair", tensors=(("small", SMALL),), local_rank=r,
+                          local_size=2)
+        ts = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        self.assertTrue(all(jobs))
+        lab = {"bytecomp_job": "pair"}
+
+        def gauge():
+            rc, text, _ = ctl(self.d.socket, "metrics")
+            return metric(text, "bytecomp_job_waiting_tensors", lab)
+        try:
+            self.assertEqual(gauge(), 0)
+            h0 = jobs[0].c.push_pull(jobs[0].ids[0], 0)
+            # Rank 0 submitted, rank 1 not yet: one tensor waits.
+            self.assertTrue(wait_until(lambda: gauge() == 1, 10))
+            time.sleep(0.3)
+            self.assertEqual(gauge(), 1)
+            h1 = jobs[1].c.push_pull(jobs[1].ids[0], 0)
+            for j, h in ((jobs[0], h0), (jobs[1], h1)):
+                self.assertTrue(j.c.wait_once(h, 20000))
+            self.assertTrue(wait_until(lambda: gauge() == 0, 10))
+            rc, text, _ = ctl(self.d.socket, "metrics")
+            self.assertEqual(metric(text, "bytecomp_job_rounds_total", lab), 1)
+            # The wait for rank 1 is in the wait_ranks span: at least the 0.3 s
+            # slept above.
+            self.assertGreaterEqual(
+                metric(text, "bytecomp_job_phase_seconds_sum", dict(lab, phase="wait_ranks")), 0.3)
+        finally:
+            for j in jobs:
+                self.assertIsNone(j.close())
 
     def test_metrics_file_is_rewritten_periodically(self):
         prom = os.path.join(self.d.metrics_dir, "bytecompd.prom")
