@@ -1,17 +1,13 @@
 #include "daemon/ctl.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <set>
 #include <sstream>
 #include <utility>
 
 #include "common/error.h"
+#include "common/prometheus.h"
 
 namespace bytecomp::daemon {
 
@@ -194,51 +190,7 @@ std::string strategy_json(const JobView& j) {
 
 namespace {
 
-std::string label_value(std::string_view s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '\\' || c == '"') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
-  }
-  return out;
-}
-
-class Prom {
- public:
-  // One metric family: HELP and TYPE once, then its samples.
-  Prom& family(const char* name, const char* type, const char* help) {
-    s_ << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
-    name_ = name;
-    return *this;
-  }
-  Prom& sample(const std::string& labels, double v) {
-    s_ << name_;
-    if (!labels.empty()) s_ << "{" << labels << "}";
-    s_ << " " << num_text(v) << "\n";
-    return *this;
-  }
-  // A sample of the current family under another name (a histogram's
-  // _bucket, _sum and _count).
-  Prom& sample_of(const std::string& name, const std::string& labels, double v) {
-    s_ << name << "{" << labels << "} " << num_text(v) << "\n";
-    return *this;
-  }
-  std::string text() const { return s_.str(); }
-
- private:
-  static std::string num_text(double v) {
-    if (v == std::floor(v) && std::fabs(v) < 9e15) return std::to_string(static_cast<int64_t>(v));
-    char b[32];
-    std::snprintf(b, sizeof b, "%.9g", v);
-    return b;
-  }
-  std::ostringstream s_;
-  std::string name_;
-};
+using prom::label_value;
 
 std::string job_labels(const JobView& j) {
   return "bytecomp_job=\"" + label_value(j.id) + "\",uid=\"" + std::to_string(j.uid) + "\"";
@@ -256,7 +208,7 @@ std::string metrics_text(const DaemonView& v) {
     cout += j.compress_output_bytes;
     (j.state == "running" ? running : forming)++;
   }
-  Prom p;
+  prom::PromText p;
   p.family("bytecomp_daemon_info", "gauge", "Constant 1, labelled with the daemon's version.")
       .sample("version=\"" + label_value(v.version) + "\",instance=\"" + label_value(v.instance) +
                   "\"",
@@ -341,21 +293,8 @@ std::string metrics_text(const DaemonView& v) {
     if (!j.phase_stats) continue;
     const PhaseStats& st = *j.phase_stats;
     for (size_t i = 0; i < kSpanCount; ++i) {
-      const std::string l = job_labels(j) + ",phase=\"" + std::string(span_name(i)) + "\"";
-      uint64_t cumulative = 0;
-      for (size_t b = 0; b < kBuckets; ++b) {
-        cumulative += st.buckets[i][b];
-        char le[32];
-        if (b < kBucketBoundsNs.size()) {
-          std::snprintf(le, sizeof le, "%g", static_cast<double>(kBucketBoundsNs[b]) / 1e9);
-        } else {
-          std::snprintf(le, sizeof le, "+Inf");
-        }
-        p.sample_of("bytecomp_job_phase_seconds_bucket", l + ",le=\"" + le + "\"",
-                    static_cast<double>(cumulative));
-      }
-      p.sample_of("bytecomp_job_phase_seconds_sum", l, static_cast<double>(st.sum_ns[i]) / 1e9);
-      p.sample_of("bytecomp_job_phase_seconds_count", l, static_cast<double>(st.count[i]));
+      p.histogram(job_labels(j) + ",phase=\"" + std::string(span_name(i)) + "\"",
+                  kBucketBoundsNs, st.buckets[i], st.sum_ns[i]);
     }
   }
   p.family("bytecomp_job_last_iteration_seconds", "gauge",
@@ -380,33 +319,6 @@ std::string metrics_text(const DaemonView& v) {
     if (j.engine_gauges) p.sample(job_labels(j), static_cast<double>(j.inflight_bytes));
   }
   return p.text();
-}
-
-void write_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    throw Error(ErrorCode::kUnavailable, "cannot write " + tmp + ": " + std::strerror(errno));
-  }
-  size_t at = 0;
-  while (at < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw Error(ErrorCode::kUnavailable, "cannot write " + tmp + ": " + std::strerror(err));
-    }
-    at += static_cast<size_t>(n);
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error(ErrorCode::kUnavailable,
-                "cannot rename " + tmp + " to " + path + ": " + std::strerror(err));
-  }
 }
 
 }  // namespace bytecomp::daemon

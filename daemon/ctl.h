@@ -123,11 +123,6 @@ std::optional<double> last_iteration_seconds(const std::vector<PhaseRecord>& rec
 // Prometheus text exposition format 0.0.4.
 std::string metrics_text(const DaemonView& v);
 
-// Writes `text` to `path` atomically (temporary file in the same directory,
-// then rename), so a reader never sees half a file. Throws Error(kUnavailable)
-// naming the path and errno.
-void write_atomically(const std::string& path, const std::string& text);
-
 std::string json_string(std::string_view s);
 
 }  // namespace bytecomp::daemon

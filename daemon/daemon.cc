@@ -23,6 +23,7 @@
 #include "client/ipc/protocol.h"
 #include "client/ipc/shm_layout.h"
 #include "common/log.h"
+#include "common/prometheus.h"
 #include "daemon/counting_compressor.h"
 #include "daemon/engine.h"
 #include "daemon/shm_segment.h"
@@ -1084,7 +1085,7 @@ void Daemon::write_metrics() {
   next_metrics_ = Clock::now() + std::chrono::milliseconds(config_.metrics_interval_ms);
   const std::string path = config_.metrics_textfile_dir + "/bytecompd.prom";
   try {
-    write_atomically(path, metrics_text(view(true, 0)));
+    prom::write_atomically(path, metrics_text(view(true, 0)));
     ++counters_.metrics_writes;
   } catch (const Error& e) {
     // Once per interval at most: the next attempt is next_metrics_ away.
