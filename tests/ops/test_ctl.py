@@ -738,6 +738,183 @@ class TwoNodes(unittest.TestCase):
             self.assertGreaterEqual(max(j["iteration"] for j in ours), iterations - 1)
 
 
+class ServerAndEngineMetrics(unittest.TestCase):
+    """A two-node job through a real bytecomp-server (uncompressed, the PS
+    path): the server's textfile counts exactly the rounds, pushes and
+    answers the job made; each daemon's engine metrics and trace cover the
+    inter-node phases."""
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="bc-ops-ps-")
+        self.metrics_dir = os.path.join(self.dir, "server-metrics")
+        os.makedirs(self.metrics_dir)
+        tp = "transport: {backend: zmq, heartbeat_interval_ms: 100, peer_timeout_ms: 3000}\n"
+
+        def cluster(address):
+            return ("version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: %d\n"
+                    "  servers:\n    - {id: 0, address: \"%s\"}\n"
+                    "  daemons:\n    - {id: 100}\n    - {id: 101}\n"
+                    "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n%s"
+                    % (PARTITION, address, tp))
+        with open(os.path.join(self.dir, "server-cluster.yaml"), "w") as f:
+            f.write(cluster("tcp://127.0.0.1:0"))
+        self.server_config = os.path.join(self.dir, "server.yaml")
+        with open(self.server_config, "w") as f:
+            f.write("version: 1\nserver: {node_id: 0, cluster_file: server-cluster.yaml, "
+                    "engine_threads: 1}\n" + tp +
+                    "metrics: {textfile_dir: %s, interval_ms: 500}\n" % self.metrics_dir)
+        ready = os.path.join(self.dir, "ready")
+        self.server_log = open(os.path.join(self.dir, "server.log"), "wb")
+        self.server = subprocess.Popen([SERVER, "--config", self.server_config,
+                                        "--ready-file", ready],
+                                       stdout=self.server_log, stderr=subprocess.STDOUT)
+        self.daemons = []
+        self.assertTrue(wait_until(lambda: os.path.exists(ready) or
+                                   self.server.poll() is not None, 15))
+        self.assertIsNone(self.server.poll())
+        with open(ready) as f:
+            address = f.read().strip()
+        cluster_file = os.path.join(self.dir, "cluster.yaml")
+        with open(cluster_file, "w") as f:
+            f.write(cluster(address))
+        for n in range(2):
+            self.daemons.append(Daemon(
+                extra="internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [100, 101]\n"
+                      % (cluster_file, 100 + n), strategy=False))
+
+    def tearDown(self):
+        for d in self.daemons:
+            d.stop()
+        if self.server.poll() is None:
+            self.server.send_signal(signal.SIGTERM)
+            try:
+                self.server.wait(10)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait(5)
+        self.server_log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def server_metrics(self):
+        path = os.path.join(self.metrics_dir, "bytecomp-server-0.prom")
+        if not os.path.exists(path):
+            return ""
+        with open(path) as f:
+            return f.read()
+
+    def test_counts_match_the_job(self):
+        jobs = [None, None]
+        errors = []
+
+        def join(n):
+            try:
+                jobs[n] = Job(self.daemons[n], "mn", node_rank=n, num_nodes=2)
+            except Exception as e:  # reported below
+                errors.append(e)
+        ts = [threading.Thread(target=join, args=(n,)) for n in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        self.assertFalse(errors)
+
+        def step(n, it):
+            j = jobs[n]
+            for b in j.bufs:
+                for i in range(0, len(b), 97):
+                    b[i] = float((i + it + n) % 512)
+            hs = [j.c.push_pull(t, it) for t in j.ids]
+            for h in hs:
+                if not j.c.wait_once(h, 20000):
+                    errors.append(f"node {n} iteration {it} did not complete")
+                    return
+            for b in j.bufs:
+                for i in range(0, len(b), 97):
+                    want = float((i + it) % 512 + (i + it + 1) % 512)
+                    if b[i] != want:
+                        errors.append(f"node {n} iteration {it} element {i}: {b[i]} != {want}")
+                        return
+        k = 4
+        try:
+            for it in range(k):
+                ts = [threading.Thread(target=step, args=(n, it)) for n in range(2)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join(60)
+                self.assertFalse(errors)
+            rounds = k * sum(PARTS.values())
+            # Server: one round per partition and iteration, one push and one
+            # answer per node and round, fp32 bytes as pushed.
+            self.assertTrue(wait_until(lambda: metric(self.server_metrics(),
+                                                      "bytecomp_server_rounds_total") == rounds,
+                                       10), self.server_metrics())
+            text = self.server_metrics()
+            check_exposition_format(self, text)
+            self.assertEqual(metric(text, "bytecomp_server_jobs"), 1)
+            self.assertEqual(metric(text, "bytecomp_server_pushes_total"), 2 * rounds)
+            self.assertEqual(metric(text, "bytecomp_server_push_bytes_total"),
+                             2 * k * 4 * (BIG + SMALL))
+            self.assertEqual(metric(text, "bytecomp_server_answers_total"), 2 * rounds)
+            self.assertEqual(metric(text, "bytecomp_server_answer_bytes_total"),
+                             2 * k * 4 * (BIG + SMALL))
+            self.assertEqual(metric(text, "bytecomp_server_round_seconds_count"), rounds)
+            buckets = histogram(text, "bytecomp_server_round_seconds", {})
+            self.assertEqual(buckets[-1], (float("inf"), rounds))
+            self.assertGreater(metric(text, "bytecomp_server_round_seconds_sum"), 0)
+            self.assertEqual(metric(text, "bytecomp_server_info",
+                                    {"server": "0", "coordinator": "true"}), 1)
+            self.assertEqual(metric(text, "bytecomp_server_refused_total", {"kind": "request"}), 0)
+
+            for n, d in enumerate(self.daemons):
+                lab = {"bytecomp_job": "mn"}
+                # Bytes in flight return to 0 once the servers acknowledged.
+                self.assertTrue(wait_until(lambda: metric(ctl(d.socket, "metrics")[1],
+                                                          "bytecomp_job_inflight_bytes", lab) == 0,
+                                           10))
+                rc, dt, _ = ctl(d.socket, "metrics")
+                self.assertEqual(metric(dt, "bytecomp_job_rounds_total", lab), rounds)
+                check_histograms(self, dt, lab, rounds)
+                # The inter-node wait is real time on this path.
+                self.assertGreater(
+                    metric(dt, "bytecomp_job_phase_seconds_sum", dict(lab, phase="wire")), 0)
+                out = os.path.join(self.dir, "trace%d.json" % n)
+                rc, _, err = ctl(d.socket, "trace", "--job", "mn", "--iterations", "2", "-o", out)
+                self.assertEqual(rc, 0, err)
+                with open(out) as f:
+                    doc = json.load(f)
+                self.assertEqual(doc["otherData"]["iterations"], [k - 2, k - 1])
+                wires = [e for e in doc["traceEvents"]
+                         if e["ph"] == "X" and e["args"].get("phase") == "wire"]
+                # (A wire span whose answer arrived before kSent was stamped
+                # has no length and no slice.)
+                self.assertEqual({e["args"]["tensor"] for e in wires}, set(PARTS))
+                tracks = {e["args"]["name"] for e in doc["traceEvents"]
+                          if e["ph"] == "M" and e["name"] == "thread_name"}
+                self.assertIn("inter-node link", tracks)
+        finally:
+            for j in jobs:
+                if j:
+                    j.close()
+        # The final write at shutdown keeps the totals; the job is gone.
+        self.server.send_signal(signal.SIGTERM)
+        self.assertEqual(self.server.wait(15), 0)
+        text = self.server_metrics()
+        self.assertEqual(metric(text, "bytecomp_server_rounds_total"), k * sum(PARTS.values()))
+        self.assertEqual(sorted(os.listdir(self.metrics_dir)), ["bytecomp-server-0.prom"])
+
+    def test_bad_metrics_section_is_refused(self):
+        with open(self.server_config) as f:
+            text = f.read()
+        with open(self.server_config, "w") as f:
+            f.write(re.sub(r"interval_ms: 500", "interval_ms: 5", text))
+        r = subprocess.run([SERVER, "--config", self.server_config], capture_output=True,
+                           text=True, timeout=30)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("metrics.interval_ms", r.stderr)
+        self.assertIn("500..3600000", r.stderr)
+
+
 class Watchdog(unittest.TestCase):
     """READY=1 and repeated WATCHDOG=1 on a NOTIFY_SOCKET the test owns."""
 
