@@ -35,6 +35,7 @@ BC_LOG_CATEGORY(LogDaemon, "daemon");
 using Clock = std::chrono::steady_clock;
 
 struct Daemon::Conn {
+  uint64_t id = 0;  // unique for the daemon's life (fds are reused)
   int fd = -1;
   pid_t pid = 0;
   uid_t uid = 0;
@@ -150,6 +151,8 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
     tc.node_id = config_.node_id;
     tc.listen = {};
     admission_timeout_ = cluster.admission_timeout;
+    servers_ = cluster.servers;
+    coordinator_ = cluster.coordinator;
     request_timeout_ = cluster.request_timeout;
     ps_client_ = server::PsClient::create(cluster, tc);
     if (!config_.peer_listen.empty()) {
@@ -221,6 +224,7 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
 }
 
 Daemon::~Daemon() {
+  for (auto& p : pending_ctl_) p.answer.wait();  // each bounded by its timeouts
   for (auto& [key, job] : jobs_) {
     if (job->engine) job->engine->stop();
   }
@@ -273,6 +277,7 @@ int Daemon::run(int signal_fd) {
       (void)::read(wake_fd_, &v, sizeof v);
     }
     reap_failed_jobs();
+    answer_pending_ctl();
     if (r > 0 && (fds[2].revents & POLLIN)) accept_one();
     for (size_t i = 3; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
@@ -289,6 +294,7 @@ void Daemon::accept_one() {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;
     auto c = std::make_unique<Conn>();
+    c->id = ++next_conn_id_;
     c->fd = fd;
     ucred cred{};
     socklen_t len = sizeof cred;
@@ -748,7 +754,9 @@ void Daemon::check_setup_deadlines() {
   // A connection that never says HELLO must not hold a descriptor forever.
   const auto hello_bound = std::chrono::milliseconds(tunables_.setup_timeout_ms.load());
   for (auto& [fd, c] : conns_) {
-    if (!c->closed && c->state == Conn::State::kNew && now - c->accepted_at > hello_bound) {
+    // An operator's connection waits for its answer (ask_servers), not HELLO.
+    if (!c->closed && c->state == Conn::State::kNew && !c->ctl &&
+        now - c->accepted_at > hello_bound) {
       reject(*c, ErrorCode::kTimeout, "no HELLO within control.setup_timeout_ms");
     }
   }
@@ -952,6 +960,7 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
                                      : "no job '" + req.arg +
                                            "' on this bytecompd (bytecompctl jobs lists them)");
   }
+  if (cmd == "servers") return ask_servers(c);
   if (cmd == "metrics") {
     if (!config_.metrics_textfile_dir.empty()) write_metrics();
     return reply_ctl(c, ErrorCode::kOk, metrics_text(view(privileged, c.uid)));
@@ -976,7 +985,61 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
   }
   reply_ctl(c, ErrorCode::kInvalidArgument,
             "unknown command '" + cmd +
-                "' (accepted: status, jobs, strategy, trace, metrics, reload, drain)");
+                "' (accepted: status, jobs, strategy, trace, servers, metrics, reload, drain)");
+}
+
+void Daemon::ask_servers(Conn& c) {
+  if (!ps_client_) {
+    return reply_ctl(c, ErrorCode::kUnavailable,
+                     "this bytecompd has no inter-node configuration (internode.cluster_file): "
+                     "it knows no parameter servers");
+  }
+  // Short per server: the operator waits, and a dead server must not hold
+  // the answer about the others for long.
+  constexpr std::chrono::milliseconds kPerServer{2000};
+  server::PsClient* client = ps_client_.get();
+  const int wake = wake_fd_;
+  pending_ctl_.push_back(
+      {c.id, std::async(std::launch::async, [client, wake, servers = servers_,
+                                             coordinator = coordinator_, kPerServer] {
+         std::string out = "{\"servers\":[";
+         for (size_t i = 0; i < servers.size(); ++i) {
+           const server::ServerInfo& s = servers[i];
+           std::string entry = "{\"id\":" + std::to_string(s.id) + ",\"address\":" +
+                               json_string(s.address) + ",\"coordinator\":" +
+                               (s.id == coordinator ? "true" : "false");
+           try {
+             entry += ",\"metrics\":" + json_string(client->metrics(s.id, kPerServer)) +
+                      ",\"error\":null}";
+           } catch (const std::exception& e) {
+             entry += ",\"metrics\":null,\"error\":" + json_string(e.what()) + "}";
+           }
+           out += (i ? "," : "") + entry;
+         }
+         out += "]}\n";
+         const uint64_t one = 1;
+         (void)::write(wake, &one, sizeof one);
+         return out;
+       })});
+}
+
+void Daemon::answer_pending_ctl() {
+  for (auto it = pending_ctl_.begin(); it != pending_ctl_.end();) {
+    if (it->answer.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      ++it;
+      continue;
+    }
+    const std::string text = it->answer.get();
+    const uint64_t id = it->conn_id;
+    it = pending_ctl_.erase(it);
+    // The operator may have gone meanwhile (then the answer is dropped).
+    for (auto& [fd, conn] : conns_) {
+      if (conn->id == id && !conn->closed) {
+        reply_ctl(*conn, ErrorCode::kOk, text);
+        break;
+      }
+    }
+  }
 }
 
 void Daemon::sample(Job& j) {

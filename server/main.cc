@@ -17,7 +17,6 @@
 #include <optional>
 #include <string>
 
-#include "bytecomp_build_config.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/malloc_policy.h"
@@ -60,10 +59,8 @@ int main(int argc, char** argv) {
         throw bytecomp::Error(bytecomp::ErrorCode::kUnavailable,
                               "cannot write --ready-file " + ready_file + ": " + std::strerror(errno));
     }
-    const double started = static_cast<double>(std::time(nullptr));
-    bytecomp::server::MetricsTextfile metrics(
-        server_config.metrics, server_config.node_id,
-        [&server, started] { return server.metrics_text(BYTECOMP_VERSION, started); });
+    bytecomp::server::MetricsTextfile metrics(server_config.metrics, server_config.node_id,
+                                              [&server] { return server.metrics_text(); });
     bytecomp::ServiceNotifier notifier;
     notifier.ready();
     int sig = 0;

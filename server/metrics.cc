@@ -3,7 +3,9 @@
 #include <time.h>
 
 #include <algorithm>
+#include <chrono>
 
+#include "bytecomp_build_config.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/prometheus.h"
@@ -20,6 +22,11 @@ MetricsConfig MetricsConfig::read(config::Reader& root) {
   m.finish();
   return c;
 }
+
+ServerMetrics::ServerMetrics()
+    : start_time_(std::chrono::duration<double>(
+                      std::chrono::system_clock::now().time_since_epoch())
+                      .count()) {}
 
 uint64_t ServerMetrics::now_ns() {
   timespec ts;
@@ -51,19 +58,20 @@ ServerMetricsSnapshot ServerMetrics::snapshot() const {
   return s;
 }
 
-std::string metrics_text(const ServerView& v, const ServerMetricsSnapshot& m) {
+std::string metrics_text(const ServerView& v, const ServerMetrics& metrics) {
   using prom::label_value;
+  const ServerMetricsSnapshot m = metrics.snapshot();
   auto d = [](uint64_t x) { return static_cast<double>(x); };
   prom::PromText p;
   p.family("bytecomp_server_info", "gauge",
            "Constant 1, labelled with the server's version, id and role.")
-      .sample("version=\"" + label_value(v.version) + "\",server=\"" +
+      .sample("version=\"" + label_value(BYTECOMP_VERSION) + "\",server=\"" +
                   std::to_string(v.node_id) + "\",coordinator=\"" +
                   (v.coordinator ? "true" : "false") + "\"",
               1);
   p.family("bytecomp_server_start_time_seconds", "gauge",
            "When bytecomp-server started, in seconds since the epoch.")
-      .sample("", v.start_time);
+      .sample("", metrics.start_time());
   p.family("bytecomp_server_jobs", "gauge", "Jobs with partitions on this server.")
       .sample("", v.jobs);
   p.family("bytecomp_server_reserved_bytes", "gauge",

@@ -4,7 +4,9 @@
 // ServerMetrics (a few hook lines in its data path) and renders it with
 // ParameterServer::metrics_text(); main() writes the text atomically to
 // `metrics.textfile_dir`/bytecomp-server-<node id>.prom every
-// `metrics.interval_ms` for node_exporter's textfile collector.
+// `metrics.interval_ms` for node_exporter's textfile collector, and answers
+// kMetrics requests with it (PsClient::metrics(): `bytecompctl servers`
+// asks through the daemon, over the cluster transport and its CURVE keys).
 //
 // A round's time runs from its first push to the moment its sum (or
 // aggregate) is ready to answer pulls: the wait for the other nodes' pushes
@@ -53,6 +55,8 @@ struct ServerMetricsSnapshot {
 
 class ServerMetrics {
  public:
+  ServerMetrics();
+  double start_time() const { return start_time_; }  // seconds since the epoch
   // Monotonic clock (CLOCK_MONOTONIC, ns) for round start and end.
   static uint64_t now_ns();
   void pushed(uint64_t bytes) {
@@ -68,6 +72,7 @@ class ServerMetrics {
   ServerMetricsSnapshot snapshot() const;
 
  private:
+  double start_time_ = 0;
   std::atomic<uint64_t> rounds_{0};
   std::array<std::atomic<uint64_t>, kRoundBoundsNs.size() + 1> buckets_{};
   std::atomic<uint64_t> round_ns_{0};
@@ -76,18 +81,17 @@ class ServerMetrics {
 
 // The values metrics_text() renders besides the counters.
 struct ServerView {
-  std::string version;
   uint32_t node_id = 0;
   bool coordinator = false;
-  double start_time = 0;  // seconds since the epoch
   uint32_t jobs = 0;
   uint64_t reserved_bytes = 0;
   uint64_t pushes_refused = 0;  // pushes and pulls refused (refuse())
   uint64_t frames_refused = 0;
 };
 
-// Prometheus text exposition format 0.0.4.
-std::string metrics_text(const ServerView& v, const ServerMetricsSnapshot& m);
+// Prometheus text exposition format 0.0.4 (with this build's version and
+// the start time `metrics` recorded).
+std::string metrics_text(const ServerView& v, const ServerMetrics& metrics);
 
 // The textfile's path for server `node_id` in `dir`.
 std::string metrics_file(const std::string& dir, uint32_t node_id);

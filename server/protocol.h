@@ -52,6 +52,7 @@ enum MsgType : uint16_t {
   kPush = 0x5140,         // req: aux=uid, key, arg=iteration, payload: data
   kPull = 0x5141,         // req: aux=uid, key, arg=iteration; reply payload: result
   kStats = 0x5142,        // req; reply: ServerStats
+  kMetrics = 0x5143,      // req; reply payload: Prometheus text (server/metrics.h)
   // replies
   kOkReply = 0x51F0,
   kErrorReply = 0x51F1,

@@ -263,6 +263,7 @@ struct ParameterServer::Impl {
 
   std::atomic<uint64_t> rounds{0}, pushes_refused{0}, frames_refused{0};
   ServerMetrics metrics;
+  std::string metrics_text();  // server/metrics.h
 
   // Registration with the coordinator (non-coordinator servers).
   std::mutex hello_mu;
@@ -1048,6 +1049,9 @@ void ParameterServer::Impl::start() {
   tp->set_handler(proto::kPush, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_handler(proto::kPull, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_handler(proto::kStats, [this](Incoming in) { on_stats(in); });
+  tp->set_handler(proto::kMetrics, [this](Incoming in) {
+    if (in.expects_reply) reply(in, proto::ok_reply(transport::Buffer::take(metrics_text())));
+  });
   for (uint16_t t : {proto::kJobSetup, proto::kJobEnd, proto::kStrategyPrepare})
     tp->set_handler(t, [this](Incoming in) { on_control(std::move(in)); });
   if (is_coordinator) {
@@ -1671,15 +1675,16 @@ ParameterServer::~ParameterServer() { shutdown(); }
 
 std::vector<std::string> ParameterServer::addresses() const { return impl_->tp->local_addresses(); }
 
-std::string ParameterServer::metrics_text(const std::string& version, double start_time) const {
-  ServerView v{version, impl_->cfg.node_id, impl_->is_coordinator, start_time, 0, 0,
-               impl_->pushes_refused.load(), impl_->frames_refused.load()};
+std::string ParameterServer::metrics_text() const { return impl_->metrics_text(); }
+
+std::string ParameterServer::Impl::metrics_text() {
+  ServerView v{cfg.node_id, is_coordinator, 0, 0, pushes_refused.load(), frames_refused.load()};
   {
-    std::shared_lock lk(impl_->jobs_mu);
-    v.jobs = static_cast<uint32_t>(impl_->jobs.size());
-    v.reserved_bytes = impl_->reserved_total;
+    std::shared_lock lk(jobs_mu);
+    v.jobs = static_cast<uint32_t>(jobs.size());
+    v.reserved_bytes = reserved_total;
   }
-  return server::metrics_text(v, impl_->metrics.snapshot());
+  return server::metrics_text(v, metrics);
 }
 
 void ParameterServer::shutdown() {

@@ -62,7 +62,7 @@ class ParameterServer {
   std::vector<std::string> addresses() const;
   // Prometheus text of the server's counters (server/metrics.h).
   // Thread-safe.
-  std::string metrics_text(const std::string& version, double start_time) const;
+  std::string metrics_text() const;
   // Aborts every job (pending pulls answered with kUnavailable), stops the
   // transport and joins every thread. Idempotent.
   void shutdown();

@@ -240,7 +240,7 @@ class NoDaemon(unittest.TestCase):
                 for cmd in (["status"], ["jobs"], ["strategy", "j"], ["metrics"], ["reload"],
                             ["drain"], ["drain", "--off"],
                             ["trace", "--job", "j", "-o", os.path.join(d, "t.json")],
-                            ["trace", "-o", os.path.join(d, "t.json")]):
+                            ["trace", "-o", os.path.join(d, "t.json")], ["servers"]):
                     rc, out, err = ctl(sock, *cmd)
                     self.assertEqual(rc, 3, (cmd, out, err))
                     self.assertIn("no bytecompd at " + sock, err)
@@ -738,6 +738,17 @@ class TwoNodes(unittest.TestCase):
             self.assertGreaterEqual(max(j["iteration"] for j in ours), iterations - 1)
 
 
+class ServersWithoutCluster(unittest.TestCase):
+    def test_single_node_daemon_has_no_servers(self):
+        d = Daemon()
+        try:
+            rc, _, err = ctl(d.socket, "servers")
+            self.assertEqual(rc, 1)
+            self.assertIn("no inter-node configuration (internode.cluster_file)", err)
+        finally:
+            d.stop()
+
+
 class ServerAndEngineMetrics(unittest.TestCase):
     """A two-node job through a real bytecomp-server (uncompressed, the PS
     path): the server's textfile counts exactly the rounds, pushes and
@@ -866,6 +877,24 @@ class ServerAndEngineMetrics(unittest.TestCase):
                                     {"server": "0", "coordinator": "true"}), 1)
             self.assertEqual(metric(text, "bytecomp_server_refused_total", {"kind": "request"}), 0)
 
+            # The same counters through a daemon (the cluster transport).
+            for d in self.daemons:
+                sv = ctl_json(d.socket, "servers")["servers"]
+                self.assertEqual(len(sv), 1)
+                self.assertEqual((sv[0]["id"], sv[0]["coordinator"], sv[0]["error"]),
+                                 (0, True, None))
+                self.assertEqual(metric(sv[0]["metrics"], "bytecomp_server_rounds_total"), rounds)
+                self.assertEqual(metric(sv[0]["metrics"], "bytecomp_server_pushes_total"),
+                                 2 * rounds)
+            rc, out, err = ctl(self.daemons[0].socket, "servers")
+            self.assertEqual(rc, 0, err)
+            self.assertRegex(out, r"0\s+tcp://127\.0\.0\.1:\d+\s+coordinator\s+up\s+1\s+%d\s"
+                             % rounds)
+            rc, out, err = ctl(self.daemons[1].socket, "servers", "--metrics")
+            self.assertEqual(rc, 0, err)
+            self.assertIn("# server 0 tcp://127.0.0.1:", out)
+            self.assertEqual(metric(out, "bytecomp_server_rounds_total"), rounds)
+
             for n, d in enumerate(self.daemons):
                 lab = {"bytecomp_job": "mn"}
                 # Bytes in flight return to 0 once the servers acknowledged.
@@ -902,6 +931,15 @@ class ServerAndEngineMetrics(unittest.TestCase):
         text = self.server_metrics()
         self.assertEqual(metric(text, "bytecomp_server_rounds_total"), k * sum(PARTS.values()))
         self.assertEqual(sorted(os.listdir(self.metrics_dir)), ["bytecomp-server-0.prom"])
+        # A server that is gone: named, within the per-server bound, exit 1.
+        start = time.monotonic()
+        rc, out, err = ctl(self.daemons[0].socket, "servers")
+        self.assertEqual(rc, 1, out + err)
+        self.assertRegex(out, r"0\s+tcp://\S+\s+coordinator\s+unreachable")
+        self.assertIn("server 0: metrics of server 0:", out)
+        self.assertLess(time.monotonic() - start, 8)
+        # The daemon still answers everything else.
+        self.assertEqual(ctl_json(self.daemons[0].socket, "status")["jobs"]["running"], 0)
 
     def test_bad_metrics_section_is_refused(self):
         with open(self.server_config) as f:

@@ -419,6 +419,42 @@ def trace(sock, job, args, out=sys.stdout):
     return EXIT_OK
 
 
+def _samples(text):
+    """{sample name with its labels, as written: value} of a Prometheus
+    text."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def show_servers(answer):
+    rows = []
+    for s in answer["servers"]:
+        role = "coordinator" if s["coordinator"] else "server"
+        if s["metrics"] is None:
+            rows.append((s["id"], s["address"], role, "unreachable", "-", "-", "-", "-", "-"))
+            continue
+        m = _samples(s["metrics"])
+        rounds = m.get("bytecomp_server_rounds_total", 0)
+        total = m.get("bytecomp_server_round_seconds_sum", 0)
+        refused = sum(v for k, v in m.items() if k.startswith("bytecomp_server_refused_total"))
+        rows.append((s["id"], s["address"], role, "up", int(m.get("bytecomp_server_jobs", 0)),
+                     int(rounds), f"{total / rounds * 1000:.2f} ms" if rounds else "-",
+                     int(m.get("bytecomp_server_pushes_total", 0)), int(refused)))
+    out = table(("ID", "ADDRESS", "ROLE", "STATE", "JOBS", "ROUNDS", "MEAN ROUND", "PUSHES",
+                 "REFUSED"), rows)
+    for s in answer["servers"]:
+        if s["error"]:
+            out += f"server {s['id']}: {s['error']}\n"
+    return out
+
+
 def pick_job(sock, timeout):
     ids = json.loads(request(sock, "status", "", timeout))["job_ids"]
     if len(ids) == 1:
@@ -459,6 +495,9 @@ def parser():
     t.add_argument("--tracks", choices=("phase", "tensor"), default="phase",
                    help="one track per resource (the planner's names) or per tensor")
     t.add_argument("-o", "--out", required=True, metavar="FILE", help="the JSON file to write")
+    sv = sub.add_parser("servers", help="the parameter servers, asked through the daemon")
+    sv.add_argument("--metrics", action="store_true",
+                    help="print each server's Prometheus text")
     sub.add_parser("metrics", help="Prometheus metrics (also rewrites the textfile)")
     sub.add_parser("reload", help="re-read the configuration (like SIGHUP)")
     d = sub.add_parser("drain", help="refuse new jobs (running ones go on)")
@@ -499,6 +538,18 @@ def run(argv=None, out=sys.stdout):
                 return EXIT_FAILED
             time.sleep(0.2)
             answer = json.loads(request(sock, "status", "", args.timeout))
+    if cmd == "servers":
+        if args.json:
+            out.write(json.dumps(answer, indent=1) + "\n")
+        elif args.metrics:
+            for s in answer["servers"]:
+                out.write(f"# server {s['id']} {s['address']}\n" +
+                          (s["metrics"] if s["metrics"] is not None
+                           else f"# unreachable: {s['error']}\n"))
+        else:
+            out.write(show_servers(answer))
+        down = [s for s in answer["servers"] if s["metrics"] is None]
+        return EXIT_FAILED if down else EXIT_OK
     if args.json:
         out.write(json.dumps(answer, indent=1) + "\n")
     elif cmd in ("status", "drain"):
