@@ -265,12 +265,12 @@ std::string metrics_text(const DaemonView& v) {
            "Iteration of each job's latest completed push_pull (-1: none yet).");
   for (const auto& j : v.jobs) p.sample(job_labels(j), static_cast<double>(j.last_iteration));
   p.family("bytecomp_job_compress_input_bytes_total", "counter",
-           "Bytes each job handed to compressors (single-node plans).");
+           "Bytes each job handed to compressors on this node.");
   for (const auto& j : v.jobs) {
     if (j.compress_counted) p.sample(job_labels(j), static_cast<double>(j.compress_input_bytes));
   }
   p.family("bytecomp_job_compress_output_bytes_total", "counter",
-           "Bytes each job's compressors produced (single-node plans).");
+           "Bytes each job's compressors produced on this node.");
   for (const auto& j : v.jobs) {
     if (j.compress_counted) p.sample(job_labels(j), static_cast<double>(j.compress_output_bytes));
   }

@@ -643,6 +643,8 @@ void Daemon::maybe_start(Job& j) {
     eo.join = std::move(join);
     eo.peers = PeerOptions{peer_hub_.get(), request_timeout_};
     eo.keep_mapped = j.segment;
+    // Multi-node paths compress with the coordinator's plans: counted inside.
+    if (eo.join) eo.bytes = j.bytes;
     j.engine = std::make_unique<Engine>(std::move(eo), pool_, tunables_);
     for (Conn* m : j.members) {
       m->state = Conn::State::kRunning;
@@ -1103,8 +1105,9 @@ JobView Daemon::job_view(Job& j, bool with_tensors) {
       v.last_iteration_seconds = last_iteration_seconds(j.engine->phase_records());
     }
   }
-  // Multi-node jobs compress with the coordinator's plans, inside the engine.
-  v.compress_counted = j.engine && j.num_nodes == 1;
+  // Single-node plans count through their wrappers, multi-node paths
+  // through the engine (PathContext::bytes).
+  v.compress_counted = j.engine != nullptr;
   v.compress_input_bytes = j.bytes->input_bytes.load();
   v.compress_output_bytes = j.bytes->output_bytes.load();
   if (with_tensors) {

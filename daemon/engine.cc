@@ -88,6 +88,7 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
       join_(std::move(o.join)),
       peer_opts_(o.peers),
       keep_mapped_(std::move(o.keep_mapped)),
+      bytes_(std::move(o.bytes)),
       reducer_(o.reducer ? std::move(o.reducer) : std::make_unique<ShmSimdReducer>()),
       inbox_(std::make_shared<Inbox>(&header_->doorbell, tunables.phase_timestamps.load())) {
   if (o.plans.size() != tensors_.size()) {
@@ -111,7 +112,8 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
     // Multi-node paths open on the engine thread, after the join.
     setup_phases();
     local_ = std::make_unique<LocalPath>(
-        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_},
+        // The daemon's plans count their own compression (counting_plans).
+        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_, nullptr},
         node_rank_, std::move(o.plans));
     path_of_.assign(tensors_.size(), local_.get());
   }
@@ -307,7 +309,8 @@ bool Engine::open_paths() {
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                              << ps_->info().rank << " of " << ps_->info().nodes.size();
   setup_phases();
-  const PathContext ctx{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_};
+  const PathContext ctx{job_,   &tensors_, partition_bytes_, reducer_.get(),
+                        inbox_, &phases_,  bytes_.get()};
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
     peer_path_ = PeerPath::open(ctx, ps_, peer_opts_);

@@ -106,6 +106,8 @@ class Engine {
     std::shared_ptr<const void> keep_mapped;
     // Null: ShmSimdReducer.
     std::unique_ptr<IntraNodeReducer> reducer;
+    // Multi-node: counts the paths' compression (null: not counted).
+    std::shared_ptr<JobByteCounters> bytes;
   };
 
   // `pool` and `tunables` are borrowed for the engine's life. Starts the
@@ -215,6 +217,7 @@ class Engine {
   JoinFn join_;
   PeerOptions peer_opts_;
   std::shared_ptr<const void> keep_mapped_;
+  std::shared_ptr<JobByteCounters> bytes_;
   std::unique_ptr<IntraNodeReducer> reducer_;
   std::shared_ptr<server::PsJob> ps_;
   std::shared_ptr<Inbox> inbox_;

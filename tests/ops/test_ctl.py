@@ -51,7 +51,7 @@ def wait_until(pred, timeout, step=0.05):
 
 
 class Daemon:
-    def __init__(self, extra="", env=None, strategy=True):
+    def __init__(self, extra="", env=None, strategy=True, strategy_text=STRATEGY):
         self.dir = tempfile.mkdtemp(prefix="bc-ops-")
         self.socket = os.path.join(self.dir, "ctl.sock")
         self.instance = "ops%dx%s" % (os.getpid(), uuid.uuid4().hex[:6])
@@ -59,7 +59,7 @@ class Daemon:
         os.makedirs(self.metrics_dir)
         self.strategy = os.path.join(self.dir, "strategy.yaml")
         with open(self.strategy, "w") as f:
-            f.write(STRATEGY)
+            f.write(strategy_text)
         self.config = os.path.join(self.dir, "daemon.yaml")
         self.write_config(extra, strategy)
         self.log_path = os.path.join(self.dir, "daemon.log")
@@ -730,8 +730,9 @@ class TwoNodes(unittest.TestCase):
                 self.assertEqual((j["state"], j["num_nodes"], j["node_rank"]),
                                  ("running", 2, node))
                 self.assertEqual(len(j["nodes"]), 2)
-                # Multi-node compression is the engine's (not counted here).
-                self.assertIsNone(j["compress"])
+                # Multi-node compression is counted by the engine's paths
+                # (exact counts: ServerAndEngineMetrics).
+                self.assertLessEqual(j["compress"]["output_bytes"], j["compress"]["input_bytes"])
             # The allreduce job finished `iterations` rounds of its tensor(s)
             # (and bytecomp.torch's own set-up rounds).
             self.assertGreaterEqual(max(j["pushpulls"] for j in ours), iterations)
@@ -750,12 +751,16 @@ class ServersWithoutCluster(unittest.TestCase):
 
 
 class ServerAndEngineMetrics(unittest.TestCase):
-    """A two-node job through a real bytecomp-server (uncompressed, the PS
-    path): the server's textfile counts exactly the rounds, pushes and
-    answers the job made; each daemon's engine metrics and trace cover the
-    inter-node phases."""
+    """A two-node job through a real bytecomp-server (the PS path): the
+    server's textfile counts exactly the rounds, pushes and answers the job
+    made; each daemon's engine metrics and trace cover the inter-node phases.
+    The compressed variants (big.w in fp16, the daemons' strategy; through
+    the server or allgathered between the daemons) check the daemons'
+    compression counts against the bytes the server received."""
 
     def setUp(self):
+        self.compressed = "compressed" in self._testMethodName
+        self.peer = "peer" in self._testMethodName
         self.dir = tempfile.mkdtemp(prefix="bc-ops-ps-")
         self.metrics_dir = os.path.join(self.dir, "server-metrics")
         os.makedirs(self.metrics_dir)
@@ -790,8 +795,15 @@ class ServerAndEngineMetrics(unittest.TestCase):
             f.write(cluster(address))
         for n in range(2):
             self.daemons.append(Daemon(
-                extra="internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [100, 101]\n"
-                      % (cluster_file, 100 + n), strategy=False))
+                extra="internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [100, 101]\n%s"
+                      % (cluster_file, 100 + n,
+                         "  peer_listen: tcp://127.0.0.1:0\n" if self.peer else ""),
+                strategy=self.compressed,
+                # fp16 pushes to the servers (the dense sum of decompressed
+                # pushes, answered in fp16), or fp16 between the daemons.
+                strategy_text=STRATEGY.replace(
+                    "inter: allreduce",
+                    "inter: allgather" if self.peer else "inter: alltoall_allgather")))
 
     def tearDown(self):
         for d in self.daemons:
@@ -814,6 +826,15 @@ class ServerAndEngineMetrics(unittest.TestCase):
             return f.read()
 
     def test_counts_match_the_job(self):
+        self.run_job()
+
+    def test_counts_match_the_compressed_job(self):
+        self.run_job()
+
+    def test_counts_match_the_compressed_peer_job(self):
+        self.run_job()
+
+    def run_job(self):
         jobs = [None, None]
         errors = []
 
@@ -855,23 +876,44 @@ class ServerAndEngineMetrics(unittest.TestCase):
                     t.join(60)
                 self.assertFalse(errors)
             rounds = k * sum(PARTS.values())
+            # Peer allgather (big.w): only small goes through the server.
+            server_rounds = k * PARTS["small"] if self.peer else rounds
             # Server: one round per partition and iteration, one push and one
             # answer per node and round, fp32 bytes as pushed.
             self.assertTrue(wait_until(lambda: metric(self.server_metrics(),
-                                                      "bytecomp_server_rounds_total") == rounds,
+                                                      "bytecomp_server_rounds_total") == server_rounds,
                                        10), self.server_metrics())
             text = self.server_metrics()
             check_exposition_format(self, text)
             self.assertEqual(metric(text, "bytecomp_server_jobs"), 1)
-            self.assertEqual(metric(text, "bytecomp_server_pushes_total"), 2 * rounds)
-            self.assertEqual(metric(text, "bytecomp_server_push_bytes_total"),
-                             2 * k * 4 * (BIG + SMALL))
-            self.assertEqual(metric(text, "bytecomp_server_answers_total"), 2 * rounds)
-            self.assertEqual(metric(text, "bytecomp_server_answer_bytes_total"),
-                             2 * k * 4 * (BIG + SMALL))
-            self.assertEqual(metric(text, "bytecomp_server_round_seconds_count"), rounds)
+            self.assertEqual(metric(text, "bytecomp_server_pushes_total"), 2 * server_rounds)
+            self.assertEqual(metric(text, "bytecomp_server_answers_total"), 2 * server_rounds)
+            js = [ctl_json(d.socket, "jobs")["jobs"][0]["compress"] for d in self.daemons]
+            if not self.compressed:
+                self.assertEqual(metric(text, "bytecomp_server_push_bytes_total"),
+                                 2 * k * 4 * (BIG + SMALL))
+                self.assertEqual(metric(text, "bytecomp_server_answer_bytes_total"),
+                                 2 * k * 4 * (BIG + SMALL))
+                self.assertEqual(js, [{"input_bytes": 0, "output_bytes": 0}] * 2)
+            else:
+                # Each node compressed big.w every iteration (fp16: 2 bytes an
+                # element and a header per partition); the server received
+                # exactly those bytes plus small's raw fp32.
+                for c in js:
+                    self.assertEqual(c["input_bytes"], k * 4 * BIG)
+                    self.assertGreaterEqual(c["output_bytes"], k * 2 * BIG)
+                    self.assertLess(c["output_bytes"], k * 2 * BIG + k * 4 * 256)
+                self.assertEqual(metric(text, "bytecomp_server_push_bytes_total"),
+                                 (0 if self.peer else sum(c["output_bytes"] for c in js))
+                                 + 2 * k * 4 * SMALL)
+                for d, c in zip(self.daemons, js):
+                    dt = ctl(d.socket, "metrics")[1]
+                    self.assertAlmostEqual(
+                        metric(dt, "bytecomp_job_compression_ratio", {"bytecomp_job": "mn"}),
+                        c["input_bytes"] / c["output_bytes"], places=5)
+            self.assertEqual(metric(text, "bytecomp_server_round_seconds_count"), server_rounds)
             buckets = histogram(text, "bytecomp_server_round_seconds", {})
-            self.assertEqual(buckets[-1], (float("inf"), rounds))
+            self.assertEqual(buckets[-1], (float("inf"), server_rounds))
             self.assertGreater(metric(text, "bytecomp_server_round_seconds_sum"), 0)
             self.assertEqual(metric(text, "bytecomp_server_info",
                                     {"server": "0", "coordinator": "true"}), 1)
@@ -883,17 +925,18 @@ class ServerAndEngineMetrics(unittest.TestCase):
                 self.assertEqual(len(sv), 1)
                 self.assertEqual((sv[0]["id"], sv[0]["coordinator"], sv[0]["error"]),
                                  (0, True, None))
-                self.assertEqual(metric(sv[0]["metrics"], "bytecomp_server_rounds_total"), rounds)
+                self.assertEqual(metric(sv[0]["metrics"], "bytecomp_server_rounds_total"),
+                                 server_rounds)
                 self.assertEqual(metric(sv[0]["metrics"], "bytecomp_server_pushes_total"),
-                                 2 * rounds)
+                                 2 * server_rounds)
             rc, out, err = ctl(self.daemons[0].socket, "servers")
             self.assertEqual(rc, 0, err)
             self.assertRegex(out, r"0\s+tcp://127\.0\.0\.1:\d+\s+coordinator\s+up\s+1\s+%d\s"
-                             % rounds)
+                             % server_rounds)
             rc, out, err = ctl(self.daemons[1].socket, "servers", "--metrics")
             self.assertEqual(rc, 0, err)
             self.assertIn("# server 0 tcp://127.0.0.1:", out)
-            self.assertEqual(metric(out, "bytecomp_server_rounds_total"), rounds)
+            self.assertEqual(metric(out, "bytecomp_server_rounds_total"), server_rounds)
 
             for n, d in enumerate(self.daemons):
                 lab = {"bytecomp_job": "mn"}
@@ -929,7 +972,7 @@ class ServerAndEngineMetrics(unittest.TestCase):
         self.server.send_signal(signal.SIGTERM)
         self.assertEqual(self.server.wait(15), 0)
         text = self.server_metrics()
-        self.assertEqual(metric(text, "bytecomp_server_rounds_total"), k * sum(PARTS.values()))
+        self.assertEqual(metric(text, "bytecomp_server_rounds_total"), server_rounds)
         self.assertEqual(sorted(os.listdir(self.metrics_dir)), ["bytecomp-server-0.prom"])
         # A server that is gone: named, within the per-server bound, exit 1.
         start = time.monotonic()
