@@ -4,8 +4,8 @@
 //
 // What it sees: every compress() call of a plan built by the daemon
 // (single-node jobs, and each change of their strategy). Multi-node jobs
-// build their compressors from the coordinator's plans inside the engine;
-// their bytes come with the engine's statistics API (docs/operations.md).
+// build their compressors from the coordinator's plans inside the engine,
+// whose ps and peer paths add to the same counters (PathContext::bytes).
 //
 // Thread-safety: JobByteCounters are atomics; CountingCompressor is as
 // thread-safe as the compressor it wraps.
@@ -25,6 +25,11 @@ struct JobByteCounters {
   std::atomic<uint64_t> compress_calls{0};
   std::atomic<uint64_t> input_bytes{0};   // float32 bytes handed to compress()
   std::atomic<uint64_t> output_bytes{0};  // bytes it produced
+  void add(uint64_t in, uint64_t out) {
+    compress_calls.fetch_add(1, std::memory_order_relaxed);
+    input_bytes.fetch_add(in, std::memory_order_relaxed);
+    output_bytes.fetch_add(out, std::memory_order_relaxed);
+  }
 };
 
 class CountingCompressor final : public compress::Compressor {

@@ -1,15 +1,13 @@
 #include "daemon/ctl.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
+#include <set>
 #include <sstream>
+#include <utility>
 
 #include "common/error.h"
+#include "common/prometheus.h"
 
 namespace bytecomp::daemon {
 
@@ -92,6 +90,14 @@ std::string job_obj(const JobView& j) {
   Obj phases;
   for (const auto& [k, v] : j.phase_seconds) phases.d(k, v);
   o.raw("phase_seconds", j.phase_seconds.empty() ? "null" : phases.done());
+  o.raw("rounds", j.phase_stats ? std::to_string(j.phase_stats->records) : "null");
+  if (j.engine_gauges) {
+    o.raw("engine", Obj().u("queued_partitions", j.queued_partitions)
+                        .u("waiting_tensors", j.waiting_tensors)
+                        .u("inflight_bytes", j.inflight_bytes).done());
+  } else {
+    o.raw("engine", "null");
+  }
   return o.done();
 }
 
@@ -118,6 +124,58 @@ std::string jobs_json(const DaemonView& v) {
   return Obj().raw("jobs", array(v.jobs, job_obj)).done() + "\n";
 }
 
+std::string trace_json(const std::string& job, const std::vector<std::string>& tensor_names,
+                       const std::vector<uint32_t>& partitions,
+                       const std::vector<PhaseRecord>& records, uint64_t now_ns) {
+  std::vector<std::string> phases, spans;
+  for (size_t p = 0; p < kPhaseCount; ++p) {
+    phases.push_back(json_string(phase_name(static_cast<Phase>(p))));
+  }
+  for (size_t i = 0; i < kSpanCount; ++i) spans.push_back(json_string(span_name(i)));
+  auto plain = [](const std::string& x) { return x; };
+  std::string tensors = "[";
+  for (size_t t = 0; t < tensor_names.size(); ++t) {
+    tensors += (t ? "," : "") + Obj().str("name", tensor_names[t])
+                                     .u("partitions", t < partitions.size() ? partitions[t] : 0)
+                                     .done();
+  }
+  tensors += "]";
+  std::string recs = "[";
+  for (size_t i = 0; i < records.size(); ++i) {
+    const PhaseRecord& r = records[i];
+    recs += (i ? ",[" : "[") + std::to_string(r.tensor) + "," + std::to_string(r.partition) + "," +
+            std::to_string(r.iteration) + ",[";
+    for (size_t p = 0; p < kPhaseCount; ++p) recs += (p ? "," : "") + std::to_string(r.ns[p]);
+    recs += "]]";
+  }
+  recs += "]";
+  return Obj().str("job", job).str("clock", "monotonic").u("now_ns", now_ns)
+             .raw("phases", array(phases, plain)).raw("spans", array(spans, plain))
+             .raw("tensors", tensors).raw("records", recs).done() +
+         "\n";
+}
+
+std::optional<double> last_iteration_seconds(const std::vector<PhaseRecord>& records) {
+  std::set<std::pair<uint32_t, uint32_t>> slots;
+  std::map<uint64_t, std::set<std::pair<uint32_t, uint32_t>>> by_iteration;
+  for (const PhaseRecord& r : records) {
+    slots.insert({r.tensor, r.partition});
+    by_iteration[r.iteration].insert({r.tensor, r.partition});
+  }
+  for (auto it = by_iteration.rbegin(); it != by_iteration.rend(); ++it) {
+    if (it->second != slots) continue;
+    uint64_t first = UINT64_MAX, last = 0;
+    for (const PhaseRecord& r : records) {
+      if (r.iteration != it->first) continue;
+      first = std::min(first, r.at(Phase::kFirstRank));
+      last = std::max(last, r.at(Phase::kCopiedOut));
+    }
+    if (first == 0 || last < first) return std::nullopt;
+    return static_cast<double>(last - first) / 1e9;
+  }
+  return std::nullopt;
+}
+
 std::string strategy_json(const JobView& j) {
   Obj o;
   o.str("job", j.id).str("mode", j.strategy_mode).str("source", j.strategy_source)
@@ -132,45 +190,7 @@ std::string strategy_json(const JobView& j) {
 
 namespace {
 
-std::string label_value(std::string_view s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '\\' || c == '"') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
-  }
-  return out;
-}
-
-class Prom {
- public:
-  // One metric family: HELP and TYPE once, then its samples.
-  Prom& family(const char* name, const char* type, const char* help) {
-    s_ << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n";
-    name_ = name;
-    return *this;
-  }
-  Prom& sample(const std::string& labels, double v) {
-    s_ << name_;
-    if (!labels.empty()) s_ << "{" << labels << "}";
-    s_ << " " << num_text(v) << "\n";
-    return *this;
-  }
-  std::string text() const { return s_.str(); }
-
- private:
-  static std::string num_text(double v) {
-    if (v == std::floor(v) && std::fabs(v) < 9e15) return std::to_string(static_cast<int64_t>(v));
-    char b[32];
-    std::snprintf(b, sizeof b, "%.9g", v);
-    return b;
-  }
-  std::ostringstream s_;
-  std::string name_;
-};
+using prom::label_value;
 
 std::string job_labels(const JobView& j) {
   return "bytecomp_job=\"" + label_value(j.id) + "\",uid=\"" + std::to_string(j.uid) + "\"";
@@ -188,7 +208,7 @@ std::string metrics_text(const DaemonView& v) {
     cout += j.compress_output_bytes;
     (j.state == "running" ? running : forming)++;
   }
-  Prom p;
+  prom::PromText p;
   p.family("bytecomp_daemon_info", "gauge", "Constant 1, labelled with the daemon's version.")
       .sample("version=\"" + label_value(v.version) + "\",instance=\"" + label_value(v.instance) +
                   "\"",
@@ -245,12 +265,12 @@ std::string metrics_text(const DaemonView& v) {
            "Iteration of each job's latest completed push_pull (-1: none yet).");
   for (const auto& j : v.jobs) p.sample(job_labels(j), static_cast<double>(j.last_iteration));
   p.family("bytecomp_job_compress_input_bytes_total", "counter",
-           "Bytes each job handed to compressors (single-node plans).");
+           "Bytes each job handed to compressors on this node.");
   for (const auto& j : v.jobs) {
     if (j.compress_counted) p.sample(job_labels(j), static_cast<double>(j.compress_input_bytes));
   }
   p.family("bytecomp_job_compress_output_bytes_total", "counter",
-           "Bytes each job's compressors produced (single-node plans).");
+           "Bytes each job's compressors produced on this node.");
   for (const auto& j : v.jobs) {
     if (j.compress_counted) p.sample(job_labels(j), static_cast<double>(j.compress_output_bytes));
   }
@@ -262,45 +282,43 @@ std::string metrics_text(const DaemonView& v) {
                                   static_cast<double>(j.compress_output_bytes));
     }
   }
-  bool any_phase = false;
-  for (const auto& j : v.jobs) any_phase |= !j.phase_seconds.empty();
-  if (any_phase) {
-    p.family("bytecomp_job_phase_seconds_total", "counter",
-             "Time each job spent per phase of its data path.");
-    for (const auto& j : v.jobs) {
-      for (const auto& [phase, s] : j.phase_seconds) {
-        p.sample(job_labels(j) + ",phase=\"" + label_value(phase) + "\"", s);
-      }
+  p.family("bytecomp_job_rounds_total", "counter",
+           "Partition rounds each job's engine finished (one per partition and iteration).");
+  for (const auto& j : v.jobs) {
+    if (j.phase_stats) p.sample(job_labels(j), static_cast<double>(j.phase_stats->records));
+  }
+  p.family("bytecomp_job_phase_seconds", "histogram",
+           "Time of each partition round in each phase of the data path, per job.");
+  for (const auto& j : v.jobs) {
+    if (!j.phase_stats) continue;
+    const PhaseStats& st = *j.phase_stats;
+    for (size_t i = 0; i < kSpanCount; ++i) {
+      p.histogram(job_labels(j) + ",phase=\"" + std::string(span_name(i)) + "\"",
+                  kBucketBoundsNs, st.buckets[i], st.sum_ns[i]);
     }
+  }
+  p.family("bytecomp_job_last_iteration_seconds", "gauge",
+           "Wall time of each job's latest whole iteration: first local submission to last "
+           "copy-out.");
+  for (const auto& j : v.jobs) {
+    if (j.last_iteration_seconds) p.sample(job_labels(j), *j.last_iteration_seconds);
+  }
+  p.family("bytecomp_job_queued_partitions", "gauge",
+           "Partitions each job's scheduler holds, waiting for a worker.");
+  for (const auto& j : v.jobs) {
+    if (j.engine_gauges) p.sample(job_labels(j), static_cast<double>(j.queued_partitions));
+  }
+  p.family("bytecomp_job_waiting_tensors", "gauge",
+           "Tensors of each job submitted by some local ranks and waiting for the others.");
+  for (const auto& j : v.jobs) {
+    if (j.engine_gauges) p.sample(job_labels(j), j.waiting_tensors);
+  }
+  p.family("bytecomp_job_inflight_bytes", "gauge",
+           "Bytes each multi-node job pushed and the servers or peers have not acknowledged.");
+  for (const auto& j : v.jobs) {
+    if (j.engine_gauges) p.sample(job_labels(j), static_cast<double>(j.inflight_bytes));
   }
   return p.text();
-}
-
-void write_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    throw Error(ErrorCode::kUnavailable, "cannot write " + tmp + ": " + std::strerror(errno));
-  }
-  size_t at = 0;
-  while (at < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + at, text.size() - at);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw Error(ErrorCode::kUnavailable, "cannot write " + tmp + ": " + std::strerror(err));
-    }
-    at += static_cast<size_t>(n);
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error(ErrorCode::kUnavailable,
-                "cannot rename " + tmp + " to " + path + ": " + std::strerror(err));
-  }
 }
 
 }  // namespace bytecomp::daemon

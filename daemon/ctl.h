@@ -3,10 +3,10 @@
 // JSON answers of the operator requests (client/ipc/protocol.h CTL_REQUEST)
 // and as Prometheus text (docs/operations.md lists every metric).
 //
-// Later sources plug in as fields of JobView: the engine's per-phase times
-// (`phase_seconds`, `last_iteration_seconds`) and queue depths are empty
-// until the engine exposes a read API; the renderers already emit them when
-// present.
+// The engine's part of a JobView (span histograms, the last iteration's
+// time, queue depths, bytes in flight) comes from Engine::phase_stats(),
+// phase_records() and gauges(); `trace JOB` answers with the raw phase
+// records (trace_json), which bytecompctl turns into a Chrome trace.
 //
 // Thread-safety: pure functions over values; thread-safe.
 #pragma once
@@ -16,6 +16,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "daemon/engine_phases.h"
 
 namespace bytecomp::daemon {
 
@@ -53,9 +55,17 @@ struct JobView {
   bool compress_counted = false;
   uint64_t compress_input_bytes = 0;
   uint64_t compress_output_bytes = 0;
-  // From the engine, once it has a read API.
+  // From the engine (running jobs with engine.phase_timestamps on):
+  // span histograms, their sums by span name, and the time of the latest
+  // iteration the records hold whole (last_iteration_seconds()).
+  std::optional<PhaseStats> phase_stats;
   std::optional<double> last_iteration_seconds;
   std::map<std::string, double> phase_seconds;
+  // Engine::gauges() of a running job.
+  bool engine_gauges = false;
+  uint64_t queued_partitions = 0;
+  uint64_t inflight_bytes = 0;
+  uint32_t waiting_tensors = 0;
   std::vector<TensorView> tensor_list;  // filled for `strategy JOB` only
 };
 
@@ -96,13 +106,22 @@ struct DaemonView {
 std::string status_json(const DaemonView& v);
 std::string jobs_json(const DaemonView& v);
 std::string strategy_json(const JobView& j);
+// The answer to `trace JOB`: the job's phase records as the engine holds
+// them (the last PhaseLog::kIterations iterations), with tensor names and
+// partition counts and the daemon's monotonic clock now, so a client that
+// polls can merge answers and see how old they are:
+//   {"job":..,"clock":"monotonic","now_ns":..,"phases":[9 names],
+//    "spans":[8 names],"tensors":[{"name":..,"partitions":..},..],
+//    "records":[[tensor,partition,iteration,[9 ns]],..]}
+std::string trace_json(const std::string& job, const std::vector<std::string>& tensor_names,
+                       const std::vector<uint32_t>& partitions,
+                       const std::vector<PhaseRecord>& records, uint64_t now_ns);
+// Wall time of the latest iteration whose records are all there (every
+// partition of every tensor that has a record): from its first local
+// submission to its last copy-out. nullopt without such an iteration.
+std::optional<double> last_iteration_seconds(const std::vector<PhaseRecord>& records);
 // Prometheus text exposition format 0.0.4.
 std::string metrics_text(const DaemonView& v);
-
-// Writes `text` to `path` atomically (temporary file in the same directory,
-// then rename), so a reader never sees half a file. Throws Error(kUnavailable)
-// naming the path and errno.
-void write_atomically(const std::string& path, const std::string& text);
 
 std::string json_string(std::string_view s);
 

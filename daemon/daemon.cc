@@ -25,6 +25,7 @@
 #include "client/ipc/shm_layout.h"
 #include "common/log.h"
 #include "daemon/auto_tuner.h"
+#include "common/prometheus.h"
 #include "daemon/counting_compressor.h"
 #include "daemon/engine.h"
 #include "daemon/shm_segment.h"
@@ -36,6 +37,7 @@ BC_LOG_CATEGORY(LogDaemon, "daemon");
 using Clock = std::chrono::steady_clock;
 
 struct Daemon::Conn {
+  uint64_t id = 0;  // unique for the daemon's life (fds are reused)
   int fd = -1;
   pid_t pid = 0;
   uid_t uid = 0;
@@ -165,6 +167,8 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
     tc.node_id = config_.node_id;
     tc.listen = {};
     admission_timeout_ = cluster.admission_timeout;
+    servers_ = cluster.servers;
+    coordinator_ = cluster.coordinator;
     request_timeout_ = cluster.request_timeout;
     ps_client_ = server::PsClient::create(cluster, tc);
     if (!config_.peer_listen.empty()) {
@@ -236,6 +240,7 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
 }
 
 Daemon::~Daemon() {
+  for (auto& p : pending_ctl_) p.answer.wait();  // each bounded by its timeouts
   for (auto& [key, job] : jobs_) {
     if (job->tuner) job->tuner->stop();
     if (job->engine) job->engine->stop();
@@ -289,6 +294,7 @@ int Daemon::run(int signal_fd) {
       (void)::read(wake_fd_, &v, sizeof v);
     }
     reap_failed_jobs();
+    answer_pending_ctl();
     if (r > 0 && (fds[2].revents & POLLIN)) accept_one();
     for (size_t i = 3; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
@@ -305,6 +311,7 @@ void Daemon::accept_one() {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;
     auto c = std::make_unique<Conn>();
+    c->id = ++next_conn_id_;
     c->fd = fd;
     ucred cred{};
     socklen_t len = sizeof cred;
@@ -684,6 +691,8 @@ void Daemon::maybe_start(Job& j) {
     }
     eo.peers = PeerOptions{peer_hub_.get(), request_timeout_};
     eo.keep_mapped = j.segment;
+    // Multi-node paths compress with the coordinator's plans: counted inside.
+    if (eo.join) eo.bytes = j.bytes;
     j.engine = std::make_unique<Engine>(std::move(eo), pool_, tunables_);
     for (Conn* m : j.members) {
       m->state = Conn::State::kRunning;
@@ -798,7 +807,9 @@ void Daemon::check_setup_deadlines() {
   // A connection that never says HELLO must not hold a descriptor forever.
   const auto hello_bound = std::chrono::milliseconds(tunables_.setup_timeout_ms.load());
   for (auto& [fd, c] : conns_) {
-    if (!c->closed && c->state == Conn::State::kNew && now - c->accepted_at > hello_bound) {
+    // An operator's connection waits for its answer (ask_servers), not HELLO.
+    if (!c->closed && c->state == Conn::State::kNew && !c->ctl &&
+        now - c->accepted_at > hello_bound) {
       reject(*c, ErrorCode::kTimeout, "no HELLO within control.setup_timeout_ms");
     }
   }
@@ -980,6 +991,34 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
                                      : "no job '" + req.arg +
                                            "' on this bytecompd (bytecompctl jobs lists them)");
   }
+  if (cmd == "trace") {
+    for (auto& [key, j] : jobs_) {
+      if (j->id != req.arg || !(privileged || j->uid == c.uid)) continue;
+      if (!j->engine) {
+        return reply_ctl(c, ErrorCode::kUnavailable,
+                         "job '" + req.arg + "' is still forming: no iteration to trace yet");
+      }
+      const std::vector<uint32_t> parts = j->engine->phase_partitions();
+      if (parts.empty()) {
+        return reply_ctl(c, ErrorCode::kUnavailable,
+                         "job '" + req.arg + "' has no phase records: engine.phase_timestamps "
+                         "was off when it started" +
+                             std::string(j->num_nodes > 1
+                                             ? ", or it has not joined its servers yet"
+                                             : ""));
+      }
+      std::vector<std::string> names;
+      for (const TensorSpec& t : j->specs) names.push_back(t.name);
+      return reply_ctl(c, ErrorCode::kOk,
+                       trace_json(j->id, names, parts, j->engine->phase_records(),
+                                  monotonic_ns()));
+    }
+    return reply_ctl(c, ErrorCode::kInvalidArgument,
+                     req.arg.empty() ? "trace needs a job id (bytecompctl jobs lists them)"
+                                     : "no job '" + req.arg +
+                                           "' on this bytecompd (bytecompctl jobs lists them)");
+  }
+  if (cmd == "servers") return ask_servers(c);
   if (cmd == "metrics") {
     if (!config_.metrics_textfile_dir.empty()) write_metrics();
     return reply_ctl(c, ErrorCode::kOk, metrics_text(view(privileged, c.uid)));
@@ -1004,7 +1043,61 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
   }
   reply_ctl(c, ErrorCode::kInvalidArgument,
             "unknown command '" + cmd +
-                "' (accepted: status, jobs, strategy, metrics, reload, drain)");
+                "' (accepted: status, jobs, strategy, trace, servers, metrics, reload, drain)");
+}
+
+void Daemon::ask_servers(Conn& c) {
+  if (!ps_client_) {
+    return reply_ctl(c, ErrorCode::kUnavailable,
+                     "this bytecompd has no inter-node configuration (internode.cluster_file): "
+                     "it knows no parameter servers");
+  }
+  // Short per server: the operator waits, and a dead server must not hold
+  // the answer about the others for long.
+  constexpr std::chrono::milliseconds kPerServer{2000};
+  server::PsClient* client = ps_client_.get();
+  const int wake = wake_fd_;
+  pending_ctl_.push_back(
+      {c.id, std::async(std::launch::async, [client, wake, servers = servers_,
+                                             coordinator = coordinator_, kPerServer] {
+         std::string out = "{\"servers\":[";
+         for (size_t i = 0; i < servers.size(); ++i) {
+           const server::ServerInfo& s = servers[i];
+           std::string entry = "{\"id\":" + std::to_string(s.id) + ",\"address\":" +
+                               json_string(s.address) + ",\"coordinator\":" +
+                               (s.id == coordinator ? "true" : "false");
+           try {
+             entry += ",\"metrics\":" + json_string(client->metrics(s.id, kPerServer)) +
+                      ",\"error\":null}";
+           } catch (const std::exception& e) {
+             entry += ",\"metrics\":null,\"error\":" + json_string(e.what()) + "}";
+           }
+           out += (i ? "," : "") + entry;
+         }
+         out += "]}\n";
+         const uint64_t one = 1;
+         (void)::write(wake, &one, sizeof one);
+         return out;
+       })});
+}
+
+void Daemon::answer_pending_ctl() {
+  for (auto it = pending_ctl_.begin(); it != pending_ctl_.end();) {
+    if (it->answer.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      ++it;
+      continue;
+    }
+    const std::string text = it->answer.get();
+    const uint64_t id = it->conn_id;
+    it = pending_ctl_.erase(it);
+    // The operator may have gone meanwhile (then the answer is dropped).
+    for (auto& [fd, conn] : conns_) {
+      if (conn->id == id && !conn->closed) {
+        reply_ctl(*conn, ErrorCode::kOk, text);
+        break;
+      }
+    }
+  }
 }
 
 void Daemon::sample(Job& j) {
@@ -1051,8 +1144,26 @@ JobView Daemon::job_view(Job& j, bool with_tensors) {
   }
   v.pushpulls = j.pushpulls;
   v.last_iteration = j.last_iteration;
-  // Multi-node jobs compress with the coordinator's plans, inside the engine.
-  v.compress_counted = j.engine && j.num_nodes == 1;
+  if (j.engine) {
+    const Engine::Gauges g = j.engine->gauges();
+    v.engine_gauges = true;
+    v.queued_partitions = g.queued_partitions;
+    v.inflight_bytes = g.inflight_bytes;
+    v.waiting_tensors = g.waiting_tensors;
+    // Empty with engine.phase_timestamps off, or before a multi-node job
+    // joined its servers.
+    if (!j.engine->phase_partitions().empty()) {
+      v.phase_stats = j.engine->phase_stats();
+      for (size_t i = 0; i < kSpanCount; ++i) {
+        v.phase_seconds[std::string(span_name(i))] =
+            static_cast<double>(v.phase_stats->sum_ns[i]) / 1e9;
+      }
+      v.last_iteration_seconds = last_iteration_seconds(j.engine->phase_records());
+    }
+  }
+  // Single-node plans count through their wrappers, multi-node paths
+  // through the engine (PathContext::bytes).
+  v.compress_counted = j.engine != nullptr;
   v.compress_input_bytes = j.bytes->input_bytes.load();
   v.compress_output_bytes = j.bytes->output_bytes.load();
   if (with_tensors) {
@@ -1096,7 +1207,7 @@ void Daemon::write_metrics() {
   next_metrics_ = Clock::now() + std::chrono::milliseconds(config_.metrics_interval_ms);
   const std::string path = config_.metrics_textfile_dir + "/bytecompd.prom";
   try {
-    write_atomically(path, metrics_text(view(true, 0)));
+    prom::write_atomically(path, metrics_text(view(true, 0)));
     ++counters_.metrics_writes;
   } catch (const Error& e) {
     // Once per interval at most: the next attempt is next_metrics_ away.

@@ -15,6 +15,9 @@
 // Operators (bytecompctl) talk to the same socket with CTL_REQUEST messages
 // on a connection that never says HELLO: one request per connection, answered
 // from run()'s thread (daemon/ctl.h renders the answers and the metrics).
+// `servers` asks every parameter server for its metrics through the PS
+// client: that runs on a task of its own (bounded by a timeout per server)
+// whose end wakes run(), which then answers; the connection waits meanwhile.
 // While draining, a HELLO for a new job is refused; running and forming jobs
 // go on.
 //
@@ -26,6 +29,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -80,6 +84,8 @@ class Daemon {
   // bytecompctl (daemon/ctl.h).
   void on_ctl(Conn& c, const ipc::CtlRequest& req);
   void reply_ctl(Conn& c, ErrorCode code, const std::string& text);
+  void ask_servers(Conn& c);
+  void answer_pending_ctl();
   DaemonView view(bool all_users, uid_t uid);
   JobView job_view(Job& j, bool with_tensors);
   void sample(Job& j);
@@ -95,6 +101,8 @@ class Daemon {
   std::string strategy_text_;  // the file's text, sent to the coordinator
   std::unique_ptr<server::PsClient> ps_client_;  // null: single-node only
   std::unique_ptr<PeerHub> peer_hub_;  // null: no internode.peer_listen
+  std::vector<server::ServerInfo> servers_;  // the cluster's (multi-node)
+  server::NodeId coordinator_ = 0;
   std::chrono::milliseconds admission_timeout_{30000};
   std::chrono::milliseconds request_timeout_{30000};
   ThreadPool pool_;
@@ -109,6 +117,14 @@ class Daemon {
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   std::chrono::system_clock::time_point started_wall_ = std::chrono::system_clock::now();
   std::chrono::steady_clock::time_point next_metrics_{};
+  uint64_t next_conn_id_ = 0;
+  // Operator requests answered by a task (ask_servers), by connection id;
+  // declared after ps_client_ so they end (each bounded) before it does.
+  struct PendingCtl {
+    uint64_t conn_id;
+    std::future<std::string> answer;
+  };
+  std::vector<PendingCtl> pending_ctl_;
 };
 
 }  // namespace bytecomp::daemon

@@ -89,6 +89,7 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
       on_joined_(std::move(o.on_joined)),
       peer_opts_(o.peers),
       keep_mapped_(std::move(o.keep_mapped)),
+      bytes_(std::move(o.bytes)),
       reducer_(o.reducer ? std::move(o.reducer) : std::make_unique<ShmSimdReducer>()),
       inbox_(std::make_shared<Inbox>(&header_->doorbell, tunables.phase_timestamps.load())) {
   if (o.plans.size() != tensors_.size()) {
@@ -112,7 +113,8 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
     // Multi-node paths open on the engine thread, after the join.
     setup_phases();
     local_ = std::make_unique<LocalPath>(
-        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_},
+        // The daemon's plans count their own compression (counting_plans).
+        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_, nullptr},
         node_rank_, std::move(o.plans));
     path_of_.assign(tensors_.size(), local_.get());
   }
@@ -241,6 +243,14 @@ void Engine::log_phases() const {
   }
 }
 
+void Engine::publish_gauges() {
+  uint32_t waiting = 0;
+  for (const Round& r : rounds_) waiting += r.arrived > 0 && !r.running;
+  queued_pub_.store(sched_.size(), std::memory_order_relaxed);
+  inflight_pub_.store(inflight_bytes_, std::memory_order_relaxed);
+  waiting_pub_.store(waiting, std::memory_order_relaxed);
+}
+
 int64_t Engine::latest_begun() const {
   int64_t latest = -1;
   for (const Round& r : rounds_) {
@@ -300,7 +310,8 @@ bool Engine::open_paths() {
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                              << ps_->info().rank << " of " << ps_->info().nodes.size();
   setup_phases();
-  const PathContext ctx{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_};
+  const PathContext ctx{job_,   &tensors_, partition_bytes_, reducer_.get(),
+                        inbox_, &phases_,  bytes_.get()};
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
     peer_path_ = PeerPath::open(ctx, ps_, peer_opts_);
@@ -321,6 +332,7 @@ void Engine::loop() {
   try {
     if (join_ && !open_paths()) return;
     while (!stop_.load()) {
+      publish_gauges();
       ipc::timed_wait(header_->doorbell, kIdleWait);
       if (stop_.load()) break;
       if (const Status f = inbox_->failure(); !f.ok()) {
@@ -350,6 +362,7 @@ void Engine::loop() {
         // readiness), so a bound held until the answers would deadlock them.
         if (inflight_bytes_ >= bound) break;
         run_batch(sched_.next_batch(pool_.concurrency(), bound - inflight_bytes_));
+        publish_gauges();
         // New arrivals between batches, so a high-priority tensor overtakes
         // the rest of a large one.
         if (!drain()) break;

@@ -110,6 +110,8 @@ class Engine {
     // servers, before the first round (the auto tuner's attach).
     std::function<void(Engine&, const std::shared_ptr<server::PsJob>&, uint64_t partition_bytes)>
         on_joined;
+    // Multi-node: counts the paths' compression (null: not counted).
+    std::shared_ptr<JobByteCounters> bytes;
   };
 
   // `pool` and `tunables` are borrowed for the engine's life. Starts the
@@ -144,6 +146,25 @@ class Engine {
   // empty with engine.phase_timestamps off or before a multi-node job
   // joined. Thread-safe; allocates (not for the hot path).
   std::vector<PhaseRecord> phase_records() const;
+  // Histograms of the spans of every partition round published so far
+  // (daemon/engine_phases.h). Thread-safe.
+  PhaseStats phase_stats() const { return phases_.stats(); }
+  // Partitions of each tensor as the phase records count them (empty while
+  // phase_records() is). Thread-safe.
+  std::vector<uint32_t> phase_partitions() const { return phases_.partitions(); }
+
+  // What the data path holds, as the engine thread last published it (at
+  // each turn of its loop and after each batch). Thread-safe.
+  struct Gauges {
+    uint64_t queued_partitions = 0;  // in the scheduler, waiting for a worker
+    uint64_t inflight_bytes = 0;     // multi-node pushes not yet acknowledged
+    uint32_t waiting_tensors = 0;    // submitted by some local ranks, not all
+  };
+  Gauges gauges() const {
+    return {queued_pub_.load(std::memory_order_relaxed),
+            inflight_pub_.load(std::memory_order_relaxed),
+            waiting_pub_.load(std::memory_order_relaxed)};
+  }
 
  private:
   struct Round {
@@ -173,6 +194,7 @@ class Engine {
   // Once partition_bytes_ is final.
   void setup_phases();
   void log_phases() const;
+  void publish_gauges();
 
   std::string job_;
   char* base_;
@@ -200,6 +222,7 @@ class Engine {
   std::function<void(Engine&, const std::shared_ptr<server::PsJob>&, uint64_t)> on_joined_;
   PeerOptions peer_opts_;
   std::shared_ptr<const void> keep_mapped_;
+  std::shared_ptr<JobByteCounters> bytes_;
   std::unique_ptr<IntraNodeReducer> reducer_;
   std::shared_ptr<server::PsJob> ps_;
   std::shared_ptr<Inbox> inbox_;
@@ -218,6 +241,10 @@ class Engine {
   std::unique_ptr<PsPath> ps_path_;
   std::unique_ptr<PeerPath> peer_path_;
   std::vector<ExecutionPath*> path_of_;
+  // gauges(): written by the engine thread.
+  std::atomic<uint64_t> queued_pub_{0};
+  std::atomic<uint64_t> inflight_pub_{0};
+  std::atomic<uint32_t> waiting_pub_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
   std::mutex abort_mu_;  // serialises publish_abort between the two threads

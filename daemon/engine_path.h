@@ -36,6 +36,8 @@
 
 namespace bytecomp::daemon {
 
+struct JobByteCounters;  // daemon/counting_compressor.h
+
 // Results of asynchronous operations, handed from the transport's threads to
 // the engine thread. Shared with the callbacks, which may run after the
 // engine is gone: close() makes them no-ops.
@@ -85,6 +87,9 @@ struct PathContext {
   // Paths stamp kReduced..kSent in start() and kDecompressed, kCopiedOut in
   // finish(); the core stamps the rest (see Engine).
   PhaseLog* phases = nullptr;
+  // Multi-node paths add what they compress here (the plans come from the
+  // coordinator, not from the daemon's counting wrappers); null: not counted.
+  JobByteCounters* bytes = nullptr;
 };
 
 // One way of running a tensor partition. Threading: start() and finish()

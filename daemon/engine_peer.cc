@@ -6,6 +6,7 @@
 
 #include "common/log.h"
 #include "compress/reduce.h"
+#include "daemon/counting_compressor.h"
 
 namespace bytecomp::daemon {
 
@@ -169,6 +170,7 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
     std::vector<std::byte> out(plan.compressor->max_compressed_bytes(n));
     out.resize(plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state,
                                          ctx));
+    if (ctx_.bytes) ctx_.bytes->add(n * 4, out.size());
     h.format = PeerFormat::kCompressed;
     data = transport::Buffer::take(std::move(out));
   } else {

@@ -21,6 +21,12 @@ std::string_view phase_name(Phase p) {
   return "?";
 }
 
+std::string_view span_name(size_t span) {
+  static constexpr std::string_view kNames[kSpanCount] = {
+      "wait_ranks", "queue", "reduce", "compress", "send", "wire", "decompress", "copy_out"};
+  return span < kSpanCount ? kNames[span] : "?";
+}
+
 uint64_t monotonic_ns() {
   timespec ts;
   ::clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -36,6 +42,7 @@ void PhaseLog::setup(const std::vector<uint32_t>& partitions, bool enabled) {
     }
     partitions_ = partitions;
     records_ = std::make_unique<Record[]>(slots * kIterations);
+    stats_ = std::make_unique<Stats>();
   }
   ready_.store(true, std::memory_order_release);
 }
@@ -47,6 +54,42 @@ void PhaseLog::stamp_through(uint32_t tensor, uint32_t partition, uint64_t itera
   for (size_t p = static_cast<size_t>(from); p < kPhaseCount; ++p) {
     r.ns[p].store(ns, std::memory_order_relaxed);
   }
+}
+
+void PhaseLog::account(const Record& r) {
+  Stats& s = *stats_;
+  uint64_t prev = r.ns[0].load(std::memory_order_relaxed);
+  for (size_t i = 0; i < kSpanCount; ++i) {
+    const uint64_t next = r.ns[i + 1].load(std::memory_order_relaxed);
+    // A phase left unstamped (0) gives no duration: its spans are skipped.
+    // kArrived is the transport thread's clock read, which can precede the
+    // worker's kSent stamp when the answer is quick: that span counts as 0.
+    if (prev != 0 && next != 0) {
+      const uint64_t d = next > prev ? next - prev : 0;
+      const size_t b = static_cast<size_t>(
+          std::lower_bound(kBucketBoundsNs.begin(), kBucketBoundsNs.end(), d) -
+          kBucketBoundsNs.begin());
+      s.buckets[i][b].fetch_add(1, std::memory_order_relaxed);
+      s.sum_ns[i].fetch_add(d, std::memory_order_relaxed);
+      s.count[i].fetch_add(1, std::memory_order_relaxed);
+    }
+    prev = next;
+  }
+  s.records.fetch_add(1, std::memory_order_relaxed);
+}
+
+PhaseStats PhaseLog::stats() const {
+  PhaseStats out;
+  if (!ready_.load(std::memory_order_acquire) || stats_ == nullptr) return out;
+  for (size_t i = 0; i < kSpanCount; ++i) {
+    for (size_t b = 0; b < kBuckets; ++b) {
+      out.buckets[i][b] = stats_->buckets[i][b].load(std::memory_order_relaxed);
+    }
+    out.sum_ns[i] = stats_->sum_ns[i].load(std::memory_order_relaxed);
+    out.count[i] = stats_->count[i].load(std::memory_order_relaxed);
+  }
+  out.records = stats_->records.load(std::memory_order_relaxed);
+  return out;
 }
 
 std::vector<PhaseRecord> PhaseLog::snapshot() const {

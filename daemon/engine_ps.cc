@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "compress/reduce.h"
+#include "daemon/counting_compressor.h"
 
 namespace bytecomp::daemon {
 
@@ -60,6 +61,7 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
     cctx.private_seed = strategy::node_private_seed(cctx.shared_seed, ps_->info().rank);
     const size_t len =
         part.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state, cctx);
+    if (ctx_.bytes) ctx_.bytes->add(n * 4, len);
     out.resize(len);
     payload = transport::Buffer::take(std::move(out));
   } else if (keep_mapped_) {

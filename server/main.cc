@@ -2,10 +2,13 @@
 // Runs until SIGTERM or SIGINT, then shuts down cleanly (jobs aborted with a
 // reason, threads joined). SIGHUP re-reads the log levels (everything else
 // needs a restart). Under systemd (Type=notify) it reports READY=1 once it
-// serves and pings the watchdog from this main thread (common/service.h). --ready-file receives the bound address once the
-// server serves (scripts and tests use it with ephemeral ports).
+// serves and pings the watchdog from this main thread (common/service.h),
+// which also writes the metrics textfile (server/metrics.h). --ready-file
+// receives the bound address once the server serves (scripts and tests use
+// it with ephemeral ports).
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -46,7 +49,9 @@ int main(int argc, char** argv) {
   sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   try {
-    bytecomp::server::ParameterServer server(bytecomp::server::ServerConfig::load(config_path));
+    const bytecomp::server::ServerConfig server_config =
+        bytecomp::server::ServerConfig::load(config_path);
+    bytecomp::server::ParameterServer server(server_config);
     if (!ready_file.empty()) {
       std::string tmp = ready_file + ".tmp";
       std::ofstream(tmp) << server.addresses().at(0) << "\n";
@@ -54,12 +59,15 @@ int main(int argc, char** argv) {
         throw bytecomp::Error(bytecomp::ErrorCode::kUnavailable,
                               "cannot write --ready-file " + ready_file + ": " + std::strerror(errno));
     }
+    bytecomp::server::MetricsTextfile metrics(server_config.metrics, server_config.node_id,
+                                              [&server] { return server.metrics_text(); });
     bytecomp::ServiceNotifier notifier;
     notifier.ready();
     int sig = 0;
     for (;;) {
       notifier.tick();
-      const auto wait = notifier.poll_timeout(std::chrono::milliseconds(1000));
+      const auto wait = notifier.poll_timeout(
+          std::min(std::chrono::milliseconds(1000), metrics.tick()));
       const timespec ts{static_cast<time_t>(wait.count() / 1000),
                         static_cast<long>(wait.count() % 1000) * 1000000L};
       sig = sigtimedwait(&sigs, nullptr, &ts);
@@ -82,6 +90,8 @@ int main(int argc, char** argv) {
     BC_LOG(LogMain(), kInfo) << "received " << (sig == SIGTERM ? "SIGTERM" : "SIGINT")
                              << ", shutting down";
     server.shutdown();
+    // The final counts, for whoever reads the file after the server stopped.
+    metrics.write_now();
   } catch (const bytecomp::Error& e) {
     std::fprintf(stderr, "bytecomp-server: %s\n", e.what());
     return 1;

@@ -69,6 +69,7 @@ enum MsgType : uint16_t {
   // req: arg=answer bytes, payload: ignored bytes; reply: arg bytes (link probe,
   // both at most kMaxProbeBytes)
   kProbe = 0x5144,
+  kMetrics = 0x5143,      // req; reply payload: Prometheus text (server/metrics.h)
   // replies
   kOkReply = 0x51F0,
   kErrorReply = 0x51F1,

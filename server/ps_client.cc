@@ -529,6 +529,17 @@ class ClientImpl final : public PsClient {
     return s;
   }
 
+  std::string metrics(NodeId server, Millis timeout) override {
+    Message m;
+    m.header.type = proto::kMetrics;
+    Response r = core_->tp->call(server, std::move(m), timeout);
+    Status st = to_status(r);
+    if (!st.ok()) {
+      throw Error(st.code(), "metrics of server " + std::to_string(server) + ": " + st.message());
+    }
+    return proto::joined(r.response);
+  }
+
   void close() override {
     std::map<uint32_t, std::shared_ptr<JobImpl>> jobs;
     {

@@ -258,6 +258,9 @@ class PsClient {
   // coordinator, servers with a fixed (non-0) port in the cluster config, and
   // servers learnt at a join(). Throws Error on failure.
   virtual ServerStats stats(NodeId server, Millis timeout = Millis{5000}) = 0;
+  // The server's Prometheus text (server/metrics.h). Throws Error naming
+  // the server when it does not answer within `timeout`.
+  virtual std::string metrics(NodeId server, Millis timeout = Millis{5000}) = 0;
 
   // Waits for the answers to leave_async()/abort_async() still in flight
   // (each bounded by its timeout), then closes every job (kUnavailable) and

@@ -23,6 +23,7 @@
 #include "compress/reduce.h"
 #include "planner/strategy/answer.h"
 #include "server/auto_planner.h"
+#include "server/metrics.h"
 #include "server/protocol.h"
 #include "server/ps_client.h"
 
@@ -76,6 +77,7 @@ ServerConfig ServerConfig::load(const std::optional<std::string>& path) {
   c.transport = transport::read_transport_config(t);
   c.transport.node_id = c.node_id;
   if (!listen_given) c.transport.listen = {c.cluster.server(c.node_id)->address};
+  c.metrics = MetricsConfig::read(root);
   config::apply_logging_section(root);
   root.finish();
   return c;
@@ -171,6 +173,7 @@ struct PartState {
   Partition part;
   std::string label;  // "tensor 'x' partition 3 (key 0x...)"
   uint64_t collecting = 0;
+  uint64_t round_started_ns = 0;  // first push of `collecting` (server/metrics.h)
   TensorPlan plan;
   bool plan_ready = false;
   std::unique_ptr<compress::Compressor> comp;
@@ -260,6 +263,8 @@ struct ParameterServer::Impl {
   uint64_t reserved_total = 0;  // under jobs_mu
 
   std::atomic<uint64_t> rounds{0}, pushes_refused{0}, frames_refused{0};
+  ServerMetrics metrics;
+  std::string metrics_text();  // server/metrics.h
 
   // Registration with the coordinator (non-coordinator servers).
   std::mutex hello_mu;
@@ -1088,6 +1093,9 @@ void ParameterServer::Impl::start() {
   tp->set_handler(proto::kProbe, [this](Incoming in) {
     if (in.expects_reply) reply(in, proto::probe_answer(in.message));
   });
+  tp->set_handler(proto::kMetrics, [this](Incoming in) {
+    if (in.expects_reply) reply(in, proto::ok_reply(transport::Buffer::take(metrics_text())));
+  });
   for (uint16_t t : {proto::kJobSetup, proto::kJobEnd, proto::kStrategyPrepare})
     tp->set_handler(t, [this](Incoming in) { on_control(std::move(in)); });
   if (is_coordinator) {
@@ -1482,7 +1490,10 @@ void ParameterServer::Impl::on_push(const std::shared_ptr<ServerJob>& job, PartS
     return refuse(in, ErrorCode::kInvalidArgument,
                   "push refused: " + std::to_string(in.message.payloads.size()) +
                       " payload buffers for " + ps.label + " (accepted: exactly 1)");
-  if (ps.n_pushed == 0) fix_plan(*job, ps);
+  if (ps.n_pushed == 0) {
+    fix_plan(*job, ps);
+    ps.round_started_ns = ServerMetrics::now_ns();
+  }
   const Buffer& b = in.message.payloads[0];
   if (!ps.plan.compressed_push()) {
     if (b.size() != ps.part.count * 4)
@@ -1522,6 +1533,7 @@ void ParameterServer::Impl::on_push(const std::shared_ptr<ServerJob>& job, PartS
   }
   ps.pushed[rank] = 1;
   ++ps.n_pushed;
+  metrics.pushed(b.size());
   if (store) {
     ps.pending[rank] = b;
     if (ps.plan.sum == SumMode::kDense) {
@@ -1639,7 +1651,11 @@ void ParameterServer::Impl::complete_round(ServerJob& job, PartState& ps) {
   ps.result_iteration = ps.collecting;
   ++ps.collecting;
   rounds.fetch_add(1, std::memory_order_relaxed);
-  for (Incoming& in : ps.waiting) reply(in, proto::ok_reply(ps.result));
+  metrics.round_done(ps.round_started_ns);
+  for (Incoming& in : ps.waiting) {
+    metrics.answered(ps.result.size());
+    reply(in, proto::ok_reply(ps.result));
+  }
   ps.waiting.clear();
 }
 
@@ -1650,7 +1666,10 @@ void ParameterServer::Impl::on_pull(const std::shared_ptr<ServerJob>& job, PartS
     return refuse(in, s.code(), "pull refused: " + s.message());
   }
   const uint64_t it = in.message.header.arg;
-  if (ps.has_result && it == ps.result_iteration) return reply(in, proto::ok_reply(ps.result));
+  if (ps.has_result && it == ps.result_iteration) {
+    metrics.answered(ps.result.size());
+    return reply(in, proto::ok_reply(ps.result));
+  }
   if (it == ps.collecting) {
     for (const Incoming& w : ps.waiting)
       if (w.from == in.from)
@@ -1700,6 +1719,18 @@ ParameterServer::ParameterServer(ServerConfig config)
 ParameterServer::~ParameterServer() { shutdown(); }
 
 std::vector<std::string> ParameterServer::addresses() const { return impl_->tp->local_addresses(); }
+
+std::string ParameterServer::metrics_text() const { return impl_->metrics_text(); }
+
+std::string ParameterServer::Impl::metrics_text() {
+  ServerView v{cfg.node_id, is_coordinator, 0, 0, pushes_refused.load(), frames_refused.load()};
+  {
+    std::shared_lock lk(jobs_mu);
+    v.jobs = static_cast<uint32_t>(jobs.size());
+    v.reserved_bytes = reserved_total;
+  }
+  return server::metrics_text(v, metrics);
+}
 
 void ParameterServer::shutdown() {
   if (impl_) impl_->shutdown();

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "server/cluster_config.h"
+#include "server/metrics.h"
 #include "transport/transport.h"
 
 namespace bytecomp::server {
@@ -39,11 +40,12 @@ struct ServerConfig {
   uint32_t max_jobs = 64;
   ClusterConfig cluster;
   transport::TransportConfig transport;  // listen defaults to this server's cluster address
+  MetricsConfig metrics;
 
   // server.yaml (Document::locate(path, "server.yaml"), env prefix
-  // BYTECOMP_SERVER): sections server, transport, logging. server.cluster_file
-  // (relative to server.yaml's directory) names the cluster config. Throws
-  // config::ConfigError naming file, line and key.
+  // BYTECOMP_SERVER): sections server, transport, metrics (server/metrics.h),
+  // logging. server.cluster_file (relative to server.yaml's directory) names
+  // the cluster config. Throws config::ConfigError naming file, line and key.
   static ServerConfig load(const std::optional<std::string>& path);
 };
 
@@ -58,6 +60,9 @@ class ParameterServer {
   ParameterServer& operator=(const ParameterServer&) = delete;
 
   std::vector<std::string> addresses() const;
+  // Prometheus text of the server's counters (server/metrics.h).
+  // Thread-safe.
+  std::string metrics_text() const;
   // Aborts every job (pending pulls answered with kUnavailable), stops the
   // transport and joins every thread. Idempotent.
   void shutdown();
