@@ -180,6 +180,7 @@ AutoTuner::AutoTuner(Options options)
     : o_(std::move(options)),
       trigger_(o_.spec.replan_drift, o_.spec.replan_iterations, o_.spec.replan_min_interval) {
   view_.state = "probing";
+  view_.run_dir = o_.run_dir;
 }
 
 AutoTuner::~AutoTuner() { stop(); }
@@ -461,6 +462,10 @@ void AutoTuner::run() {
     for (const server::AutoEvent& e : events) handle(e);
     if (change) {
       current_yaml_ = change->second;
+      {
+        std::lock_guard vl(mu_);
+        view_.strategy_yaml = current_yaml_;
+      }
       if (state_ == State::kApplied && !have_switch_) {
         switch_iteration_ = change->first;
         have_switch_ = true;

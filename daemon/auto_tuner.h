@@ -134,6 +134,8 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
     double link_gbps = 0, link_latency_us = 0;
     uint64_t decisions = 0, replans = 0;
     std::string last_message;
+    std::string run_dir;
+    std::string strategy_yaml;  // in force since the last switch ("" = uncompressed)
   };
   View view() const;
 

@@ -69,6 +69,20 @@ std::string array(const std::vector<T>& items, F each) {
   return s + "]";
 }
 
+std::string auto_obj(const JobView& j) {
+  if (!j.auto_view) return "null";
+  const AutoView& a = *j.auto_view;
+  Obj o;
+  o.str("state", a.state).u("epoch", a.epoch)
+      .raw("predicted_seconds", a.predicted_seconds > 0 ? num(a.predicted_seconds) : "null")
+      .raw("measured_seconds",
+           j.last_iteration_seconds ? num(*j.last_iteration_seconds) : "null")
+      .d("link_gbps", a.link_gbps).d("link_latency_us", a.link_latency_us)
+      .u("decisions", a.decisions).u("replans", a.replans).str("message", a.message)
+      .str("run_dir", a.run_dir);
+  return o.done();
+}
+
 std::string job_obj(const JobView& j) {
   Obj o;
   o.str("id", j.id).u("uid", j.uid).str("state", j.state).u("local_size", j.local_size)
@@ -77,7 +91,8 @@ std::string job_obj(const JobView& j) {
       .raw("nodes", array(j.nodes, [](uint32_t n) { return std::to_string(n); }))
       .u("tensors", j.tensors).u("tensor_bytes", j.tensor_bytes).d("age_seconds", j.age_seconds)
       .raw("strategy", Obj().str("mode", j.strategy_mode).str("source", j.strategy_source)
-                            .i("switch_iteration", j.strategy_switch_iteration).done())
+                            .i("switch_iteration", j.strategy_switch_iteration)
+                            .raw("auto", auto_obj(j)).done())
       .u("pushpulls", j.pushpulls).i("iteration", j.last_iteration);
   if (j.compress_counted) {
     o.raw("compress", Obj().u("input_bytes", j.compress_input_bytes)
@@ -179,7 +194,7 @@ std::optional<double> last_iteration_seconds(const std::vector<PhaseRecord>& rec
 std::string strategy_json(const JobView& j) {
   Obj o;
   o.str("job", j.id).str("mode", j.strategy_mode).str("source", j.strategy_source)
-      .i("switch_iteration", j.strategy_switch_iteration)
+      .i("switch_iteration", j.strategy_switch_iteration).raw("auto", auto_obj(j))
       .raw("tensors", array(j.tensor_list, [](const TensorView& t) {
              return Obj().str("name", t.name).str("dtype", t.dtype).u("count", t.count)
                  .u("bytes", t.bytes).str("compressor", t.compressor).str("option", t.option)

@@ -30,6 +30,17 @@ struct TensorView {
   std::string compressor;  // "none" when uncompressed
 };
 
+// An auto job's tuner (daemon/auto_tuner.h), as the operator sees it.
+struct AutoView {
+  std::string state;  // probing, profiling, planning, applied, failed, stopped
+  uint64_t epoch = 0;
+  double predicted_seconds = 0;  // of the decision in force (0: none yet)
+  double link_gbps = 0, link_latency_us = 0;
+  uint64_t decisions = 0, replans = 0;
+  std::string message;  // why the last plan failed
+  std::string run_dir;
+};
+
 struct JobView {
   std::string id;
   uint32_t uid = 0;
@@ -47,6 +58,7 @@ struct JobView {
   std::string strategy_mode;
   std::string strategy_source;
   int64_t strategy_switch_iteration = -1;
+  std::optional<AutoView> auto_view;  // strategy mode auto, multi-node
   // Observed in the job's shared memory: completed push_pulls of local rank
   // 0 (one per tensor and iteration) and the iteration of the latest one.
   uint64_t pushpulls = 0;

@@ -496,8 +496,9 @@ void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
   const double n = static_cast<double>(elements);
   const double pool = std::max(1, cluster_.pool_threads);
   const CompressorCost* cc = o.compressed() ? costs_.find(o.compressor) : nullptr;
+  const Resource cpu = cluster_.pool_shares_compute ? Resource::kGpu : Resource::kCpu;
   auto add = [&](Resource r, double d, const char* what) {
-    if (d > 0) ops.push_back({r, d, what});
+    if (d > 0) ops.push_back({r == Resource::kCpu ? cpu : r, d, what});
   };
   add(Resource::kCpu, cluster_.reduce.at(n) / pool, "reduce");
   if (cc) add(Resource::kCpu, cc->cpu->compress.at(n) / pool, "compress");

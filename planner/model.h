@@ -74,6 +74,11 @@ struct Cluster {
   bool cpu_nodes = false;
   int pool_threads = 1;
   LinearCost reduce;             // one partition over the local ranks, one thread
+  // CPU nodes whose cores are all taken by training (local ranks + pool
+  // threads > cores): the daemon's and the colocated server's work then
+  // takes cores from the backward pass, so it is placed on the compute
+  // resource (which the backward pass yields to) instead of a spare pool.
+  bool pool_shares_compute = false;
 
   int workers() const { return machines * gpus_per_machine; }
   static Cluster load_file(const std::string& path);

@@ -699,6 +699,7 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   m.cluster.gpus_per_machine = 1;
   m.cluster.cpu_cores = static_cast<int>(prof.cpu_cores);
   m.cluster.pool_threads = static_cast<int>(prof.pool_threads);
+  m.cluster.pool_shares_compute = prof.local_ranks + prof.pool_threads > prof.cpu_cores;
   m.cluster.servers = static_cast<int>(cfg.servers);
   m.cluster.dedicated_servers = !cfg.colocated_servers;
   m.cluster.partition_bytes = cfg.partition_bytes;
@@ -848,6 +849,9 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   }
   auto& meta = d.strategy.meta;
   meta["planner"] = "online (cpu nodes)";
+  meta["pool_shares_compute"] = prof.local_ranks + prof.pool_threads > prof.cpu_cores
+                                    ? "yes (local ranks + pool threads > cores)"
+                                    : "no (spare cores)";
   meta["predicted_us"] = fmt(d.predicted_us, 9);
   meta["measured_us"] = fmt(d.measured_us, 9);
   meta["window"] = std::to_string(prof.first_iteration) + "+" + std::to_string(prof.iterations);

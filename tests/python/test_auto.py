@@ -8,11 +8,13 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 import unittest
 
 import helpers
 
-from bytecomp import netns
+from bytecomp import ctl, netns
 from bytecomp.bench_cluster import strategy_yaml
 from bytecomp.cluster import NamespacedCluster
 
@@ -21,7 +23,25 @@ _WHY = netns.check_permission()
 
 @unittest.skipIf(_WHY, "network namespaces not permitted here: %s" % _WHY)
 class AutoOnNamespaces(unittest.TestCase):
-    def run_cluster(self, rate, systems, steps):
+    def watch_ctl(self, c, stop, seen):
+        """What `bytecompctl strategy` says of the auto job on node 0, once
+        its decision is applied."""
+        while not stop.is_set():
+            try:
+                for j in json.loads(ctl.request(c.daemons[0].socket, "jobs"))["jobs"]:
+                    a = j["strategy"].get("auto")
+                    if a and a["state"] == "applied":
+                        s = json.loads(ctl.request(c.daemons[0].socket, "strategy", j["id"]))
+                        # Once the change reached this node the table shows it.
+                        if any(not t["option"].startswith("none") for t in s["tensors"]):
+                            seen["json"] = s
+                            seen["shown"] = ctl.show_strategy(s)
+                            return
+            except (ctl.CtlError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.3)
+
+    def run_cluster(self, rate, systems, steps, seen=None):
         out = tempfile.mkdtemp(prefix="bc-test-auto-")
         self.addCleanup(shutil.rmtree, out, True)
         strategies = os.path.join(out, "strategies")
@@ -33,11 +53,16 @@ class AutoOnNamespaces(unittest.TestCase):
             with c:
                 if rate:
                     c.shape(rate)
+                stop = threading.Event()
+                if seen is not None:
+                    t = threading.Thread(target=self.watch_ctl, args=(c, stop, seen), daemon=True)
+                    t.start()
                 rc, lines = c.torchrun(
                     ["--model", "mlp", "--systems", systems, "--warmup", "1", "--steps",
                      str(steps), "--batch", "16", "--pool", "2", "--lr", "0.1",
                      "--auto-compressors", "efsignsgd",
                      "--strategy-dir", strategies, "--out", os.path.join(out, "r")], 400)
+                stop.set()
                 self.assertEqual(rc, 0, "".join(lines[-80:]))
                 ranks = [json.load(open(os.path.join(out, "r", "rank%d.json" % r)))
                          for r in range(2)]
@@ -50,7 +75,8 @@ class AutoOnNamespaces(unittest.TestCase):
         two large weight matrices (not the 10-element bias), is applied on
         both nodes, and the steps after the switch are several times faster
         than the profiled uncompressed ones."""
-        ranks = self.run_cluster("10mbit", "bc_auto", 24)
+        seen = {}
+        ranks = self.run_cluster("10mbit", "bc_auto", 24, seen)
         for d in ranks:
             r = d["systems"]["bc_auto"]
             self.assertNotIn("error", r, r)
@@ -68,6 +94,15 @@ class AutoOnNamespaces(unittest.TestCase):
         after = sorted(steps[a["switch_iteration"] + 2:])
         self.assertGreaterEqual(len(after), 3, (a, steps))
         self.assertLess(after[len(after) // 2], a["profiled_s"] / 3, (a, steps))
+        # The operator sees the decision in force while the job runs.
+        self.assertIn("json", seen, "bytecompctl never showed the applied decision")
+        s = seen["json"]
+        self.assertEqual(s["mode"], "job-auto")
+        self.assertGreater(s["auto"]["predicted_seconds"], 0)
+        opts = {t["name"]: t["option"] for t in s["tensors"]}
+        self.assertIn("efsignsgd", opts["fc1.weight"])
+        self.assertTrue(opts["head.bias"].startswith("none"), opts)
+        self.assertIn("bytecomp-plan explain", seen["shown"])
 
     def test_unshaped_link_stays_uncompressed_and_exact(self):
         """No shaping: compression does not pay; nothing is compressed and

@@ -203,6 +203,19 @@ def show_strategy(s):
             + (f" from {s['source']}" if s["source"] else "")
             + (f", in force since iteration {s['switch_iteration']}"
                if s["switch_iteration"] >= 0 else "") + "\n")
+    a = s.get("auto")
+    if a:
+        pred = ("%.1f ms" % (a["predicted_seconds"] * 1000)
+                if a["predicted_seconds"] is not None else "-")
+        meas = ("%.1f ms" % (a["measured_seconds"] * 1000)
+                if a["measured_seconds"] is not None else "-")
+        head += (f"auto: {a['state']} (epoch {a['epoch']}, {a['decisions']} decision(s), "
+                 f"{a['replans']} re-plan(s)); predicted {pred} per iteration, latest "
+                 f"measured {meas}; link {a['link_gbps']:.3g} Gbit/s, "
+                 f"{a['link_latency_us']:.0f} us" + (f"; {a['message']}" if a["message"] else "")
+                 + "\n")
+        if a["run_dir"]:
+            head += f"auto: decision in {a['run_dir']} (bytecomp-plan explain {a['run_dir']})\n"
     rows = [(t["name"], t["dtype"], t["count"], _bytes(t["bytes"]), t["option"])
             for t in s["tensors"]]
     return head + table(("TENSOR", "DTYPE", "ELEMENTS", "SIZE", "OPTION"), rows)
