@@ -118,6 +118,16 @@ class Job:
             p.end(2.0)
 
 
+def cause(line):
+    """The part of a rank's error line that says why: what follows the
+    daemon's "was aborted by bytecompd: " or the call's "failed: "."""
+    for mark in ("was aborted by bytecompd as it started: ", "was aborted by bytecompd: ",
+                 "failed: "):
+        if mark in line:
+            return line.split(mark, 1)[1]
+    return line
+
+
 def outcome(p, since):
     """The error line a rank ended with after `since`, or None."""
     return p.first(("RAISED", "TIMEOUT", "WRONG"), since)
@@ -517,10 +527,10 @@ class Chaos:
                  "| new job trained after (s) | first job after the repair | result |",
                  "| ---: | --- | --- | ---: | ---: | --- | --- | ---: | --- | --- |"]
         for r in self.rows:
-            msg = r["message"].replace("|", "/")
-            if len(msg) > 110:
-                msg = msg[:107] + "..."
-            first = r["first_job"].replace("|", "/")
+            msg = cause(r["message"]).replace("|", "/")
+            if len(msg) > 140:
+                msg = msg[:137] + "..."
+            first = cause(r["first_job"]).replace("|", "/")
             if len(first) > 110:
                 first = first[:107] + "..."
             lines.append("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
@@ -599,7 +609,7 @@ class Chaos:
                 i, len(faults), f.kind, f.target,
                 "-" if row["detected_s"] is None else "%.2fs" % row["detected_s"],
                 "-" if row["recovered_s"] is None else "%.2fs" % row["recovered_s"], state,
-                row["message"][:160]))
+                cause(row["message"])[:160]))
         return time.monotonic() - t_start
 
 
