@@ -160,7 +160,8 @@ class Chaos:
         self.rng = random.Random(args.seed)
         self.net = FaultNet(heartbeat_ms=args.heartbeat_ms, peer_timeout_ms=args.peer_timeout_ms,
                             request_ms=args.request_ms, strategy_text=STRATEGY,
-                            echo=self._echo if args.verbose else None)
+                            echo=self._echo if args.verbose else None,
+                            log_level=args.log_level)
         self.rows = []
         self.jobs = 0
         hb = args.peer_timeout_ms / 1000.0
@@ -239,6 +240,17 @@ class Chaos:
         return kinds[names[self.rng.randrange(len(names))]]()
 
     def plan(self, count):
+        if self.a.sequence:
+            out = []
+            for kind in self.a.sequence.split(","):
+                for _ in range(1000):
+                    f = self.pick()
+                    if f.kind == kind:
+                        out.append(f)
+                        break
+                else:
+                    raise FaultNetError("--sequence: unknown or unavailable fault kind %r" % kind)
+            return out
         if self.a.kinds:
             wanted = self.a.kinds.split(",")
             out = []
@@ -620,6 +632,10 @@ def parser():
                     help="8 faults, one of each main kind (a test; under 2 minutes)")
     ap.add_argument("--seed", type=int, default=18)
     ap.add_argument("--kinds", default="", help="comma-separated fault kinds to draw from")
+    ap.add_argument("--sequence", default="",
+                    help="comma-separated fault kinds injected in this order (replaces "
+                         "--faults; targets still drawn at the seed)")
+    ap.add_argument("--log-level", default="warn", help="servers' and daemons' logging.levels")
     ap.add_argument("--heartbeat-ms", type=int, default=500)
     ap.add_argument("--peer-timeout-ms", type=int, default=1500)
     ap.add_argument("--request-ms", type=int, default=4000)
