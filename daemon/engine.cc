@@ -194,7 +194,14 @@ void Engine::adopt_pending() {
   if (yaml) {
     const int64_t latest = latest_begun();
     // Two ahead: the servers may already collect latest + 1 for some tensor.
-    const auto at = static_cast<uint64_t>(latest + 2);
+    // Plus what this job runs in 500 ms: every node learns the iteration
+    // only from the coordinator's announcement, after the servers prepared
+    // it; a node that began it before the announcement arrived pushed it
+    // with the old plan and the servers refused the push, aborting the job
+    // (scripts/soak at ~300 iterations/s: a change 2 ahead failed about
+    // once in 8).
+    const auto at =
+        static_cast<uint64_t>(latest + 2 + begun_within(std::chrono::milliseconds(500)));
     const std::string job = job_;
     ps_->set_strategy(std::move(*yaml), at, [job, at](const Status& s) {
       if (s.ok()) {
@@ -238,6 +245,14 @@ void Engine::log_phases() const {
       line.stream() << ' ' << phase_name(static_cast<Phase>(p)) << '=' << r.ns[p];
     }
   }
+}
+
+int64_t Engine::begun_within(std::chrono::steady_clock::duration window) const {
+  if (begun_.empty()) return 0;
+  const auto since = std::chrono::steady_clock::now() - window;
+  for (const auto& [t, it] : begun_)
+    if (t >= since) return static_cast<int64_t>(begun_.back().second - it) + 1;
+  return 0;
 }
 
 int64_t Engine::latest_begun() const {
@@ -393,6 +408,11 @@ bool Engine::drain() {
       if (round.arrived == 0) {
         round.iteration = e.iteration;
         round.first_ns = phases_.enabled() ? monotonic_ns() : 0;
+        if (begun_.empty() || e.iteration > begun_.back().second) {
+          const auto now = std::chrono::steady_clock::now();
+          begun_.emplace_back(now, e.iteration);
+          while (now - begun_.front().first > std::chrono::seconds(1)) begun_.pop_front();
+        }
       } else if (round.iteration != e.iteration) {
         fail(ErrorCode::kInvalidArgument,
              "local ranks disagree on the iteration of tensor '" + name + "': rank " +

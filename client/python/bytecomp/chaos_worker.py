@@ -4,7 +4,8 @@
         --node-rank N --num-nodes M --iterations K [--elements E] [--tensors a,b,c]
         [--timeout-ms T] [--report-every P]
 
-Every rank writes `global_rank + 1 + iteration` into each of its tensors and
+Every rank writes `global_rank + 1 + iteration` (iteration modulo
+--value-period when given) into each of its tensors and
 checks after every push_pull that each element is the sum over all ranks
 (small integers: exact in fp32 and through fp16, so a compressed tensor is
 checked exactly too). Starting ctypes instead of torch keeps a job's start
@@ -42,6 +43,9 @@ def _parse(argv):
     ap.add_argument("--timeout-ms", type=int, default=6000)
     ap.add_argument("--report-every", type=int, default=5)
     ap.add_argument("--start-timeout-ms", type=int, default=20000)
+    ap.add_argument("--value-period", type=int, default=0,
+                    help="values repeat every P iterations (0: never); keeps long runs' sums "
+                         "small integers, exact through fp16 and bf16")
     return ap.parse_args(argv)
 
 
@@ -67,7 +71,8 @@ def run(a):
         bufs.append((ctypes.c_float * (nbytes // 4)).from_address(addr))
     _say("READY", os.getpid())
     for it in range(a.iterations):
-        value = float(me + 1 + it)
+        step = it % a.value_period if a.value_period else it
+        value = float(me + 1 + step)
         handles = []
         for t, b in zip(ids, bufs):
             b[:] = [value] * len(b)
@@ -79,7 +84,7 @@ def run(a):
                     _say("TIMEOUT", "no answer for tensor '%s' iteration %d within %d ms" %
                          (name, it, a.timeout_ms))
                     return 5
-        want = float(base + ranks * it)
+        want = float(base + ranks * step)
         for name, b in zip(names, bufs):
             got = b[0]
             if got != want or b[len(b) - 1] != want:

@@ -205,7 +205,7 @@ class FaultNet:
     def server_yaml(self, k):
         return ("version: 1\nserver: {node_id: %d, cluster_file: %s, engine_threads: 1}\n"
                 "transport: {io_threads: 1, handler_threads: 1, heartbeat_interval_ms: %d, "
-                "peer_timeout_ms: %d}\nlogging: {levels: %s}\n"
+                "peer_timeout_ms: %d}\nlogging: {levels: \"%s\"}\n"
                 % (k, self.cluster_file, self.heartbeat_ms, self.peer_timeout_ms,
                    self.log_level))
 
@@ -219,7 +219,7 @@ class FaultNet:
                 "scheduler:\n  threads: 1\n  partition_bytes: %s\n"
                 "internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n"
                 "  peer_listen: \"tcp://%s:%d\"\n%s"
-                "logging:\n  levels: %s\n"
+                "logging:\n  levels: \"%s\"\n"
                 % (self.socket(n), self.instances[n], self.partition_bytes, self.cluster_file,
                    DAEMON_ID_BASE + n, nodes, self.net.address(n), PEER_PORT, strategy,
                    self.log_level))
