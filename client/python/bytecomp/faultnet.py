@@ -71,6 +71,9 @@ class Proc:
     def first(self, prefixes, since=0.0):
         """(time, line) of the first line starting with one of `prefixes`
         that arrived at or after `since`, or None."""
+        if self.proc.poll() is not None:
+            # Exited: its last lines may still be in the pipe.
+            self._reader.join(2.0)
         with self._lock:
             for t, line in self.lines:
                 if t >= since and line.startswith(prefixes):
