@@ -466,15 +466,13 @@ class ClientImpl final : public PsClient {
     Response r = core_->tp->call(server, std::move(m), timeout);
     Status st = to_status(r);
     if (!st.ok()) throw Error(st.code(), "stats of server " + std::to_string(server) + ": " + st.message());
-    const std::string bytes = proto::joined(r.response);
-    proto::Reader rd(bytes, "stats");
+    const proto::Stats d = proto::decode_stats(proto::joined(r.response));
     ServerStats s;
-    s.jobs = rd.u32("jobs");
-    s.job_bytes = rd.u64("job_bytes");
-    s.rounds_completed = rd.u64("rounds");
-    s.pushes_refused = rd.u64("pushes_refused");
-    s.frames_refused = rd.u64("frames_refused");
-    rd.end();
+    s.jobs = d.jobs;
+    s.job_bytes = d.job_bytes;
+    s.rounds_completed = d.rounds;
+    s.pushes_refused = d.pushes_refused;
+    s.frames_refused = d.frames_refused;
     return s;
   }
 
