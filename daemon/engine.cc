@@ -383,26 +383,13 @@ bool Engine::drain() {
         fail(ErrorCode::kMalformed, "local rank " + std::to_string(r) + ": " + err.what());
         return false;
       }
-      if (e.tensor >= tensors_.size()) {
-        fail(ErrorCode::kMalformed, "local rank " + std::to_string(r) + " pushed tensor id " +
-                                        std::to_string(e.tensor) + " but only " +
-                                        std::to_string(tensors_.size()) + " were declared");
+      if (const SubmitError bad = check_tensor_id(r, e, tensors_.size())) {
+        fail(bad->first, bad->second);
         return false;
       }
       Round& round = rounds_[e.tensor];
-      const std::string& name = tensors_[e.tensor].name;
-      if (round.running || round.from[r]) {
-        fail(ErrorCode::kInvalidArgument, "local rank " + std::to_string(r) + " pushed tensor '" +
-                                              name + "' (iteration " +
-                                              std::to_string(e.iteration) +
-                                              ") again before its previous push_pull finished");
-        return false;
-      }
-      if (static_cast<int64_t>(e.iteration) <= round.last_done) {
-        fail(ErrorCode::kInvalidArgument,
-             "local rank " + std::to_string(r) + " pushed tensor '" + name + "' for iteration " +
-                 std::to_string(e.iteration) + ", not after the last finished one (" +
-                 std::to_string(round.last_done) + ")");
+      if (const SubmitError bad = check_round(r, e, tensors_[e.tensor].name, round)) {
+        fail(bad->first, bad->second);
         return false;
       }
       if (round.arrived == 0) {
@@ -413,12 +400,6 @@ bool Engine::drain() {
           begun_.emplace_back(now, e.iteration);
           while (now - begun_.front().first > std::chrono::seconds(1)) begun_.pop_front();
         }
-      } else if (round.iteration != e.iteration) {
-        fail(ErrorCode::kInvalidArgument,
-             "local ranks disagree on the iteration of tensor '" + name + "': rank " +
-                 std::to_string(r) + " pushed iteration " + std::to_string(e.iteration) +
-                 ", another rank " + std::to_string(round.iteration));
-        return false;
       }
       round.from[r] = true;
       if (++round.arrived == layout_.local_size) {

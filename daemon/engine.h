@@ -75,6 +75,7 @@
 #include "daemon/engine_types.h"
 #include "daemon/local_reduce.h"
 #include "daemon/plan.h"
+#include "daemon/submit_check.h"
 #include "daemon/scheduler.h"
 #include "server/ps_client.h"
 
@@ -144,14 +145,11 @@ class Engine {
   std::vector<PhaseRecord> phase_records() const;
 
  private:
-  struct Round {
-    uint64_t iteration = 0;
+  // iteration, arrived, running (all arrived, partitions queued or
+  // executing), last_done, from: what the submission checks read.
+  struct Round : SubmitRound {
     uint64_t first_ns = 0;  // first local rank's submission seen
-    uint32_t arrived = 0;
-    bool running = false;  // all arrived, partitions queued or executing
     size_t partitions_left = 0;
-    int64_t last_done = -1;
-    std::vector<bool> from;
   };
 
   void loop();
