@@ -53,6 +53,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -73,6 +75,7 @@
 #include "daemon/engine_types.h"
 #include "daemon/local_reduce.h"
 #include "daemon/plan.h"
+#include "daemon/submit_check.h"
 #include "daemon/scheduler.h"
 #include "server/ps_client.h"
 
@@ -167,14 +170,11 @@ class Engine {
   }
 
  private:
-  struct Round {
-    uint64_t iteration = 0;
+  // iteration, arrived, running (all arrived, partitions queued or
+  // executing), last_done, from: what the submission checks read.
+  struct Round : SubmitRound {
     uint64_t first_ns = 0;  // first local rank's submission seen
-    uint32_t arrived = 0;
-    bool running = false;  // all arrived, partitions queued or executing
     size_t partitions_left = 0;
-    int64_t last_done = -1;
-    std::vector<bool> from;
   };
 
   void loop();
@@ -191,6 +191,9 @@ class Engine {
   void complete(uint32_t tensor);
   void fail(ErrorCode code, const std::string& reason);
   int64_t latest_begun() const;
+  // Iterations begun in the last `window` (from begun_), for the lead of a
+  // multi-node strategy change.
+  int64_t begun_within(std::chrono::steady_clock::duration window) const;
   // Once partition_bytes_ is final.
   void setup_phases();
   void log_phases() const;
@@ -215,6 +218,9 @@ class Engine {
   std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
   std::optional<std::string> pending_yaml_;          // guarded by pending_mu_
   int64_t switch_iteration_ = -1;
+  // (time, iteration) of each new highest iteration begun, the last second:
+  // a strategy change asked of the coordinator lands this far ahead.
+  std::deque<std::pair<std::chrono::steady_clock::time_point, uint64_t>> begun_;
   std::atomic<int64_t> switch_published_{-1};
   std::vector<std::optional<TensorPlan>> next_plans_;  // from switch_iteration_ on
   Scheduler sched_;

@@ -201,6 +201,28 @@ transport::Message probe_answer(const transport::Message& request) {
   return ok_reply(transport::Buffer::take(std::string(request.header.arg, '\0')));
 }
 
+transport::Buffer encode(const Stats& s) {
+  Writer w;
+  w.u32(s.jobs);
+  w.u64(s.job_bytes);
+  w.u64(s.rounds);
+  w.u64(s.pushes_refused);
+  w.u64(s.frames_refused);
+  return w.take();
+}
+
+Stats decode_stats(std::string_view bytes) {
+  Reader rd(bytes, "stats");
+  Stats s;
+  s.jobs = rd.u32("jobs");
+  s.job_bytes = rd.u64("job_bytes");
+  s.rounds = rd.u64("rounds");
+  s.pushes_refused = rd.u64("pushes_refused");
+  s.frames_refused = rd.u64("frames_refused");
+  rd.end();
+  return s;
+}
+
 std::string joined(const transport::Message& m) {
   if (m.payloads.size() == 1) return std::string(m.payloads[0].view());
   std::string s;

@@ -134,12 +134,25 @@ struct Admission {
   std::vector<std::string> peer_addresses;  // JobSpec::peer_address by rank
 };
 
+// The kStats reply (a server's counters; ps_client.h's ServerStats).
+struct Stats {
+  uint32_t jobs = 0;
+  uint64_t job_bytes = 0;
+  uint64_t rounds = 0;
+  uint64_t pushes_refused = 0;
+  uint64_t frames_refused = 0;
+};
+
 void write_spec(Writer& w, const JobSpec& spec);
 JobSpec read_spec(Reader& r);
 transport::Buffer encode(const Admission& a);
 Admission decode_admission(std::string_view bytes);
 transport::Buffer encode(const ServerInfo& s);
 ServerInfo decode_server_info(std::string_view bytes);
+transport::Buffer encode(const Stats& s);
+// Throws Error(kMalformed) naming the field on a short, long or
+// wrong-version reply.
+Stats decode_stats(std::string_view bytes);
 
 // The answer to a kProbe request: `arg` zero bytes, or an error naming the
 // bound when the request or the answer would exceed kMaxProbeBytes.

@@ -31,7 +31,15 @@ struct Core {
   std::mutex mu;
   bool closed = false;
   std::map<uint32_t, std::shared_ptr<JobImpl>> jobs;
-  std::map<uint32_t, Status> early_aborts;  // aborted before join() returned
+  // Aborts of jobs not in `jobs`, kept only while a join() is in flight (an
+  // abort may overtake its admission) and dropped when the last join
+  // returns. An abort of a job this node already left lands here too; kept
+  // for good, those piled up, and after a coordinator restart (uids count
+  // from 1 again) one failed a later job of the reused uid at its join with
+  // the old job's reason (found by scripts/chaos: kill-rank, then
+  // kill-coordinator, then a new job).
+  std::map<uint32_t, Status> early_aborts;
+  uint32_t joins_in_flight = 0;
   // leave_async()/abort_async() requests not answered yet (guarded by mu).
   uint32_t leaves_in_flight = 0;
   std::chrono::steady_clock::time_point leaves_deadline{};  // latest answer due
@@ -462,6 +470,17 @@ class ClientImpl final : public PsClient {
       if (core_->closed) throw Error(ErrorCode::kUnavailable, "join: client closed");
     }
     if (timeout.count() <= 0) timeout = core_->cluster.admission_timeout + Millis{5000};
+    struct InFlight {
+      Core& c;
+      explicit InFlight(Core& core) : c(core) {
+        std::lock_guard lk(c.mu);
+        ++c.joins_in_flight;
+      }
+      ~InFlight() {
+        std::lock_guard lk(c.mu);
+        if (--c.joins_in_flight == 0) c.early_aborts.clear();
+      }
+    } in_flight(*core_);
     Message m;
     m.header.type = proto::kRegister;
     proto::Writer w;
@@ -517,15 +536,13 @@ class ClientImpl final : public PsClient {
     Response r = core_->tp->call(server, std::move(m), timeout);
     Status st = to_status(r);
     if (!st.ok()) throw Error(st.code(), "stats of server " + std::to_string(server) + ": " + st.message());
-    const std::string bytes = proto::joined(r.response);
-    proto::Reader rd(bytes, "stats");
+    const proto::Stats d = proto::decode_stats(proto::joined(r.response));
     ServerStats s;
-    s.jobs = rd.u32("jobs");
-    s.job_bytes = rd.u64("job_bytes");
-    s.rounds_completed = rd.u64("rounds");
-    s.pushes_refused = rd.u64("pushes_refused");
-    s.frames_refused = rd.u64("frames_refused");
-    rd.end();
+    s.jobs = d.jobs;
+    s.job_bytes = d.job_bytes;
+    s.rounds_completed = d.rounds;
+    s.pushes_refused = d.pushes_refused;
+    s.frames_refused = d.frames_refused;
     return s;
   }
 
@@ -569,7 +586,7 @@ class ClientImpl final : public PsClient {
       std::lock_guard lk(c.mu);
       auto it = c.jobs.find(in.message.header.aux);
       if (it == c.jobs.end()) {
-        c.early_aborts[in.message.header.aux] = why;
+        if (c.joins_in_flight > 0) c.early_aborts[in.message.header.aux] = why;
         return;
       }
       job = it->second;

@@ -1383,16 +1383,16 @@ void ParameterServer::Impl::on_control(Incoming in) {
 }
 
 void ParameterServer::Impl::on_stats(const Incoming& in) {
-  proto::Writer w;
+  proto::Stats st;
   {
     std::shared_lock lk(jobs_mu);
-    w.u32(static_cast<uint32_t>(jobs.size()));
-    w.u64(reserved_total);
+    st.jobs = static_cast<uint32_t>(jobs.size());
+    st.job_bytes = reserved_total;
   }
-  w.u64(rounds.load());
-  w.u64(pushes_refused.load());
-  w.u64(frames_refused.load());
-  if (in.expects_reply) reply(in, proto::ok_reply(w.take()));
+  st.rounds = rounds.load();
+  st.pushes_refused = pushes_refused.load();
+  st.frames_refused = frames_refused.load();
+  if (in.expects_reply) reply(in, proto::ok_reply(proto::encode(st)));
 }
 
 void ParameterServer::Impl::on_data(Incoming in) {

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "transport/core.h"
+#include "transport/zmq/zap.h"
 
 namespace bytecomp::transport {
 namespace {
@@ -718,28 +719,20 @@ void ZmqTransport::handle_zap() {
     frames.emplace_back(static_cast<const char*>(zmq_msg_data(&m.m)), zmq_msg_size(&m.m));
     if (!zmq_msg_more(&m.m)) break;
   }
-  bool ok = false;
-  std::string reason = "not a CURVE request";
-  if (frames.size() >= 7 && frames[5] == "CURVE" && frames[6].size() == 32) {
-    ok = authorized_keys_.count(frames[6]) > 0;
-    std::array<char, 41> z85{};
-    zmq_z85_encode(z85.data(), reinterpret_cast<const uint8_t*>(frames[6].data()), 32);
-    reason = std::string("client key ") + z85.data() + " is not the cluster key";
-    if (!ok) {
-      const std::string from = frames.size() > 3 ? frames[3] : "?";
-      const bool first = first_refusal("zap " + from + " " + z85.data());
-      log_refusal(first, "refused connection from " + from + ": " + reason +
+  const zmq::ZapVerdict v = zmq::check_zap_request(frames, authorized_keys_);
+  if (!v.ok) {
+    const bool first = first_refusal(v.refusal_key);
+    if (v.curve) {
+      log_refusal(first, "refused connection from " + v.from + ": " + v.reason +
                              (first ? " (its further attempts are logged at debug level)" : ""));
+    } else {
+      log_refusal(first, "refused connection: " + v.reason +
+                             (first ? " (further attempts are logged at debug level)" : ""));
     }
-  } else {
-    const bool first = first_refusal("zap " + (frames.size() > 3 ? frames[3] : "?") + " " +
-                                     (frames.size() > 5 ? frames[5] : "?"));
-    log_refusal(first, "refused connection: " + reason +
-                           (first ? " (further attempts are logged at debug level)" : ""));
   }
-  std::string request_id = frames.size() > 1 ? frames[1] : "";
-  const std::string code = ok ? "200" : "400";
-  const std::string text = ok ? "OK" : reason;
+  const std::string& request_id = v.request_id;
+  const std::string code = v.ok ? "200" : "400";
+  const std::string text = v.ok ? "OK" : v.reason;
   zmq_send(zap_, "1.0", 3, ZMQ_SNDMORE);
   zmq_send(zap_, request_id.data(), request_id.size(), ZMQ_SNDMORE);
   zmq_send(zap_, code.data(), code.size(), ZMQ_SNDMORE);
