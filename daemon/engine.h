@@ -166,6 +166,10 @@ class Engine {
   void complete(uint32_t tensor);
   void fail(ErrorCode code, const std::string& reason);
   int64_t latest_begun() const;
+  // All local ranks of the tensor's round arrived: queue its partitions.
+  void begin_round(uint32_t tensor);
+  // Begins the held rounds once no strategy change of ours is unconfirmed.
+  void release_held();
   // Once partition_bytes_ is final.
   void setup_phases();
   void log_phases() const;
@@ -191,6 +195,13 @@ class Engine {
   int64_t switch_iteration_ = -1;
   std::atomic<int64_t> switch_published_{-1};
   std::vector<std::optional<TensorPlan>> next_plans_;  // from switch_iteration_ on
+  // A strategy change this node asked the coordinator for, at iteration E:
+  // until the coordinator confirms that every node applied it, rounds of
+  // E - 1 and later wait here (held_), so that no other node can finish
+  // E - 1 and start E before it knows. Engine thread, except the count.
+  int64_t hold_from_ = -1;
+  std::vector<uint32_t> held_;  // tensors whose complete round waits
+  std::shared_ptr<std::atomic<int>> changes_unconfirmed_ = std::make_shared<std::atomic<int>>(0);
   Scheduler sched_;
   JoinFn join_;
   PeerOptions peer_opts_;

@@ -69,10 +69,12 @@ struct Gather {
   }
 };
 
-// Sends `m` as a request to every server (itself handled by `local`).
+// Sends `m` as a request to every server (itself handled by `local`), or to
+// every node (`who` "node ": none is this server).
 void to_servers(ParameterServer::Impl& srv, const std::vector<NodeId>& servers, const Message& m,
                 std::function<Status()> local,
-                std::function<void(const Status&, const std::vector<NodeId>&)> done) {
+                std::function<void(const Status&, const std::vector<NodeId>&)> done,
+                const char* who = "server ") {
   auto g = std::make_shared<Gather>();
   g->left = servers.size();
   g->done = std::move(done);
@@ -91,9 +93,9 @@ void to_servers(ParameterServer::Impl& srv, const std::vector<NodeId>& servers, 
       g->finish(s, st);
       continue;
     }
-    srv.tp->request(s, m, srv.cfg.cluster.setup_timeout, [g, s](transport::Response r) {
+    srv.tp->request(s, m, srv.cfg.cluster.setup_timeout, [g, s, who](transport::Response r) {
       Status st = r.status.ok() ? proto::reply_status(r.response) : r.status;
-      if (!st.ok()) st = Status(st.code(), "server " + std::to_string(s) + ": " + st.message());
+      if (!st.ok()) st = Status(st.code(), who + std::to_string(s) + ": " + st.message());
       g->finish(s, st);
     });
   }
@@ -585,9 +587,24 @@ void Coordinator::on_set_strategy(Incoming in) {
         upd.header.aux = uid;
         upd.header.arg = iteration;
         upd.payloads.push_back(Buffer::copy_of(yaml));
+        std::vector<NodeId> nodes;
         for (NodeId n : adm.nodes)
-          if (!left.count(n)) srv_.tp->send(n, upd, nullptr);
-        srv_.reply(in, proto::ok_reply());
+          if (!left.count(n)) nodes.push_back(n);
+        // The requester hears "done" once every node applied the change (and
+        // holds its rounds from the iteration before the switch until then),
+        // so no node can reach the switch iteration under the old plan. The
+        // servers have it already: a node that does not confirm fails at the
+        // switch with the servers' refusal, so the change stands either way.
+        to_servers(
+            srv_, nodes, upd, [] { return Status::Ok(); },
+            [this, in, name = adm.name, iteration](const Status& st, const std::vector<NodeId>&) {
+              if (!st.ok())
+                BC_LOG(LogCoord(), kWarn) << "job '" << name << "': strategy change at iteration "
+                                          << iteration << " not confirmed by every node: "
+                                          << st.message();
+              srv_.reply(in, proto::ok_reply());
+            },
+            "node ");
       });
 }
 
