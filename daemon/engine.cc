@@ -54,6 +54,11 @@ void Inbox::fail(const Status& s) {
   ring();
 }
 
+void Inbox::wake() {
+  std::lock_guard lock(mu_);
+  ring();
+}
+
 void Inbox::close() {
   std::lock_guard lock(mu_);
   doorbell_ = nullptr;
@@ -206,7 +211,15 @@ void Engine::adopt_pending() {
     const auto at =
         static_cast<uint64_t>(latest + 2 + begun_within(std::chrono::milliseconds(500)));
     const std::string job = job_;
-    ps_->set_strategy(std::move(*yaml), at, [job, at](const Status& s) {
+    // Rounds of E - 1 and later wait until every node confirmed (docs/daemon.md).
+    const int64_t hold = static_cast<int64_t>(at) - 1;
+    hold_from_ = hold_from_ < 0 ? hold : std::min<int64_t>(hold_from_, hold);
+    changes_unconfirmed_->fetch_add(1);
+    std::weak_ptr<Inbox> inbox = inbox_;
+    ps_->set_strategy(std::move(*yaml), at, [job, at, inbox, count = changes_unconfirmed_](
+                                                const Status& s) {
+      count->fetch_sub(1);
+      if (auto i = inbox.lock()) i->wake();
       if (s.ok()) {
         BC_LOG(LogEngine(), kInfo) << "job " << job << ": strategy change applies on every node "
                                    << "from iteration " << at;
@@ -264,6 +277,30 @@ int64_t Engine::begun_within(std::chrono::steady_clock::duration window) const {
   for (const auto& [t, it] : begun_)
     if (t >= since) return static_cast<int64_t>(begun_.back().second - it) + 1;
   return 0;
+}
+
+void Engine::begin_round(uint32_t tensor) {
+  Round& round = rounds_[tensor];
+  std::optional<TensorPlan>& next = next_plans_[tensor];
+  if (next && static_cast<int64_t>(round.iteration) >= switch_iteration_) {
+    if (local_) local_->install(tensor, std::move(*next));
+    next.reset();
+  }
+  round.partitions_left = sched_.add(tensor, round.iteration, tensors_[tensor].bytes,
+                                     partition_bytes_);
+  if (phases_.enabled()) {
+    const uint64_t now = monotonic_ns();
+    for (size_t p = 0; p < round.partitions_left; ++p) {
+      phases_.begin(tensor, static_cast<uint32_t>(p), round.iteration, round.first_ns, now);
+    }
+  }
+}
+
+void Engine::release_held() {
+  if (hold_from_ < 0 || changes_unconfirmed_->load() > 0) return;
+  hold_from_ = -1;
+  // In arrival order, as drain() would have begun them.
+  for (uint32_t t : std::exchange(held_, {})) begin_round(t);
 }
 
 int64_t Engine::latest_begun() const {
@@ -363,6 +400,7 @@ void Engine::loop() {
         }
       }
       adopt_pending();
+      release_held();
       if (!drain() || !check_left()) break;
       while (!stop_.load()) {
         if (ps_ && !process_arrivals()) return;
@@ -419,18 +457,10 @@ bool Engine::drain() {
       round.from[r] = true;
       if (++round.arrived == layout_.local_size) {
         round.running = true;
-        std::optional<TensorPlan>& next = next_plans_[e.tensor];
-        if (next && static_cast<int64_t>(round.iteration) >= switch_iteration_) {
-          if (local_) local_->install(e.tensor, std::move(*next));
-          next.reset();
-        }
-        round.partitions_left = sched_.add(e.tensor, round.iteration, tensors_[e.tensor].bytes,
-                                           partition_bytes_);
-        if (phases_.enabled()) {
-          const uint64_t now = monotonic_ns();
-          for (size_t p = 0; p < round.partitions_left; ++p) {
-            phases_.begin(e.tensor, static_cast<uint32_t>(p), round.iteration, round.first_ns, now);
-          }
+        if (hold_from_ >= 0 && static_cast<int64_t>(round.iteration) >= hold_from_) {
+          held_.push_back(e.tensor);
+        } else {
+          begin_round(e.tensor);
         }
       }
     }

@@ -194,6 +194,10 @@ class Engine {
   // Iterations begun in the last `window` (from begun_), for the lead of a
   // multi-node strategy change.
   int64_t begun_within(std::chrono::steady_clock::duration window) const;
+  // All local ranks of the tensor's round arrived: queue its partitions.
+  void begin_round(uint32_t tensor);
+  // Begins the held rounds once no strategy change of ours is unconfirmed.
+  void release_held();
   // Once partition_bytes_ is final.
   void setup_phases();
   void log_phases() const;
@@ -223,6 +227,13 @@ class Engine {
   std::deque<std::pair<std::chrono::steady_clock::time_point, uint64_t>> begun_;
   std::atomic<int64_t> switch_published_{-1};
   std::vector<std::optional<TensorPlan>> next_plans_;  // from switch_iteration_ on
+  // A strategy change this node asked the coordinator for, at iteration E:
+  // until the coordinator confirms that every node applied it, rounds of
+  // E - 1 and later wait here (held_), so that no other node can finish
+  // E - 1 and start E before it knows. Engine thread, except the count.
+  int64_t hold_from_ = -1;
+  std::vector<uint32_t> held_;  // tensors whose complete round waits
+  std::shared_ptr<std::atomic<int>> changes_unconfirmed_ = std::make_shared<std::atomic<int>>(0);
   Scheduler sched_;
   JoinFn join_;
   std::function<void(Engine&, const std::shared_ptr<server::PsJob>&, uint64_t)> on_joined_;

@@ -61,6 +61,9 @@ class Inbox {
   // peer payload by every peer).
   void acked(uint64_t bytes);
   void fail(const Status& s);
+  // Rings the engine's doorbell (until closed): something outside the
+  // arrivals changed.
+  void wake();
   void close();
   std::vector<Arrival> take();
   uint64_t take_acked();

@@ -595,10 +595,27 @@ class ClientImpl final : public PsClient {
     job->fail(why);
   }
 
+  // The coordinator asks (a request) and hears back only once the change is
+  // applied here: it answers the node that asked for the change after every
+  // node confirmed, so no node can start the switch iteration under the old
+  // plan (this handler runs on a handler thread, pull answers on the
+  // completion thread; without the answer nothing orders the two).
   static void on_update(Core& c, const Incoming& in) {
     if (in.from != c.cluster.coordinator) return;
-    if (auto job = find(c, in.message.header.aux))
-      job->apply_change(in.message.header.arg, proto::joined(in.message));
+    std::shared_ptr<JobImpl> job = find(c, in.message.header.aux);
+    if (job) job->apply_change(in.message.header.arg, proto::joined(in.message));
+    if (!in.expects_reply) return;
+    Message r = job ? proto::ok_reply()
+                    : proto::error_reply(ErrorCode::kInvalidArgument,
+                                         "strategy update: node " + std::to_string(c.tp->self()) +
+                                             " has no job uid " +
+                                             std::to_string(in.message.header.aux));
+    try {
+      c.tp->reply(in, std::move(r), nullptr);
+    } catch (const Error& e) {
+      BC_LOG(LogPsClient(), kWarn) << "strategy update: reply to the coordinator failed: "
+                                   << e.what();
+    }
   }
 
   static void on_auto_message(Core& c, const Incoming& in) {

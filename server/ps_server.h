@@ -3,19 +3,24 @@
 // the job coordinator (rendezvous, admission, strategy changes, barrier,
 // failure notification). docs/server.md describes the protocol and rounds.
 //
-// Structure:
-//   * one transport (its handler threads parse and route messages);
-//   * `engine_threads` engine threads; every partition belongs to one engine
-//     (from the assignment), which alone touches the partition's state, so
-//     the data path takes no lock shared across partitions (a job's small
-//     mutex is taken once per round, to fix the round's plan);
-//   * the coordinator's state sits behind its own mutex and one timer thread
-//     (admission deadlines); it is on the control path only.
+// Structure (server/):
+//   * ps_server.cc: one transport (its handler threads parse and route
+//     messages), the engine threads, job setup and end, strategy prepare;
+//   * `engine_threads` engine threads (engine_thread.h); every partition
+//     belongs to one engine (from the assignment), which alone runs the
+//     partition's round (rounds.h: push accounting, sum, answers, release),
+//     so the data path takes no lock shared across partitions (a job's plan
+//     lock, JobPlans, is taken once per round, to fix the round's plan);
+//   * the coordinator (coordinator.h) keeps its state behind its own mutex
+//     and one timer thread (admission deadlines); it is on the control path
+//     only;
+//   * config.cc: ServerConfig::load.
 //
 // Threading: ParameterServer is thread-safe; shutdown() may be called from
 // any thread except the transport's and engines' own.
-// Lock order (where two meet): Coordinator::mu_ before ServerState::jobs_mu_
-// before Job::mu_. No lock is held while calling into the transport.
+// Lock order (where two meet): Coordinator::mu_ before the server's jobs_mu
+// before a job's locks (JobPlans' and ServerJob::mu, never held together).
+// No lock is held while calling into the transport.
 // Ownership: the server owns its transport, engines and jobs; a job's memory
 // goes away when the job ends or is aborted and its last queued engine task
 // has run.

@@ -111,7 +111,13 @@ int main(int argc, char** argv) {
       }
       std::printf("big_rtt_ms %.3f memcpy_ms %.3f\n", 1e3 * median(rtt), 1e3 * median(mc));
     } else if (rank == 0) {
-      std::printf("small_rtt_us %.2f\n", 1e6 * median(rtt));
+      // The quartiles and tails after the median (scripts/bench-daemon reads
+      // field 2 only): a bimodal run shows in p25 vs p75.
+      std::vector<double> v = rtt;
+      std::sort(v.begin(), v.end());
+      auto q = [&](double f) { return v.empty() ? 0 : 1e6 * v[static_cast<size_t>(f * (v.size() - 1))]; };
+      std::printf("small_rtt_us %.2f p10 %.2f p25 %.2f p75 %.2f p90 %.2f\n", 1e6 * median(rtt),
+                  q(0.10), q(0.25), q(0.75), q(0.90));
     }
     c.close();
   } catch (const std::exception& e) {

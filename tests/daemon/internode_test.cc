@@ -197,6 +197,67 @@ TEST_P(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
   }
 }
 
+// The same change while every rank keeps going: node 0 asks for it at the
+// iteration it has reached (E = latest begun + 2) and holds its rounds from
+// E - 1 until the coordinator confirms that every node applied it; without
+// that, node 1 could finish E - 1 and push E under the old plan before its
+// update arrived (a raw push the servers refuse: "bad magic").
+TEST_P(TwoNodes, StrategyChangeWhileTrainingContinuesAppliesAtOneIteration) {
+  start(1, "version: 1\ndefault: {compressor: none}\n");
+  constexpr uint64_t kN = 3000;
+  constexpr int kIters = 14;
+  std::vector<std::vector<float>> got;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "switchlive");
+    ASSERT_NE(c, nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (grank == 0 && it == 5) {
+        write("strategy.yaml", "version: 1\ndefault: {compressor: fp16, inter: allreduce}\n");
+        nodes_[0]->daemon().signal(SIGHUP);
+      }
+      // Bounds the switch iteration (<= 10) without stopping the others.
+      if (grank == 0 && it == 8) {
+        ASSERT_TRUE(nodes_[0]->daemon().wait_output("applies on every node from iteration",
+                                                    std::chrono::seconds(20)))
+            << nodes_[0]->daemon().output();
+      }
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (grank == 0) got.emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  on_every_rank(run);
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+  std::smatch m;
+  const std::string log = nodes_[0]->daemon().output();
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("applies on every node from iteration ([0-9]+)")))
+      << log;
+  const int64_t switch_at = std::stoll(m[1]);
+  ASSERT_GE(switch_at, 6);
+  ASSERT_LE(switch_at, 10);
+  for (uint64_t it = 0; it < kIters; ++it) {
+    size_t mismatches = 0;
+    for (uint64_t i = 0; i < kN; ++i) {
+      const float s0 = grad(0, it, i) + grad(1, it, i);
+      const float s1 = grad(2, it, i) + grad(3, it, i);
+      const float expect = static_cast<int64_t>(it) >= switch_at ? h(h(s0) + h(s1)) : s0 + s1;
+      mismatches += got[it][i] != expect;
+    }
+    EXPECT_EQ(mismatches, 0u) << "iteration " << it << " (switch at " << switch_at << ")";
+  }
+}
+
 TEST_P(TwoNodes, KilledServerIsReportedOnBothNodes) {
   peer_timeout_ms_ = 1000;  // detection time is what this test waits for
   start(1);

@@ -1,0 +1,384 @@
+#include "server/rounds.h"
+
+#include <chrono>
+
+#include <algorithm>
+#include <cstring>
+
+#include "compress/reduce.h"
+#include "planner/strategy/answer.h"
+#include "server/server_log.h"
+
+namespace bytecomp::server {
+
+using transport::Buffer;
+using transport::Incoming;
+
+// Recycles a partition's fp32 blocks: the sum of round i becomes the pull
+// answer (shared with the transport while being sent) and a spare block
+// becomes the sum of round i+1, without a copy or a fresh allocation.
+// Thread-safe (the transport releases blocks on its threads).
+class BlockPool {
+ public:
+  explicit BlockPool(size_t floats) : floats_(floats) {}
+  std::unique_ptr<float[]> get() {
+    {
+      std::lock_guard lk(mu_);
+      if (!free_.empty()) {
+        auto p = std::move(free_.back());
+        free_.pop_back();
+        return p;
+      }
+    }
+    return std::unique_ptr<float[]>(new float[std::max<size_t>(floats_, 1)]);
+  }
+  void put(std::unique_ptr<float[]> p) {
+    std::lock_guard lk(mu_);
+    if (free_.size() < 2) free_.push_back(std::move(p));
+  }
+
+ private:
+  size_t floats_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<float[]>> free_;
+};
+
+// ---------------------------------------------------------------------------
+// JobPlans
+
+JobPlans::JobPlans(uint64_t start_iteration, std::vector<TensorPlan> plans) {
+  by_iteration_[start_iteration] = std::move(plans);
+}
+
+TensorPlan JobPlans::fix(uint64_t iteration, uint32_t tensor, std::atomic<int64_t>& frozen) const {
+  std::lock_guard lk(mu_);
+  auto it = by_iteration_.upper_bound(iteration);
+  if (it == by_iteration_.begin())
+    throw Error(ErrorCode::kInternal,
+                "no plan for iteration " + std::to_string(iteration) + " (job starts at " +
+                    std::to_string(by_iteration_.begin()->first) + ")");
+  --it;
+  if (tensor >= it->second.size())
+    throw Error(ErrorCode::kInternal, "no plan for tensor #" + std::to_string(tensor));
+  frozen.store(static_cast<int64_t>(iteration));
+  return it->second[tensor];
+}
+
+Status JobPlans::prepare(uint64_t iteration, std::vector<TensorPlan> plans,
+                         const std::vector<const PartitionRound*>& rounds, const std::string& who) {
+  std::lock_guard lk(mu_);
+  for (const PartitionRound* r : rounds) {
+    int64_t f = r->frozen();
+    if (f >= 0 && static_cast<uint64_t>(f) >= iteration)
+      return Status(ErrorCode::kInvalidArgument,
+                    who + ": " + r->label() + " already started iteration " + std::to_string(f) +
+                        " (request changes at least one iteration ahead)");
+  }
+  by_iteration_[iteration] = std::move(plans);
+  return Status::Ok();
+}
+
+void JobPlans::cancel(uint64_t iteration) {
+  std::lock_guard lk(mu_);
+  if (by_iteration_.size() > 1 && by_iteration_.begin()->first != iteration)
+    by_iteration_.erase(iteration);
+}
+
+uint64_t round_reservation(const TensorPlan& plan, uint64_t count, size_t nodes,
+                           bool deterministic) {
+  uint64_t r = 4 * count * 4;  // sum + answer in flight + spare block + held first push
+  if (plan.sum == SumMode::kCompressed || deterministic)
+    r += nodes * push_bytes_bound(plan, count);
+  if (plan.pull != PullFormat::kFp32) r += 2 * pull_bytes_bound(plan, count);
+  if (plan.compressed_push() && plan.sum == SumMode::kDense) r += count * 4;  // EF state
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// PartitionRound
+
+PartitionRound::PartitionRound(RoundSetup setup, const JobPlans& plans)
+    : setup_(std::move(setup)), plans_(plans), collecting_(setup_.start_iteration) {
+  if (setup_.nodes == 0) throw Error(ErrorCode::kInvalidArgument, setup_.label + ": a job without nodes");
+  pool_ = std::make_shared<BlockPool>(setup_.part.count);
+  sum_ = pool_->get();
+  pending_.resize(setup_.nodes);
+  pushed_.assign(setup_.nodes, 0);
+}
+
+PartitionRound::~PartitionRound() = default;
+
+compress::CompressContext PartitionRound::ctx() const {
+  compress::CompressContext c;
+  c.iteration = collecting_;
+  c.shared_seed = setup_.shared_seed;
+  c.private_seed = setup_.private_seed;
+  return c;
+}
+
+void PartitionRound::fix_plan() {
+  TensorPlan plan = plans_.fix(collecting_, setup_.part.tensor, frozen_);
+  if (plan_ready_ && plan == plan_) return;
+  plan_ = std::move(plan);
+  plan_ready_ = true;
+  if (plan_.compressed_push()) {
+    comp_ = compress::make_compressor(plan_.spec());
+    state_ = comp_->make_state(setup_.part.count);
+  } else {
+    comp_.reset();
+    state_.reset();
+  }
+}
+
+PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t it,
+                                 const std::vector<Buffer>& payloads) {
+  PushOutcome out;
+  auto refuse = [&](ErrorCode code, std::string why) {
+    out.status = Status(code, std::move(why));
+    return std::move(out);
+  };
+  const std::string& label = setup_.label;
+  if (released_) return refuse(ErrorCode::kUnavailable, "push refused: " + label + " is released");
+  if (rank >= pushed_.size())
+    return refuse(ErrorCode::kInvalidArgument,
+                  "push refused: rank " + std::to_string(rank) + " of node " +
+                      std::to_string(from) + " is not below the job's " +
+                      std::to_string(pushed_.size()) + " ranks");
+  const std::string who = "node " + std::to_string(from) + " (rank " + std::to_string(rank) + ")";
+  if (it < collecting_)
+    return refuse(ErrorCode::kInvalidArgument,
+                  "push refused: stale iteration " + std::to_string(it) + " from " + who + ": " +
+                      label + " is collecting iteration " + std::to_string(collecting_));
+  if (it > collecting_)
+    return refuse(ErrorCode::kInvalidArgument,
+                  "push refused: future iteration " + std::to_string(it) + " from " + who + ": " +
+                      label + " is collecting iteration " + std::to_string(collecting_));
+  if (pushed_[rank])
+    return refuse(ErrorCode::kInvalidArgument,
+                  "push refused: duplicate push from " + who + " for iteration " +
+                      std::to_string(it) + " of " + label);
+  if (payloads.size() != 1)
+    return refuse(ErrorCode::kInvalidArgument,
+                  "push refused: " + std::to_string(payloads.size()) + " payload buffers for " +
+                      label + " (accepted: exactly 1)");
+  if (n_pushed_ == 0) {
+    fix_plan();
+    started_ns_ = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                            std::chrono::steady_clock::now().time_since_epoch())
+                                            .count());
+  }
+  const Buffer& b = payloads[0];
+  const uint64_t count = setup_.part.count;
+  if (!plan_.compressed_push()) {
+    if (b.size() != count * 4)
+      return refuse(ErrorCode::kInvalidArgument,
+                    "push refused: wrong length " + std::to_string(b.size()) + " bytes from " +
+                        who + " for " + label + " (expected " + std::to_string(count * 4) +
+                        " = " + std::to_string(count) + " fp32)");
+  } else {
+    compress::WireInfo info;
+    try {
+      info = compress::inspect(b.span());
+    } catch (const Error& e) {
+      return refuse(ErrorCode::kMalformed, "push refused: malformed compressed buffer from " +
+                                               who + " for " + label + ": " + e.what());
+    }
+    if (info.algorithm != plan_.spec().name)
+      return refuse(ErrorCode::kInvalidArgument,
+                    "push refused: buffer from " + who + " is compressed with '" + info.algorithm +
+                        "' but " + label + " expects '" + plan_.spec().name + "'");
+    if (info.count != count || info.total_bytes != b.size())
+      return refuse(ErrorCode::kInvalidArgument,
+                    "push refused: wrong length from " + who + " for " + label + ": buffer of " +
+                        std::to_string(b.size()) + " bytes holds " + std::to_string(info.count) +
+                        " elements (expected " + std::to_string(count) + ")");
+  }
+  const bool store = plan_.sum == SumMode::kCompressed || setup_.deterministic;
+  if (!store) {
+    try {
+      accumulate(b);
+    } catch (const Error& e) {
+      return refuse(ErrorCode::kMalformed, "push refused: cannot decode buffer from " + who +
+                                               " for " + label + ": " + e.what());
+    }
+  }
+  pushed_[rank] = 1;
+  ++n_pushed_;
+  if (store) {
+    pending_[rank] = b;
+    if (plan_.sum == SumMode::kDense) {
+      while (next_rank_ < pending_.size() && !pending_[next_rank_].empty()) {
+        if (!poisoned_) {
+          try {
+            accumulate(pending_[next_rank_]);
+          } catch (const Error& e) {
+            poisoned_ = true;
+            poison_ = "cannot decode the push of rank " + std::to_string(next_rank_) + ": " +
+                      e.what();
+          }
+        }
+        pending_[next_rank_] = Buffer();
+        ++next_rank_;
+      }
+    }
+  }
+  if (n_pushed_ == pushed_.size()) return complete();
+  return out;
+}
+
+void PartitionRound::accumulate(const Buffer& b) {
+  const size_t n = setup_.part.count;
+  if (comp_) {
+    comp_->decompress(b.span(), compress::TensorView::cpu(sum_.get(), n), sum_started_, ctx());
+  } else {
+    const float* src = reinterpret_cast<const float*>(b.data());
+    std::vector<float> aligned;
+    if (reinterpret_cast<uintptr_t>(src) % alignof(float) != 0) {
+      aligned.resize(n);
+      std::memcpy(aligned.data(), b.data(), n * 4);
+      src = aligned.data();
+    }
+    if (!sum_started_) {
+      if (aligned.empty()) {
+        // Keep the first push as it arrived and sum it with the second in
+        // one pass (compress::sum writes dst without reading it): one fewer
+        // pass over the partition than copy-then-add, same additions in the
+        // same order.
+        held_ = b;
+        sum_started_ = true;
+        return;
+      }
+      std::memcpy(sum_.get(), src, n * 4);
+    } else if (!held_.empty()) {
+      const float* srcs[2] = {reinterpret_cast<const float*>(held_.data()), src};
+      compress::sum(sum_.get(), srcs, n);
+      held_ = Buffer();
+    } else {
+      compress::sum_into(sum_.get(), src, n);
+    }
+  }
+  sum_started_ = true;
+}
+
+PushOutcome PartitionRound::complete() {
+  PushOutcome out;
+  out.completed = true;
+  out.started_ns = started_ns_;
+  const size_t n = setup_.part.count;
+  Buffer result;
+  try {
+    if (poisoned_) throw Error(ErrorCode::kMalformed, poison_);
+    if (!held_.empty()) {  // a one-node job: the push is the sum
+      std::memcpy(sum_.get(), held_.data(), n * 4);
+      held_ = Buffer();
+    }
+    if (plan_.sum == SumMode::kCompressed) {
+      std::vector<std::span<const std::byte>> inputs;
+      for (const Buffer& b : pending_) inputs.push_back(b.span());
+      Buffer buf = Buffer::allocate(comp_->max_compressed_bytes(n));
+      size_t len = comp_->aggregate(inputs, {buf.mutable_data(), buf.size()}, ctx());
+      result = buf.slice(0, len);
+    } else if (strategy::answer_is_raw_sum(plan_.pull)) {
+      // The block's owner rides in the release function's capture, so it
+      // returns to the pool when the last copy of that function goes
+      // (however many copies Buffer::wrap makes of it).
+      std::shared_ptr<BlockPool> pool = pool_;
+      std::shared_ptr<float[]> block(sum_.release(), [pool](float* p) {
+        pool->put(std::unique_ptr<float[]>(p));
+      });
+      const float* raw = block.get();
+      result = Buffer::wrap(raw, n * 4, [block] {});
+      sum_ = pool_->get();
+    } else {
+      Buffer buf = Buffer::allocate(pull_bytes_bound(plan_, n));
+      size_t len = strategy::encode_answer(plan_.pull, sum_.get(), n,
+                                           {buf.mutable_data(), buf.size()}, comp_.get(),
+                                           state_.get(), ctx());
+      result = buf.slice(0, len);
+    }
+  } catch (const Error& e) {
+    out.failure = setup_.label + ", iteration " + std::to_string(collecting_) + ": " + e.what();
+  }
+  for (Buffer& b : pending_) b = Buffer();
+  held_ = Buffer();
+  std::fill(pushed_.begin(), pushed_.end(), 0);
+  n_pushed_ = 0;
+  next_rank_ = 0;
+  sum_started_ = false;
+  poisoned_ = false;
+  if (!out.failure.empty()) {
+    // A round that cannot be summed cannot be repeated: the job fails.
+    for (Incoming& in : waiting_)
+      out.answers.push_back({std::move(in), Status(ErrorCode::kAborted, out.failure), {}});
+    waiting_.clear();
+    ++collecting_;
+    return out;
+  }
+  result_ = std::move(result);
+  has_result_ = true;
+  result_iteration_ = collecting_;
+  ++collecting_;
+  for (Incoming& in : waiting_) out.answers.push_back({std::move(in), Status::Ok(), result_});
+  waiting_.clear();
+  return out;
+}
+
+std::optional<RoundAnswer> PartitionRound::pull(Incoming in) {
+  auto refuse = [&](ErrorCode code, std::string why) {
+    return RoundAnswer{std::move(in), Status(code, std::move(why)), {}};
+  };
+  const std::string& label = setup_.label;
+  if (released_) return refuse(ErrorCode::kUnavailable, "pull refused: " + label + " is released");
+  const uint64_t it = in.message.header.arg;
+  if (has_result_ && it == result_iteration_) return RoundAnswer{std::move(in), Status::Ok(), result_};
+  if (it == collecting_) {
+    for (const Incoming& w : waiting_)
+      if (w.from == in.from)
+        return refuse(ErrorCode::kInvalidArgument,
+                      "pull refused: duplicate pull from node " + std::to_string(in.from) +
+                          " for iteration " + std::to_string(it) + " of " + label +
+                          " (one is already waiting)");
+    waiting_.push_back(std::move(in));
+    return std::nullopt;
+  }
+  if (it < collecting_)
+    return refuse(ErrorCode::kInvalidArgument,
+                  "pull refused: stale iteration " + std::to_string(it) + " of " + label +
+                      ": its result is gone (" +
+                      (has_result_ ? "holding iteration " + std::to_string(result_iteration_)
+                                   : std::string("no result yet")) +
+                      ", collecting " + std::to_string(collecting_) + ")");
+  return refuse(ErrorCode::kInvalidArgument,
+                "pull refused: future iteration " + std::to_string(it) + " of " + label +
+                    ": collecting iteration " + std::to_string(collecting_));
+}
+
+std::vector<RoundAnswer> PartitionRound::release(const Status& why) {
+  std::vector<RoundAnswer> out;
+  if (released_) return out;
+  released_ = true;
+  if (why.code() != ErrorCode::kOk && (n_pushed_ > 0 || !waiting_.empty())) {
+    std::string ranks, pulls;
+    for (size_t r = 0; r < pushed_.size(); ++r)
+      if (pushed_[r]) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+    for (const Incoming& in : waiting_)
+      pulls += (pulls.empty() ? "" : ",") + std::to_string(in.from);
+    BC_LOG(LogServer(), kDebug) << setup_.label << " released unfinished: collecting iteration "
+                                << collecting_ << ", pushes from ranks {" << ranks
+                                << "}, pulls waiting from nodes {" << pulls << "}";
+  }
+  // An ok `why` would turn the waiting pulls' answers into empty sums.
+  const Status err = why.ok() ? Status(ErrorCode::kUnavailable, setup_.label + " released") : why;
+  for (Incoming& in : waiting_) out.push_back({std::move(in), err, {}});
+  waiting_.clear();
+  waiting_.shrink_to_fit();
+  pending_.clear();
+  held_ = Buffer();
+  result_ = Buffer();
+  sum_.reset();
+  state_.reset();
+  comp_.reset();
+  return out;
+}
+
+}  // namespace bytecomp::server

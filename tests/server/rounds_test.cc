@@ -1,0 +1,389 @@
+// The partition round state machine (server/rounds.h) driven directly, with
+// no transport: pushes of N nodes in any order, duplicate / stale / future /
+// malformed pushes, pulls before and after completion, a job ending with a
+// round half done, and a strategy change at an iteration boundary. Sums are
+// compared with a reference computed here (exactly: the inputs are integers,
+// or, for the deterministic mode, the rank-order sum bit for bit).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "compress/compressor.h"
+#include "planner/strategy/answer.h"
+#include "planner/strategy/partition.h"
+#include "server/job.h"
+#include "server/rounds.h"
+
+using namespace bytecomp;
+using namespace bytecomp::server;
+using transport::Buffer;
+using transport::Incoming;
+
+namespace {
+
+constexpr NodeId kFirstNode = 100;
+const std::string kJob = "rounds";
+
+std::string strategy_text(const std::string& entries) {
+  return "version: 1\nentries:\n" + entries;
+}
+const std::string kFp16 = strategy_text(
+    "  - {tensor: g, option: {compressor: fp16, inter: reduce_scatter_allgather}}\n");
+const std::string kBf16 = strategy_text(
+    "  - {tensor: g, option: {compressor: bf16, inter: reduce_scatter_allgather}}\n");
+
+// One partition (the whole of tensor 'g') of a job of `nodes` nodes.
+struct Fixture {
+  Fixture(uint32_t nodes, uint64_t count, const std::string& yaml = "", bool deterministic = false,
+          uint64_t start = 0)
+      : tensors{{"g", count}},
+        plans(start, plan_job(tensors, yaml)),
+        round(setup(nodes, count, deterministic, start), plans) {}
+
+  static RoundSetup setup(uint32_t nodes, uint64_t count, bool deterministic, uint64_t start) {
+    RoundSetup s;
+    s.part.key = strategy::partition_key(0, 0);
+    s.part.count = count;
+    s.label = "job '" + kJob + "' tensor 'g' partition 0 (key 0x0)";
+    s.start_iteration = start;
+    s.nodes = nodes;
+    s.deterministic = deterministic;
+    s.shared_seed = strategy::partition_seed(kJob, s.part.key);
+    s.private_seed = strategy::server_private_seed(0, s.part.key);
+    return s;
+  }
+
+  PushOutcome push(uint32_t rank, uint64_t it, const std::vector<float>& v) {
+    return round.push(kFirstNode + rank, rank, it, {Buffer::copy_of(v.data(), v.size() * 4)});
+  }
+  PushOutcome push_bytes(uint32_t rank, uint64_t it, Buffer b) {
+    return round.push(kFirstNode + rank, rank, it, {std::move(b)});
+  }
+  std::optional<RoundAnswer> pull(uint32_t rank, uint64_t it) {
+    Incoming in;
+    in.from = kFirstNode + rank;
+    in.expects_reply = true;
+    in.request_id = 1000 * it + rank;
+    in.message.header.arg = it;
+    return round.pull(std::move(in));
+  }
+
+  std::vector<TensorSpec> tensors;
+  JobPlans plans;
+  PartitionRound round;
+};
+
+// Small integers: every fp32 (and fp16/bf16) sum of a few of them is exact,
+// whatever the order.
+std::vector<float> ints(uint32_t rank, uint64_t it, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = static_cast<float>(static_cast<int>((i * 7 + rank * 13 + it * 5) % 61) - 30);
+  return v;
+}
+
+std::vector<float> sum_of(const std::vector<std::vector<float>>& parts) {
+  std::vector<float> s = parts.at(0);
+  for (size_t r = 1; r < parts.size(); ++r)
+    for (size_t i = 0; i < s.size(); ++i) s[i] += parts[r][i];
+  return s;
+}
+
+std::vector<float> floats_of(const Buffer& b) {
+  std::vector<float> v(b.size() / 4);
+  std::memcpy(v.data(), b.data(), v.size() * 4);
+  return v;
+}
+
+void expect_contains(const std::string& text, const std::string& part) {
+  EXPECT_NE(text.find(part), std::string::npos) << "'" << part << "' not in: " << text;
+}
+
+}  // namespace
+
+TEST(RoundsTest, RawSumOfNodesInAnyArrivalOrderIsExact) {
+  constexpr uint32_t kNodes = 4;
+  constexpr size_t kCount = 1001;
+  Fixture f(kNodes, kCount);
+  const uint32_t order[3][kNodes] = {{2, 0, 3, 1}, {0, 1, 2, 3}, {3, 2, 1, 0}};
+  for (uint64_t it = 0; it < 3; ++it) {
+    std::vector<std::vector<float>> in;
+    for (uint32_t r = 0; r < kNodes; ++r) in.push_back(ints(r, it, kCount));
+    for (uint32_t k = 0; k < kNodes; ++k) {
+      PushOutcome o = f.push(order[it][k], it, in[order[it][k]]);
+      ASSERT_TRUE(o.status.ok()) << o.status.message();
+      EXPECT_EQ(o.completed, k + 1 == kNodes) << "iteration " << it << " push #" << k;
+      EXPECT_TRUE(o.failure.empty());
+      EXPECT_TRUE(o.answers.empty());  // nobody pulled yet
+    }
+    EXPECT_EQ(f.round.collecting(), it + 1);
+    std::optional<RoundAnswer> a = f.pull(1, it);
+    ASSERT_TRUE(a.has_value());
+    ASSERT_TRUE(a->status.ok()) << a->status.message();
+    EXPECT_EQ(a->to.from, kFirstNode + 1);
+    EXPECT_EQ(floats_of(a->payload), sum_of(in)) << "iteration " << it;
+  }
+}
+
+TEST(RoundsTest, MisalignedAndSingleNodePushesSumLikeAlignedOnes) {
+  constexpr size_t kCount = 257;
+  // A push whose bytes do not start on a float boundary (a transport may
+  // hand one over) is copied before summing.
+  Fixture f(2, kCount);
+  std::vector<float> a = ints(0, 0, kCount), b = ints(1, 0, kCount);
+  Buffer raw = Buffer::allocate(kCount * 4 + 1);
+  std::memcpy(raw.mutable_data() + 1, b.data(), kCount * 4);
+  ASSERT_TRUE(f.push_bytes(1, 0, raw.slice(1, kCount * 4)).status.ok());
+  PushOutcome o = f.push(0, 0, a);
+  ASSERT_TRUE(o.status.ok()) << o.status.message();
+  ASSERT_TRUE(o.completed);
+  EXPECT_EQ(floats_of(f.pull(0, 0)->payload), sum_of({a, b}));
+
+  // One node: its push is the sum.
+  Fixture one(1, kCount);
+  PushOutcome p = one.push(0, 0, a);
+  ASSERT_TRUE(p.status.ok() && p.completed);
+  EXPECT_EQ(floats_of(one.pull(0, 0)->payload), a);
+}
+
+TEST(RoundsTest, DeterministicSumIsTheRankOrderSumWhateverTheArrival) {
+  constexpr uint32_t kNodes = 5;
+  constexpr size_t kCount = 333;
+  std::mt19937 rng(12);
+  std::uniform_real_distribution<float> d(-1.f, 1.f);
+  std::vector<std::vector<float>> in(kNodes, std::vector<float>(kCount));
+  for (auto& v : in)
+    for (float& x : v) x = d(rng) * 1e3f;
+  std::vector<float> ref = sum_of(in);  // ((x0 + x1) + x2) + ...
+  for (const std::vector<uint32_t>& order :
+       {std::vector<uint32_t>{4, 3, 2, 1, 0}, {1, 3, 0, 4, 2}, {0, 1, 2, 3, 4}}) {
+    Fixture f(kNodes, kCount, "", /*deterministic=*/true);
+    PushOutcome last;
+    for (uint32_t r : order) {
+      last = f.push(r, 0, in[r]);
+      ASSERT_TRUE(last.status.ok()) << last.status.message();
+    }
+    ASSERT_TRUE(last.completed);
+    std::vector<float> got = floats_of(f.pull(0, 0)->payload);
+    ASSERT_EQ(got.size(), kCount);
+    EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), kCount * 4))
+        << "arrival order " << order[0] << order[1] << order[2] << order[3] << order[4];
+  }
+}
+
+TEST(RoundsTest, DuplicateLateAndBadPushesAreRefusedAndChangeNothing) {
+  constexpr uint32_t kNodes = 3;
+  constexpr size_t kCount = 100;
+  Fixture f(kNodes, kCount);
+  std::vector<std::vector<float>> in;
+  for (uint32_t r = 0; r < kNodes; ++r) in.push_back(ints(r, 0, kCount));
+
+  ASSERT_TRUE(f.push(1, 0, in[1]).status.ok());
+  PushOutcome dup = f.push(1, 0, ints(7, 7, kCount));
+  EXPECT_EQ(dup.status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(dup.status.message(),
+                  "push refused: duplicate push from node 101 (rank 1) for iteration 0 of job "
+                  "'rounds' tensor 'g' partition 0 (key 0x0)");
+  PushOutcome future = f.push(0, 1, in[0]);
+  EXPECT_EQ(future.status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(future.status.message(), "future iteration 1 from node 100 (rank 0)");
+  expect_contains(future.status.message(), "is collecting iteration 0");
+  std::vector<float> shorter(kCount - 1, 1.f);
+  PushOutcome wrong = f.push(0, 0, shorter);
+  EXPECT_EQ(wrong.status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(wrong.status.message(), "wrong length 396 bytes from node 100 (rank 0)");
+  expect_contains(wrong.status.message(), "(expected 400 = 100 fp32)");
+  PushOutcome two = f.round.push(kFirstNode, 0, 0,
+                                 {Buffer::copy_of(in[0].data(), kCount * 4),
+                                  Buffer::copy_of(in[0].data(), kCount * 4)});
+  EXPECT_EQ(two.status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(two.status.message(), "2 payload buffers");
+  PushOutcome none = f.round.push(kFirstNode, 0, 0, {});
+  expect_contains(none.status.message(), "0 payload buffers");
+  for (const PushOutcome* o : {&dup, &future, &wrong, &two, &none}) {
+    EXPECT_FALSE(o->completed);
+    EXPECT_TRUE(o->answers.empty());
+  }
+
+  ASSERT_TRUE(f.push(0, 0, in[0]).status.ok());
+  PushOutcome done = f.push(2, 0, in[2]);
+  ASSERT_TRUE(done.status.ok() && done.completed);
+  EXPECT_EQ(floats_of(f.pull(2, 0)->payload), sum_of(in));  // the refused ones left no trace
+
+  // A late push of the finished round.
+  PushOutcome late = f.push(1, 0, in[1]);
+  EXPECT_EQ(late.status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(late.status.message(),
+                  "stale iteration 0 from node 101 (rank 1): job 'rounds' tensor 'g' partition 0 "
+                  "(key 0x0) is collecting iteration 1");
+}
+
+TEST(RoundsTest, PullsWaitForTheRoundAndAreAnsweredByTheLastPush) {
+  constexpr uint32_t kNodes = 3;
+  constexpr size_t kCount = 64;
+  Fixture f(kNodes, kCount);
+  EXPECT_FALSE(f.pull(0, 0).has_value());  // waits
+  EXPECT_FALSE(f.pull(2, 0).has_value());
+  std::optional<RoundAnswer> dup = f.pull(0, 0);
+  ASSERT_TRUE(dup.has_value());
+  EXPECT_EQ(dup->status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(dup->status.message(), "duplicate pull from node 100 for iteration 0");
+  std::optional<RoundAnswer> future = f.pull(1, 1);
+  ASSERT_TRUE(future.has_value());
+  expect_contains(future->status.message(), "pull refused: future iteration 1");
+
+  std::vector<std::vector<float>> in;
+  for (uint32_t r = 0; r < kNodes; ++r) in.push_back(ints(r, 0, kCount));
+  EXPECT_TRUE(f.push(0, 0, in[0]).answers.empty());
+  EXPECT_TRUE(f.push(1, 0, in[1]).answers.empty());
+  PushOutcome last = f.push(2, 0, in[2]);
+  ASSERT_TRUE(last.completed);
+  ASSERT_EQ(last.answers.size(), 2u);
+  std::vector<NodeId> to;
+  for (const RoundAnswer& a : last.answers) {
+    ASSERT_TRUE(a.status.ok()) << a.status.message();
+    EXPECT_TRUE(a.to.expects_reply);
+    EXPECT_EQ(a.to.request_id, a.to.from - kFirstNode);  // the waiting request itself
+    EXPECT_EQ(floats_of(a.payload), sum_of(in));
+    to.push_back(a.to.from);
+  }
+  EXPECT_EQ(to, (std::vector<NodeId>{kFirstNode, kFirstNode + 2}));  // in arrival order
+
+  // After completion: answered at once, as often as asked.
+  for (int k = 0; k < 2; ++k) {
+    std::optional<RoundAnswer> a = f.pull(1, 0);
+    ASSERT_TRUE(a.has_value() && a->status.ok());
+    EXPECT_EQ(floats_of(a->payload), sum_of(in));
+  }
+  // Round 1 finishes: the answer of 0 is gone.
+  std::vector<std::vector<float>> in1;
+  for (uint32_t r = 0; r < kNodes; ++r) in1.push_back(ints(r, 1, kCount));
+  for (uint32_t r = 0; r < kNodes; ++r) ASSERT_TRUE(f.push(r, 1, in1[r]).status.ok());
+  std::optional<RoundAnswer> stale = f.pull(0, 0);
+  ASSERT_TRUE(stale.has_value());
+  EXPECT_EQ(stale->status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(stale->status.message(),
+                  "stale iteration 0 of job 'rounds' tensor 'g' partition 0 (key 0x0): its result "
+                  "is gone (holding iteration 1, collecting 2)");
+  EXPECT_EQ(floats_of(f.pull(0, 1)->payload), sum_of(in1));
+}
+
+TEST(RoundsTest, JobEndingMidRoundAnswersTheWaitingPullsAndFreesTheRound) {
+  // A node is lost with the round half done: the server ends the job and
+  // releases the round with the abort reason.
+  constexpr uint32_t kNodes = 3;
+  constexpr size_t kCount = 50;
+  Fixture f(kNodes, kCount);
+  ASSERT_TRUE(f.push(0, 0, ints(0, 0, kCount)).status.ok());
+  ASSERT_TRUE(f.push(1, 0, ints(1, 0, kCount)).status.ok());
+  EXPECT_FALSE(f.pull(0, 0).has_value());
+  EXPECT_FALSE(f.pull(1, 0).has_value());
+  const Status why(ErrorCode::kAborted, "job 'rounds' aborted: node 102 lost: missed heartbeats");
+  std::vector<RoundAnswer> answers = f.round.release(why);
+  ASSERT_EQ(answers.size(), 2u);
+  for (const RoundAnswer& a : answers) {
+    EXPECT_EQ(a.status.code(), ErrorCode::kAborted);
+    EXPECT_EQ(a.status.message(), why.message());
+    EXPECT_TRUE(a.payload.empty());
+  }
+  EXPECT_EQ(answers[0].to.from, kFirstNode);
+  EXPECT_EQ(answers[1].to.from, kFirstNode + 1);
+  EXPECT_TRUE(f.round.released());
+  EXPECT_TRUE(f.round.release(why).empty());  // once
+
+  PushOutcome after = f.push(2, 0, ints(2, 0, kCount));
+  EXPECT_FALSE(after.status.ok());
+  EXPECT_FALSE(after.completed);
+  std::optional<RoundAnswer> pull = f.pull(2, 0);
+  ASSERT_TRUE(pull.has_value());
+  EXPECT_FALSE(pull->status.ok());
+
+  // A release without an error still answers the waiting pulls with one.
+  Fixture g(2, kCount);
+  EXPECT_FALSE(g.pull(0, 0).has_value());
+  std::vector<RoundAnswer> ended = g.round.release(Status::Ok());
+  ASSERT_EQ(ended.size(), 1u);
+  EXPECT_EQ(ended[0].status.code(), ErrorCode::kUnavailable);
+}
+
+TEST(RoundsTest, StrategyChangeAppliesFromItsIterationOn) {
+  constexpr uint32_t kNodes = 3;
+  constexpr size_t kCount = 128;
+  Fixture f(kNodes, kCount, "", false, /*start=*/5);
+  std::vector<const PartitionRound*> rounds = {&f.round};
+  EXPECT_EQ(f.round.frozen(), -1);
+  auto run_raw = [&](uint64_t it) {
+    std::vector<std::vector<float>> in;
+    for (uint32_t r = 0; r < kNodes; ++r) in.push_back(ints(r, it, kCount));
+    for (uint32_t r = 0; r < kNodes; ++r) {
+      PushOutcome o = f.push(r, it, in[r]);
+      ASSERT_TRUE(o.status.ok()) << o.status.message();
+    }
+    EXPECT_EQ(floats_of(f.pull(0, it)->payload), sum_of(in));
+  };
+  run_raw(5);
+  EXPECT_EQ(f.round.frozen(), 5);
+
+  std::vector<TensorPlan> fp16 = plan_job(f.tensors, kFp16);
+  ASSERT_EQ(fp16[0].sum, SumMode::kCompressed);
+  // The round fixed its plan for 6 at its first push: a change at 6 is late.
+  ASSERT_TRUE(f.push(0, 6, ints(0, 6, kCount)).status.ok());
+  EXPECT_EQ(f.round.frozen(), 6);
+  Status late = f.plans.prepare(6, fp16, rounds, "server 0");
+  EXPECT_EQ(late.code(), ErrorCode::kInvalidArgument);
+  expect_contains(late.message(),
+                  "server 0: job 'rounds' tensor 'g' partition 0 (key 0x0) already started "
+                  "iteration 6 (request changes at least one iteration ahead)");
+  ASSERT_TRUE(f.plans.prepare(7, fp16, rounds, "server 0").ok());
+  // A change prepared and then cancelled (another server refused it).
+  ASSERT_TRUE(f.plans.prepare(8, plan_job(f.tensors, kBf16), rounds, "server 0").ok());
+  f.plans.cancel(8);
+
+  // Iteration 6 still runs the old plan.
+  for (uint32_t r = 1; r < kNodes; ++r) ASSERT_TRUE(f.push(r, 6, ints(r, 6, kCount)).status.ok());
+  EXPECT_EQ(floats_of(f.pull(0, 6)->payload),
+            sum_of({ints(0, 6, kCount), ints(1, 6, kCount), ints(2, 6, kCount)}));
+
+  // From 7 on: fp16 pushes, summed in the compressed domain, compressed answer.
+  auto comp = compress::make_compressor(fp16[0].spec());
+  for (uint64_t it = 7; it <= 8; ++it) {
+    compress::CompressContext ctx;
+    ctx.iteration = it;
+    ctx.shared_seed = strategy::partition_seed(kJob, 0);
+    PushOutcome raw = f.push(0, it, ints(0, it, kCount));
+    EXPECT_FALSE(raw.status.ok()) << "a raw push accepted under the fp16 plan";
+    expect_contains(raw.status.message(), "push refused");
+    std::vector<std::vector<float>> in;
+    PushOutcome last;
+    for (uint32_t r = 0; r < kNodes; ++r) {
+      in.push_back(ints(r, it, kCount));
+      auto state = comp->make_state(kCount);
+      Buffer b = Buffer::allocate(comp->max_compressed_bytes(kCount));
+      size_t len = comp->compress(compress::ConstTensorView::cpu(in[r].data(), kCount),
+                                  {b.mutable_data(), b.size()}, *state, ctx);
+      last = f.push_bytes(r, it, b.slice(0, len));
+      ASSERT_TRUE(last.status.ok()) << last.status.message();
+    }
+    ASSERT_TRUE(last.completed);
+    std::optional<RoundAnswer> a = f.pull(1, it);
+    ASSERT_TRUE(a.has_value() && a->status.ok());
+    EXPECT_LT(a->payload.size(), kCount * 4);  // compressed, not the fp32 sum
+    std::vector<float> got(kCount);
+    strategy::decode_answer(fp16[0].pull, a->payload.span(), got.data(), kCount, comp.get(), ctx);
+    EXPECT_EQ(got, sum_of(in)) << "iteration " << it;
+  }
+}
+
+TEST(RoundsTest, ReservationCoversWhatARoundHolds) {
+  std::vector<TensorSpec> t = {{"g", 1000}};
+  TensorPlan raw = plan_job(t, "")[0];
+  TensorPlan fp16 = plan_job(t, kFp16)[0];
+  EXPECT_EQ(round_reservation(raw, 1000, 4, false), 16000u);
+  // Deterministic rounds keep every rank's push.
+  EXPECT_EQ(round_reservation(raw, 1000, 4, true), 16000u + 4 * push_bytes_bound(raw, 1000));
+  EXPECT_EQ(round_reservation(fp16, 1000, 4, false),
+            16000u + 4 * push_bytes_bound(fp16, 1000) + 2 * pull_bytes_bound(fp16, 1000));
+}
