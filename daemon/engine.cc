@@ -202,14 +202,11 @@ void Engine::adopt_pending() {
   if (yaml) {
     const int64_t latest = latest_begun();
     // Two ahead: the servers may already collect latest + 1 for some tensor.
-    // Plus what this job runs in 500 ms: every node learns the iteration
-    // only from the coordinator's announcement, after the servers prepared
-    // it; a node that began it before the announcement arrived pushed it
-    // with the old plan and the servers refused the push, aborting the job
-    // (scripts/soak at ~300 iterations/s: a change 2 ahead failed about
-    // once in 8).
-    const auto at =
-        static_cast<uint64_t>(latest + 2 + begun_within(std::chrono::milliseconds(500)));
+    // No node can begin `at` before it has the update: this node holds its
+    // rounds of at - 1 until every node confirmed it, and no round of at - 1
+    // completes without them (scripts/soak at ~300 iterations/s refused a
+    // push of `at` in 1 of 8 runs before the hold, with this lead alone).
+    const auto at = static_cast<uint64_t>(latest + 2);
     const std::string job = job_;
     // Rounds of E - 1 and later wait until every node confirmed (docs/daemon.md).
     const int64_t hold = static_cast<int64_t>(at) - 1;
@@ -269,14 +266,6 @@ void Engine::publish_gauges() {
   queued_pub_.store(sched_.size(), std::memory_order_relaxed);
   inflight_pub_.store(inflight_bytes_, std::memory_order_relaxed);
   waiting_pub_.store(waiting, std::memory_order_relaxed);
-}
-
-int64_t Engine::begun_within(std::chrono::steady_clock::duration window) const {
-  if (begun_.empty()) return 0;
-  const auto since = std::chrono::steady_clock::now() - window;
-  for (const auto& [t, it] : begun_)
-    if (t >= since) return static_cast<int64_t>(begun_.back().second - it) + 1;
-  return 0;
 }
 
 void Engine::begin_round(uint32_t tensor) {
@@ -448,11 +437,6 @@ bool Engine::drain() {
       if (round.arrived == 0) {
         round.iteration = e.iteration;
         round.first_ns = phases_.enabled() ? monotonic_ns() : 0;
-        if (begun_.empty() || e.iteration > begun_.back().second) {
-          const auto now = std::chrono::steady_clock::now();
-          begun_.emplace_back(now, e.iteration);
-          while (now - begun_.front().first > std::chrono::seconds(1)) begun_.pop_front();
-        }
       }
       round.from[r] = true;
       if (++round.arrived == layout_.local_size) {

@@ -191,9 +191,6 @@ class Engine {
   void complete(uint32_t tensor);
   void fail(ErrorCode code, const std::string& reason);
   int64_t latest_begun() const;
-  // Iterations begun in the last `window` (from begun_), for the lead of a
-  // multi-node strategy change.
-  int64_t begun_within(std::chrono::steady_clock::duration window) const;
   // All local ranks of the tensor's round arrived: queue its partitions.
   void begin_round(uint32_t tensor);
   // Begins the held rounds once no strategy change of ours is unconfirmed.
@@ -222,9 +219,6 @@ class Engine {
   std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
   std::optional<std::string> pending_yaml_;          // guarded by pending_mu_
   int64_t switch_iteration_ = -1;
-  // (time, iteration) of each new highest iteration begun, the last second:
-  // a strategy change asked of the coordinator lands this far ahead.
-  std::deque<std::pair<std::chrono::steady_clock::time_point, uint64_t>> begun_;
   std::atomic<int64_t> switch_published_{-1};
   std::vector<std::optional<TensorPlan>> next_plans_;  // from switch_iteration_ on
   // A strategy change this node asked the coordinator for, at iteration E:
