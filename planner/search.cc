@@ -346,7 +346,9 @@ int split_pass(Problem& p, Evaluator& ev, double& f, size_t max_tensors) {
   std::sort(heavy.begin(), heavy.end());
   if (heavy.size() > max_tensors) heavy.resize(max_tensors);
   int split = 0;
-  for (const auto& [neg_gpu, i] : heavy) {
+  for (const auto& entry : heavy) {
+    // A plain local: clang 14 cannot capture a structured binding (below).
+    const int i = entry.second;
     Option o = p.options()[ev.base()[i]];
     o.cpu_share = 0.0;
     const int whole = p.find_option(o);
