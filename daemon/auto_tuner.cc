@@ -483,7 +483,6 @@ void AutoTuner::run() {
             if (!st.ok())
               BC_LOG(LogAuto(), kInfo) << "job " << job << ": re-plan refused: " << st.message();
           });
-          state_ = State::kIdle;
         }
       }
     }

@@ -176,7 +176,6 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   double predicted_us_ = 0;
   uint64_t switch_iteration_ = 0;
   bool have_switch_ = false;
-  uint64_t last_trigger_check_ = 0;
   size_t measured_written_ = 0;
   std::thread thread_;
 };

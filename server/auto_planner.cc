@@ -54,7 +54,6 @@ Status AutoPlanner::on_profile(const JobView& job, transport::NodeId from, uint6
   std::unique_lock lk(mu_);
   if (stopping_) return Status(ErrorCode::kUnavailable, "coordinator shutting down");
   JobState& st = jobs_.try_emplace(job.uid).first->second;
-  st.view = job;
   if (epoch != st.epoch || !st.collecting)
     return Status(ErrorCode::kInvalidArgument,
                   "auto profile of " + who + " for epoch " + std::to_string(epoch) +
@@ -115,7 +114,6 @@ Status AutoPlanner::on_replan(const JobView& job, transport::NodeId from, uint64
   {
     std::lock_guard lk(mu_);
     JobState& st = jobs_.try_emplace(job.uid).first->second;
-    st.view = job;
     if (st.collecting || st.planning)
       return Status(ErrorCode::kInvalidArgument,
                     "re-plan refused: job '" + job.name + "' epoch " + std::to_string(st.epoch) +

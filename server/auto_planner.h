@@ -87,7 +87,6 @@ class AutoPlanner {
 
  private:
   struct JobState {
-    JobView view;
     uint64_t epoch = 0;
     bool collecting = true;  // epoch 0 collects from the start
     bool planning = false;
@@ -100,12 +99,10 @@ class AutoPlanner {
     uint64_t epoch = 0;
     std::vector<transport::NodeId> nodes;
     std::string job;
-    planner::online::NodeProfile merged;
     planner::online::AutoConfig cfg;
     std::chrono::steady_clock::time_point deadline;
     uint32_t timeout_ms = 0;
-    std::vector<planner::online::NodeProfile> parts;
-    bool merge_done = false;
+    std::vector<planner::online::NodeProfile> parts;  // rank order, merged by the worker
   };
 
   void worker();
