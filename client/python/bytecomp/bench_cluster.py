@@ -157,12 +157,25 @@ def summarize(ranks, system, world, loss_steps):
             c += sum(srv) / len(nodes)
         out["service_cpu_ms_per_step"] = 1000 * c
     if per[0].get("loss"):
-        k = min(loss_steps, len(per[0]["loss"])) if loss_steps else len(per[0]["loss"])
+        # The same step k for every system: bc_auto's extra steps are not counted.
+        n = len(per[0]["loss"]) - per[0].get("auto_extra_steps", 0)
+        k = min(loss_steps, len(per[0]["loss"])) if loss_steps else n
         lo = max(0, k - 5)
         out["loss_at_k"] = statistics.mean(x for p in per for x in p["loss"][lo:k])
         out["k"] = k
     if "bytes" in per[0]:
         out["bytes"] = per[0]["bytes"]
+    auto = per[0].get("auto")
+    if auto is not None:
+        out["auto"] = {k: auto.get(k) for k in ("predicted_s", "profiled_s", "decision_ms",
+                                                "tensors", "compressed", "switch_iteration",
+                                                "error")}
+        sw = auto.get("switch_iteration")
+        if sw is None:
+            out["auto"]["note"] = "no switch seen: the timed steps ran the profiling strategy"
+        elif sw > per[0].get("warmup", 0):
+            out["auto"]["note"] = ("switched at iteration %d, after the timed steps began at %d"
+                                   % (sw, per[0].get("warmup", 0)))
     if "time_to_accuracy_s" in per[0]:
         for key in ("time_to_accuracy_s", "final_accuracy", "epochs", "target_accuracy"):
             out[key] = per[0][key]
@@ -231,7 +244,11 @@ class Bench:
         total = 40.0  # torchrun, imports, process group
         for s in systems:
             comm = 0.0 if rate is None else wire * WIRE_SHARE.get(s, 1.0) * 8 / rate
-            total += (a.warmup + self.steps_for(bw, model)) * (compute + comm)
+            steps = a.warmup + self.steps_for(bw, model)
+            if s == "bc_auto":  # its profile runs uncompressed
+                steps += a.auto_extra_steps
+                total += a.auto_extra_steps * wire * 8 / rate if rate else 0
+            total += steps * (compute + comm)
             if s.startswith("ddp"):
                 total += 0 if rate is None else MODEL_BYTES[model] * 8 / rate  # constructor broadcast
         return total
@@ -278,7 +295,8 @@ class Bench:
         args = ["--model", model, "--systems", ",".join(systems), "--warmup", str(a.warmup),
                 "--steps", str(self.steps_for(bw, model)), "--batch", str(a.batch or d["batch"]),
                 "--seq", str(d["seq"]), "--strategy-dir", os.path.join(tmp, "strategies"),
-                "--out", out] + extra
+                "--out", out, "--auto-compressors", a.auto_compressors,
+                "--auto-extra-steps", str(a.auto_extra_steps)] + extra
         est = self.estimate_s(model, bw, systems)
         limit = max(300.0, 4 * est + 120)
         self.log("%s at %s: %s (estimate %.0f s, limit %.0f s)" % (model, bw, ", ".join(systems),
@@ -305,12 +323,7 @@ class Bench:
         self.auto_reason = detect_auto(a.build_root) if "bc_auto" in a.systems else None
         if self.auto_reason:
             self.log("bc_auto: null (%s)" % self.auto_reason)
-        # bc_auto runs only where the daemon plans by itself; this script has
-        # no strategy file for it, so even then it reports the daemon's support.
-        runnable = [s for s in a.systems if s != "bc_auto"]
-        if self.auto_reason is None and "bc_auto" in a.systems:
-            self.auto_reason = ("the daemon accepts strategy: {mode: auto}, but bench-cluster "
-                                "does not run it yet (its daemons run per-job strategy files)")
+        runnable = [s for s in a.systems if s != "bc_auto" or self.auto_reason is None]
         total = self.total_estimate_s(runnable)
         self.log("%d node(s) x %d process(es), servers %s, %d thread(s) per training process; "
                  "models %s; bandwidths %s; systems %s" % (
@@ -473,6 +486,19 @@ class Bench:
                 out += "| %s | %s | %.2f | %d |\n" % (
                     s, fmt(r["time_to_accuracy_s"], "%.2f", "not reached"),
                     r["final_accuracy"], r["epochs"])
+        autos = [(m, bw, systems["bc_auto"]["auto"]) for m, bws in self.results.items()
+                 for bw, systems in bws.items() if (systems.get("bc_auto") or {}).get("auto")]
+        if autos:
+            out += ("\n\nbc_auto's decisions (accepted: %s; the first %d steps profile, plan "
+                    "and switch, untimed):\n\n| model | bandwidth | compressed tensors | "
+                    "predicted step ms | switch iteration | note |\n|---|---|---|---|---|---|\n"
+                    % (a.auto_compressors, a.auto_extra_steps + a.warmup))
+            for m, bw, au in autos:
+                n = len(au.get("compressed") or [])
+                out += "| %s | %s | %s | %s | %s | %s |\n" % (
+                    m, bw, "%d of %s" % (n, au.get("tensors")) if au.get("tensors") else "-",
+                    fmt(au["predicted_s"] * 1000 if au.get("predicted_s") else None),
+                    au.get("switch_iteration", "-"), au.get("note") or au.get("error") or "")
         return out
 
     def plot(self, path):
@@ -550,6 +576,10 @@ def parse(argv):
     ap.add_argument("--partition-bytes", default="1MiB",
                     help="the servers' and daemons' partition size (default 1MiB, as "
                          "bytecomp-run)")
+    ap.add_argument("--auto-compressors", default="efsignsgd",
+                    help="bc_auto: the compressors its planner may use (comma-separated specs)")
+    ap.add_argument("--auto-extra-steps", type=int, default=12,
+                    help="bc_auto: untimed steps before its timed ones (profile, plan, switch)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: resnet18, 1gbit and unshaped, 2 nodes, small batch, "
                          "no loss run, no digits (under 3 minutes on a quiet machine)")
@@ -601,7 +631,7 @@ def main(argv=None):
     a = parse(argv)
     bench = Bench(a)
     if a.estimate_only:
-        t = bench.total_estimate_s([s for s in a.systems if s != "bc_auto"])
+        t = bench.total_estimate_s(a.systems)
         print("bench-cluster: estimated duration %.0f min" % (t / 60))
         return 0
     why = netns.check_permission()

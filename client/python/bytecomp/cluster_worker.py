@@ -303,13 +303,16 @@ def run_training(system, args, rank, counters):
     batches = make_batches(args.model, rank, args.batch, args.pool, args.seed, args.seq)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum_of(system))
     fwd, opt = wrap(system, model, opt, args)
-    steps = args.warmup + args.steps + (args.auto_extra_steps if system == "bc_auto" else 0)
+    # bc_auto's extra steps come before the timed ones: its profile, plan
+    # and switch are not what is timed.
+    warmup = args.warmup + (args.auto_extra_steps if system == "bc_auto" else 0)
+    steps = warmup + args.steps
     times, losses = [], []
     before = after = None
     auto = None
     try:
         for s in range(steps):
-            if s == args.warmup:
+            if s == warmup:
                 before = counters.read()
             x, y = batches[s % len(batches)]
             t0 = time.perf_counter()
@@ -327,10 +330,11 @@ def run_training(system, args, rank, counters):
         auto = auto_record(opt, 5.0) if system == "bc_auto" else None
     finally:
         release(opt)
-    r = {"step_s": times, "loss": losses, "warmup": args.warmup,
+    r = {"step_s": times, "loss": losses, "warmup": warmup,
          "params": sum(p.numel() for p in model.parameters())}
     if auto is not None:
         r["auto"] = auto
+        r["auto_extra_steps"] = args.auto_extra_steps
     r.update(Counters.delta(before, after, args.steps))
     return r
 
