@@ -1,6 +1,11 @@
 #include "daemon/auto_tuner.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
 #include <algorithm>
+#include <cstring>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -34,6 +39,47 @@ double us_since(Clock::time_point t0) {
 }
 
 }  // namespace
+
+bool endpoint_is_local(const std::string& endpoint) {
+  const size_t scheme = endpoint.find("://");
+  if (scheme == std::string::npos) return false;
+  const std::string proto = endpoint.substr(0, scheme);
+  if (proto == "ipc" || proto == "inproc") return true;
+  std::string host = endpoint.substr(scheme + 3);
+  const size_t colon = host.rfind(':');
+  if (colon != std::string::npos && host.find(']') == std::string::npos) host.resize(colon);
+  if (!host.empty() && host.front() == '[') {
+    const size_t close = host.find(']');
+    if (close == std::string::npos) return false;
+    host = host.substr(1, close - 1);
+  }
+  in_addr v4{};
+  in6_addr v6{};
+  const bool is4 = inet_pton(AF_INET, host.c_str(), &v4) == 1;
+  const bool is6 = !is4 && inet_pton(AF_INET6, host.c_str(), &v6) == 1;
+  if (!is4 && !is6) return false;
+  if (is4 && (ntohl(v4.s_addr) >> 24) == 127) return true;
+  if (is6 && IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return false;
+  bool local = false;
+  for (ifaddrs* a = list; a && !local; a = a->ifa_next) {
+    if (!a->ifa_addr) continue;
+    if (is4 && a->ifa_addr->sa_family == AF_INET)
+      local = reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == v4.s_addr;
+    else if (is6 && a->ifa_addr->sa_family == AF_INET6)
+      local = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a->ifa_addr)->sin6_addr, &v6,
+                          sizeof v6) == 0;
+  }
+  freeifaddrs(list);
+  return local;
+}
+
+std::vector<size_t> probe_order(size_t servers, uint32_t rank) {
+  std::vector<size_t> order;
+  for (size_t i = 0; i < servers; ++i) order.push_back((rank + 1 + i) % servers);
+  return order;
+}
 
 std::vector<IterationSample> iteration_samples(const std::vector<PhaseRecord>& records,
                                                const std::vector<uint32_t>& partitions) {
@@ -248,7 +294,6 @@ void AutoTuner::probe_link() {
   if (!ps_) return;
   constexpr auto kTimeout = server::Millis{5000};
   const uint64_t small = 64 << 10;
-  double gbps = 0, latency = 0;
   std::string problem;
   auto timed = [&](transport::NodeId s, uint64_t up, uint64_t down) -> double {
     {
@@ -266,15 +311,24 @@ void AutoTuner::probe_link() {
     }
     return us_since(t0);
   };
-  for (const server::ServerInfo& s : ps_->info().servers) {
+  // The link is the node's NIC: a colocated server's traffic never crosses
+  // it, so it is left out. Every other node probes at the same time; what
+  // they share can only lower a measured rate, so the node's rate is the
+  // best one it measured and its latency the median round trip.
+  const std::vector<server::ServerInfo>& servers = ps_->info().servers;
+  std::vector<double> rtts;
+  double gbps = 0;
+  for (size_t idx : probe_order(servers.size(), ps_->info().rank)) {
+    const server::ServerInfo& s = servers[idx];
+    if (endpoint_is_local(s.address)) continue;
     double rtt = 1e300;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 5; ++i) {
       const double t = timed(s.id, 0, 0);
       if (t < 0) break;
       rtt = std::min(rtt, t);
     }
     if (!problem.empty()) break;
-    double server_gbps = 1e300;
+    rtts.push_back(rtt);
     for (int dir = 0; dir < 2; ++dir) {
       uint64_t big = 1 << 20;
       auto once = [&](uint64_t n) { return dir == 0 ? timed(s.id, n, 0) : timed(s.id, 0, n); };
@@ -286,17 +340,19 @@ void AutoTuner::probe_link() {
         tb = once(big);
       }
       if (ts < 0 || tb < 0) break;
-      if (tb > ts) server_gbps = std::min(server_gbps, (big - small) * 8.0 / (tb - ts) / 1e3);
+      if (tb > ts) gbps = std::max(gbps, (big - small) * 8.0 / (tb - ts) / 1e3);
     }
     if (!problem.empty()) break;
-    if (server_gbps < 1e300) gbps = gbps == 0 ? server_gbps : std::min(gbps, server_gbps);
-    latency = std::max(latency, rtt / 2);
   }
+  double latency = rtts.empty() ? 0 : median(rtts) / 2;
   if (!problem.empty()) {
     BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": link probe failed (" << problem
                              << "); the planner calibrates the link from the iteration time";
     gbps = 0;
     latency = 0;
+  } else if (rtts.empty()) {
+    BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": every server is on this host: no link "
+                             << "to probe; the planner calibrates it from the iteration time";
   }
   link_gbps_ = gbps;
   link_latency_us_ = latency;

@@ -83,6 +83,18 @@ planner::online::CompressorMeasure measure_compressor(const std::string& spec,
                                                       const std::vector<uint64_t>& sizes,
                                                       int reps);
 
+// Whether a server endpoint ("tcp://HOST:PORT", "ipc://...") is on this
+// host: a numeric HOST that is one of this host's interface addresses (or
+// loopback), or a host-local transport. Names are not resolved (no DNS
+// wait): a named host counts as remote.
+bool endpoint_is_local(const std::string& endpoint);
+
+// The order in which node `rank` probes `servers` servers: starting at
+// rank + 1. When every node probes at once (they all start the job
+// together) and server k runs on node k, each step pairs every node with a
+// different server, so no link carries two probes.
+std::vector<size_t> probe_order(size_t servers, uint32_t rank);
+
 // Decides when measurements have drifted from the prediction for long
 // enough to re-plan. Pure: fed with iteration times.
 class ReplanTrigger {

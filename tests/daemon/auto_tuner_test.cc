@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 namespace bytecomp::daemon {
 namespace {
 
@@ -120,6 +122,37 @@ TEST(AutoTuner, ReplanTriggerWantsALastingDriftAfterTheMinimumInterval) {
   u.set_prediction(1000, 0);
   EXPECT_FALSE(u.observe(1, 500).has_value());
   EXPECT_TRUE(u.observe(2, 500).has_value());
+}
+
+TEST(AutoTuner, TheProbeSkipsServersOnThisHost) {
+  EXPECT_TRUE(endpoint_is_local("tcp://127.0.0.1:9100"));
+  EXPECT_TRUE(endpoint_is_local("tcp://127.3.4.5:1"));
+  EXPECT_TRUE(endpoint_is_local("tcp://[::1]:9100"));
+  EXPECT_TRUE(endpoint_is_local("ipc:///run/bytecomp/server.sock"));
+  // TEST-NET-1 (RFC 5737) is never a host's own address.
+  EXPECT_FALSE(endpoint_is_local("tcp://192.0.2.7:9100"));
+  EXPECT_FALSE(endpoint_is_local("tcp://[2001:db8::1]:9100"));
+  // Names are not resolved (no DNS wait in the probe): remote.
+  EXPECT_FALSE(endpoint_is_local("tcp://server-3.example:9100"));
+  EXPECT_FALSE(endpoint_is_local("garbage"));
+  EXPECT_FALSE(endpoint_is_local(""));
+}
+
+TEST(AutoTuner, ProbeOrderPairsEveryNodeWithADifferentServerAtEachStep) {
+  const size_t n = 5;
+  std::vector<std::vector<size_t>> orders;
+  for (uint32_t r = 0; r < n; ++r) orders.push_back(probe_order(n, r));
+  for (size_t step = 0; step < n; ++step) {
+    std::set<size_t> at_step;
+    for (uint32_t r = 0; r < n; ++r) at_step.insert(orders[r][step]);
+    EXPECT_EQ(at_step.size(), n) << "step " << step;
+  }
+  for (uint32_t r = 0; r < n; ++r) {
+    EXPECT_EQ(std::set<size_t>(orders[r].begin(), orders[r].end()).size(), n);
+    EXPECT_EQ(orders[r].front(), (r + 1) % n);  // its own server (colocated) last
+    EXPECT_EQ(orders[r].back(), r);
+  }
+  EXPECT_TRUE(probe_order(0, 3).empty());
 }
 
 TEST(AutoTuner, CompressorCostsAndWireSizeComeFromRealCalls) {
