@@ -3,9 +3,11 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <ctime>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -36,6 +38,12 @@ double median(std::vector<double> v) {
 
 double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+double thread_cpu_us() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
 }
 
 }  // namespace
@@ -73,6 +81,39 @@ bool endpoint_is_local(const std::string& endpoint) {
   }
   freeifaddrs(list);
   return local;
+}
+
+std::optional<double> process_cpu_us(int pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!f || !std::getline(f, text)) return std::nullopt;
+  // The command name (field 2) may hold spaces and parentheses: fields
+  // are counted from after its last ')'; utime and stime are fields 14, 15.
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream in(text.substr(close + 1));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  for (int k = 3; k <= 15 && in >> field; ++k) {
+    try {
+      if (k == 14) utime = std::stoull(field);
+      if (k == 15) stime = std::stoull(field);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    if (k == 15) {
+      const long hz = ::sysconf(_SC_CLK_TCK);
+      return static_cast<double>(utime + stime) * 1e6 / static_cast<double>(hz > 0 ? hz : 100);
+    }
+  }
+  return std::nullopt;
+}
+
+std::string host_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (!f || !std::getline(f, id)) return "";
+  return id;
 }
 
 std::vector<size_t> probe_order(size_t servers, uint32_t rank) {
@@ -175,12 +216,12 @@ CompressorMeasure measure_compressor(const std::string& spec, const std::vector<
       compress::CompressContext ctx;
       ctx.iteration = static_cast<uint64_t>(r);
       ctx.shared_seed = n;
-      auto t0 = Clock::now();
+      double t0 = thread_cpu_us();
       len = c->compress(compress::ConstTensorView(in.data(), n), buf, *state, ctx);
-      ct.push_back(us_since(t0));
-      t0 = Clock::now();
+      ct.push_back(thread_cpu_us() - t0);
+      t0 = thread_cpu_us();
       c->decompress({buf.data(), len}, compress::TensorView::cpu(out.data(), n), false, ctx);
-      dt.push_back(us_since(t0));
+      dt.push_back(thread_cpu_us() - t0);
     }
     cp.emplace_back(static_cast<double>(n), median(ct));
     dp.emplace_back(static_cast<double>(n), median(dt));
@@ -421,6 +462,18 @@ void AutoTuner::send_profile() {
   p.link_gbps = link_gbps_;
   p.link_latency_us = link_latency_us_;
   p.current_strategy_yaml = current_yaml_;
+  p.host = host_id();
+  // CPU time per iteration over the window (first to last sample seen).
+  auto per_iteration = [&](const std::map<uint64_t, double>& marks) {
+    if (window.size() < 2) return 0.0;
+    const auto a = marks.find(window.front().iteration), b = marks.find(window.back().iteration);
+    if (a == marks.end() || b == marks.end() || b->second <= a->second) return 0.0;
+    return (b->second - a->second) /
+           static_cast<double>(window.back().iteration - window.front().iteration);
+  };
+  if (!o_.pids.empty())
+    p.train_cpu_us = per_iteration(cpu_marks_) / static_cast<double>(o_.pids.size());
+  p.daemon_cpu_us = per_iteration(self_marks_);
   write_file("profile-node" + std::to_string(p.node_rank) + ".yaml", p.to_yaml());
   BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": profile of iterations " << p.first_iteration
                            << ".. (" << p.iterations << "): " << p.iteration_us / 1000.0
@@ -530,8 +583,21 @@ void AutoTuner::run() {
     }
     for (IterationSample& s : iteration_samples(engine_->phase_records(), partitions_)) {
       const uint64_t it = s.iteration;
-      if (samples_.emplace(it, std::move(s)).second && state_ == State::kApplied && have_switch_ &&
-          it > switch_iteration_ && ps_->info().rank == 0) {
+      const bool fresh = samples_.emplace(it, std::move(s)).second;
+      if (fresh && !o_.pids.empty()) {
+        double cpu = 0;
+        bool all = true;
+        for (int pid : o_.pids) {
+          const std::optional<double> c = process_cpu_us(pid);
+          all = all && c.has_value();
+          cpu += c.value_or(0);
+        }
+        if (all) cpu_marks_[it] = cpu;
+      }
+      if (fresh)
+        if (const std::optional<double> me = process_cpu_us(::getpid())) self_marks_[it] = *me;
+      if (fresh && state_ == State::kApplied && have_switch_ && it > switch_iteration_ &&
+          ps_->info().rank == 0) {
         if (auto why = trigger_.observe(it, samples_.at(it).iteration_us)) {
           BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": asking for a re-plan: " << *why;
           const std::string job = o_.job;
@@ -543,6 +609,8 @@ void AutoTuner::run() {
       }
     }
     while (samples_.size() > 512) samples_.erase(samples_.begin());
+    while (cpu_marks_.size() > 512) cpu_marks_.erase(cpu_marks_.begin());
+    while (self_marks_.size() > 512) self_marks_.erase(self_marks_.begin());
     if (state_ == State::kApplied && have_switch_) write_measured();
     if (state_ == State::kProfiling) {
       size_t n = 0;

@@ -78,7 +78,9 @@ planner::online::NodeProfile profile_of(const std::vector<IterationSample>& samp
                                         const std::vector<uint64_t>& elements);
 
 // Real calls of `spec` on this thread for each size (elements) `reps`
-// times; the fits of compress and decompress, and the wire size.
+// times; the fits of compress and decompress (this thread's CPU time, so
+// that a busy host's preemptions do not count as cost: the planner models
+// how the host's cores are shared), and the wire size.
 planner::online::CompressorMeasure measure_compressor(const std::string& spec,
                                                       const std::vector<uint64_t>& sizes,
                                                       int reps);
@@ -88,6 +90,14 @@ planner::online::CompressorMeasure measure_compressor(const std::string& spec,
 // loopback), or a host-local transport. Names are not resolved (no DNS
 // wait): a named host counts as remote.
 bool endpoint_is_local(const std::string& endpoint);
+
+// User + system CPU time of process `pid` in microseconds (/proc/PID/stat);
+// nullopt when it cannot be read (the process is gone).
+std::optional<double> process_cpu_us(int pid);
+
+// This host's identity: its boot id (the same in every network namespace
+// and container of the host); "" when unreadable.
+std::string host_id();
 
 // The order in which node `rank` probes `servers` servers: starting at
 // rank + 1. When every node probes at once (they all start the job
@@ -127,6 +137,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
     std::vector<uint64_t> elements;  // fp32 elements per tensor
     uint32_t local_ranks = 1;
     uint32_t pool_threads = 1;
+    std::vector<int> pids;  // the local ranks' processes (their CPU time is profiled)
     std::string run_dir;  // created if missing; empty: no files
   };
   explicit AutoTuner(Options options);
@@ -182,6 +193,9 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   uint64_t epoch_ = 0;
   uint64_t profile_from_ = 0;
   std::map<uint64_t, IterationSample> samples_;
+  // Per sampled iteration: the local ranks' CPU time (us) when it was seen.
+  std::map<uint64_t, double> cpu_marks_;
+  std::map<uint64_t, double> self_marks_;  // the daemon's own CPU time
   std::vector<planner::online::CompressorMeasure> measures_;
   double link_gbps_ = 0, link_latency_us_ = 0;
   std::string current_yaml_;

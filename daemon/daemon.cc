@@ -661,6 +661,8 @@ void Daemon::maybe_start(Job& j) {
       }
       to.local_ranks = j.local_size;
       to.pool_threads = static_cast<uint32_t>(pool_.concurrency());
+      for (const Conn* m : j.members)
+        if (m) to.pids.push_back(m->pid);
       to.run_dir = run_dir_for(config_, j.id);
       j.tuner = std::make_shared<AutoTuner>(std::move(to));
     }

@@ -497,7 +497,9 @@ void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
   const double pool = std::max(1, cluster_.pool_threads);
   const CompressorCost* cc = o.compressed() ? costs_.find(o.compressor) : nullptr;
   const Resource cpu = cluster_.pool_shares_compute ? Resource::kGpu : Resource::kCpu;
+  const double scale = cluster_.pool_shares_compute ? cluster_.pool_cost_scale : 1.0;
   auto add = [&](Resource r, double d, const char* what) {
+    if (r == Resource::kCpu) d *= scale;
     if (d > 0) ops.push_back({r == Resource::kCpu ? cpu : r, d, what});
   };
   add(Resource::kCpu, cluster_.reduce.at(n) / pool, "reduce");
@@ -510,6 +512,8 @@ void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
   if (!cluster_.dedicated_servers) remote = M == 1 ? 0.0 : 1.0 - 1.0 / servers;
   const double bytes = cc ? cc->wire_bytes(n) : 4.0 * n;  // push and pull alike
   const double Be = cluster_.inter.bytes_per_us(), ae = cluster_.inter.latency_us;
+  // The comm stack's CPU for this partition's push and pull (docs/planner.md).
+  add(Resource::kCpu, cluster_.comm_cpu_us_per_byte * 2 * remote * bytes, "comm_cpu");
   add(Resource::kInter, ae + remote * bytes / Be, "push");
   if (cc && !is_additive_compressor(o.compressor) && !cluster_.dedicated_servers) {
     // The partition's server decompresses every node's push and recompresses

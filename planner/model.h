@@ -79,6 +79,16 @@ struct Cluster {
   // takes cores from the backward pass, so it is placed on the compute
   // resource (which the backward pass yields to) instead of a spare pool.
   bool pool_shares_compute = false;
+  // With pool_shares_compute: how long one microsecond of pool CPU work
+  // holds the backward pass. On a saturated host the pool's work displaces
+  // as much training work, spread over its cores; every node on the host
+  // does its own, so the delay is nodes on the host / cores (2 for 4
+  // emulated nodes on 2 cores, 1/8 for one node on 8).
+  double pool_cost_scale = 1.0;
+  // The comm stack's CPU (daemon: copies, sockets, sums; a colocated
+  // server the same again for its share) per byte the node's NIC carries,
+  // pushed or pulled: measured from the daemon's CPU time in the window.
+  double comm_cpu_us_per_byte = 0;
 
   int workers() const { return machines * gpus_per_machine; }
   static Cluster load_file(const std::string& path);

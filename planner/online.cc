@@ -44,6 +44,9 @@ constexpr double kMinGainUs = 5.0;
 // residual or the scale).
 constexpr double kMinLinkGbps = 1e-3, kMaxLinkGbps = 1e4;
 constexpr double kProbeFactor = 4.0;
+// The compute stretch of a shared host is a correction of the window's
+// contention, not a new measurement: bounded.
+constexpr double kMinStretch = 0.25, kMaxStretch = 4.0;
 constexpr int kRefineRounds = 3;
 constexpr double kCalibrationTolerance = 1e-4;
 
@@ -177,6 +180,10 @@ std::string NodeProfile::to_yaml() const {
   }
   out << YAML::EndSeq;
   emit_text(out, "current_strategy", current_strategy_yaml);
+  out << YAML::Key << "train_cpu_us" << YAML::Value << train_cpu_us;
+  out << YAML::Key << "daemon_cpu_us" << YAML::Value << daemon_cpu_us;
+  out << YAML::Key << "host" << YAML::Value << YAML::DoubleQuoted << host;
+  out << YAML::Key << "nodes_on_host" << YAML::Value << nodes_on_host;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }
@@ -195,7 +202,11 @@ NodeProfile NodeProfile::parse(std::string_view text, std::string name) {
       .get("iteration_us", p.iteration_us, Range<double>{0, 1e12})
       .get("link_gbps", p.link_gbps, Range<double>{0, 1e6})
       .get("link_latency_us", p.link_latency_us, Range<double>{0, 1e9})
-      .get("current_strategy", p.current_strategy_yaml);
+      .get("current_strategy", p.current_strategy_yaml)
+      .get("train_cpu_us", p.train_cpu_us, Range<double>{0, 1e12})
+      .get("daemon_cpu_us", p.daemon_cpu_us, Range<double>{0, 1e12})
+      .get("host", p.host)
+      .get("nodes_on_host", p.nodes_on_host, Range<uint32_t>{1, 65536});
   if (!(p.iteration_us > 0)) root.fail("iteration_us", "must be positive", "> 0");
   p.reduce = read_fit(root, "reduce");
   std::set<std::string> names;
@@ -287,7 +298,13 @@ NodeProfile merge(const std::vector<NodeProfile>& nodes) {
     if (n.link_gbps > 0 && (m.link_gbps <= 0 || n.link_gbps < m.link_gbps))
       m.link_gbps = n.link_gbps;
     m.link_latency_us = std::max(m.link_latency_us, n.link_latency_us);
+    m.train_cpu_us = std::max(m.train_cpu_us, n.train_cpu_us);
+    m.daemon_cpu_us = std::max(m.daemon_cpu_us, n.daemon_cpu_us);
   }
+  std::map<std::string, uint32_t> per_host;
+  m.nodes_on_host = 1;
+  for (const NodeProfile& n : nodes)
+    if (!n.host.empty()) m.nodes_on_host = std::max(m.nodes_on_host, ++per_host[n.host]);
   return m;
 }
 
@@ -385,6 +402,28 @@ struct Calibration {
 // Finds the link rate at which the window's strategy predicts the measured
 // iteration time (F decreases with the rate), within [lo, hi]; what is
 // left is the residual.
+Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment& current);
+
+}  // namespace
+
+HostShare host_share(const NodeProfile& prof) {
+  HostShare s;
+  const double cores = std::max(1u, prof.cpu_cores);
+  const double nodes = std::max(1u, prof.nodes_on_host);
+  const double procs = nodes * std::max(1u, prof.local_ranks);
+  s.pool_shares_compute = (prof.local_ranks + prof.pool_threads) * nodes > cores;
+  s.pool_cost_scale = nodes / cores;
+  double last = 0;
+  for (const TensorMeasure& t : prof.tensors) last = std::max(last, t.ready_us);
+  if (prof.train_cpu_us > 0 && procs >= cores && last > 0) {
+    s.compute_bound_us = prof.train_cpu_us * procs / cores;
+    s.compute_stretch = std::clamp(s.compute_bound_us / last, kMinStretch, kMaxStretch);
+  }
+  return s;
+}
+
+namespace {
+
 Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment& current) {
   const double T = prof.iteration_us;
   Calibration c;
@@ -685,12 +724,13 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   m.decl_of = order;
   m.prob_of.assign(n, 0);
   m.profile.model = "online";
+  const HostShare share = host_share(prof);
   double prev = prof.tensors[order[0]].ready_us;
-  m.profile.forward_us = prev;
+  m.profile.forward_us = prev * share.compute_stretch;
   for (int k = 0; k < n; ++k) {
     const TensorMeasure& t = prof.tensors[order[k]];
     m.prob_of[order[k]] = k;
-    m.profile.tensors.push_back({t.name, t.elements, t.ready_us - prev});
+    m.profile.tensors.push_back({t.name, t.elements, (t.ready_us - prev) * share.compute_stretch});
     prev = t.ready_us;
   }
   m.cluster.name = "cpu nodes (measured)";
@@ -699,7 +739,8 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   m.cluster.gpus_per_machine = 1;
   m.cluster.cpu_cores = static_cast<int>(prof.cpu_cores);
   m.cluster.pool_threads = static_cast<int>(prof.pool_threads);
-  m.cluster.pool_shares_compute = prof.local_ranks + prof.pool_threads > prof.cpu_cores;
+  m.cluster.pool_shares_compute = share.pool_shares_compute;
+  m.cluster.pool_cost_scale = share.pool_cost_scale;
   m.cluster.servers = static_cast<int>(cfg.servers);
   m.cluster.dedicated_servers = !cfg.colocated_servers;
   m.cluster.partition_bytes = cfg.partition_bytes;
@@ -737,6 +778,25 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
     }
   }
 
+  // The comm stack's CPU per byte: the daemon's CPU in the window less the
+  // pool work the model already has, over the bytes the node's NIC carried;
+  // a colocated server doubles it (its share of every node's partitions is
+  // as many bytes, received, summed and sent).
+  if (prof.daemon_cpu_us > 0 && cfg.nodes > 1) {
+    const double remote = cfg.colocated_servers ? 1.0 - 1.0 / std::max(1u, cfg.servers) : 1.0;
+    double bytes = 0, pool = 0;
+    for (int k = 0; k < n; ++k) {
+      const Option& o = m.options[current[k]];
+      const double e = static_cast<double>(m.profile.tensors[k].elements);
+      const CompressorCost* cc = o.compressed() ? m.costs.find(o.compressor) : nullptr;
+      bytes += 2 * remote * (cc ? cc->wire_bytes(e) : 4 * e);
+      pool += m.cluster.reduce.at(e);
+      if (cc) pool += cc->cpu->compress.at(e) + cc->cpu->decompress.at(e);
+    }
+    if (bytes > 0)
+      m.cluster.comm_cpu_us_per_byte = std::max(0.0, prof.daemon_cpu_us - pool) / bytes *
+                                       (cfg.colocated_servers ? 2.0 : 1.0);
+  }
   const Calibration cal = calibrate(m, prof, current);
   Problem p = make_problem(m, cal.link_gbps);
 
@@ -849,9 +909,14 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
   }
   auto& meta = d.strategy.meta;
   meta["planner"] = "online (cpu nodes)";
-  meta["pool_shares_compute"] = prof.local_ranks + prof.pool_threads > prof.cpu_cores
-                                    ? "yes (local ranks + pool threads > cores)"
-                                    : "no (spare cores)";
+  meta["pool_shares_compute"] =
+      share.pool_shares_compute
+          ? "yes ((local ranks + pool threads) x nodes on the host > cores): x" +
+                fmt(share.pool_cost_scale, 4)
+          : "no (spare cores)";
+  meta["nodes_on_host"] = std::to_string(prof.nodes_on_host);
+  meta["compute_stretch"] = fmt(share.compute_stretch, 4);
+  meta["comm_cpu_ns_per_byte"] = fmt(m.cluster.comm_cpu_us_per_byte * 1e3, 4);
   meta["predicted_us"] = fmt(d.predicted_us, 9);
   meta["measured_us"] = fmt(d.measured_us, 9);
   meta["window"] = std::to_string(prof.first_iteration) + "+" + std::to_string(prof.iterations);

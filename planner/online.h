@@ -75,6 +75,19 @@ struct NodeProfile {
   std::vector<CompressorMeasure> compressors;
   double link_gbps = 0, link_latency_us = 0;     // node<->servers probe; 0 = unknown
   std::string current_strategy_yaml;             // what ran during the window ("" = uncompressed)
+  // CPU time (user + system) one local rank's process spent per iteration
+  // of the window (mean over the ranks); 0 = unknown.
+  double train_cpu_us = 0;
+  // CPU time the daemon's process spent per iteration of the window (its
+  // engine, pool and transport threads); 0 = unknown.
+  double daemon_cpu_us = 0;
+  // The host's identity (its boot id): nodes with the same one share its
+  // cores (an emulated cluster, or several daemons on one machine); "" =
+  // unknown, counted as a host of its own.
+  std::string host;
+  // Set by merge(): the most nodes of the job on one host (1 for profiles
+  // that were not merged).
+  uint32_t nodes_on_host = 1;
 
   // Versioned YAML (version: 1): the keys are the field names, except
   // current_strategy (for current_strategy_yaml, a string); fits are
@@ -95,6 +108,27 @@ struct NodeProfile {
 // naming the difference when the nodes' tensor lists (names, sizes, order),
 // compressor lists or current strategies differ, or when `nodes` is empty.
 NodeProfile merge(const std::vector<NodeProfile>& nodes);
+
+// How a (merged) profile's nodes share their host's cores with training
+// (docs/planner.md, "CPU training on a shared host").
+//   compute: a window's ready times carry the contention of the strategy
+//     that ran: uncompressed on a slow link the nodes' iterations drift
+//     apart and each computes nearly alone; compressed, every training
+//     process of the host computes at once. Where the host's training
+//     processes are at least its cores, the backward pass of a
+//     compute-bound iteration takes their CPU time (train_cpu_us x
+//     processes on the host / cores): the ready times are stretched (or
+//     shrunk: the window's comm stack also took cores) to that bound.
+//   pool: (local ranks + pool threads) x nodes on the host > cores puts the
+//     daemon's and colocated server's CPU work on the compute resource, at
+//     nodes on the host / cores per microsecond.
+struct HostShare {
+  bool pool_shares_compute = false;
+  double pool_cost_scale = 1.0;
+  double compute_stretch = 1.0;
+  double compute_bound_us = 0;  // 0: not applied (CPU time unknown, or spare cores)
+};
+HostShare host_share(const NodeProfile& prof);
 
 struct AutoConfig {
   std::vector<std::string> compressors;  // accepted by the user; empty = fp16 only

@@ -5,7 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <chrono>
 #include <set>
+#include <thread>
 
 namespace bytecomp::daemon {
 namespace {
@@ -153,6 +157,25 @@ TEST(AutoTuner, ProbeOrderPairsEveryNodeWithADifferentServerAtEachStep) {
     EXPECT_EQ(orders[r].back(), r);
   }
   EXPECT_TRUE(probe_order(0, 3).empty());
+}
+
+TEST(AutoTuner, ProcessCpuTimeCountsWorkNotWaiting) {
+  const std::optional<double> before = process_cpu_us(::getpid());
+  ASSERT_TRUE(before.has_value());
+  // Busy for at least 60 ms of CPU (the clock ticks at 10 ms), then asleep.
+  volatile double x = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(60)) x = x + 1;
+  const std::optional<double> busy = process_cpu_us(::getpid());
+  ASSERT_TRUE(busy.has_value());
+  EXPECT_GE(*busy - *before, 30e3);  // preemption on a loaded machine may take some
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const std::optional<double> idle = process_cpu_us(::getpid());
+  ASSERT_TRUE(idle.has_value());
+  EXPECT_LT(*idle - *busy, 50e3);
+  EXPECT_FALSE(process_cpu_us(-1).has_value());
+  EXPECT_FALSE(host_id().empty());
+  EXPECT_EQ(host_id(), host_id());
 }
 
 TEST(AutoTuner, CompressorCostsAndWireSizeComeFromRealCalls) {

@@ -152,15 +152,81 @@ TEST(OnlineMerge, MismatchesAreRefused) {
 
 // ---------------------------------------------------------------- YAML
 
+TEST(OnlineMerge, NodesOnOneHostAreCounted) {
+  NodeProfile a = resnet18(), b = resnet18(), c = resnet18();
+  b.node_rank = 1;
+  c.node_rank = 2;
+  a.host = b.host = "boot-1";
+  c.host = "boot-2";
+  a.train_cpu_us = 300e3;
+  b.train_cpu_us = 350e3;
+  const NodeProfile m = merge({a, b, c});
+  EXPECT_EQ(m.nodes_on_host, 2u);
+  EXPECT_EQ(m.train_cpu_us, 350e3);
+  // Unknown hosts are hosts of their own.
+  a.host = b.host = c.host = "";
+  EXPECT_EQ(merge({a, b, c}).nodes_on_host, 1u);
+}
+
+TEST(OnlineHostShare, ComputeIsStretchedToTheHostsCpuDemand) {
+  NodeProfile p = resnet18();
+  double last = 0;
+  for (const TensorMeasure& t : p.tensors) last = std::max(last, t.ready_us);
+  p.cpu_cores = 2;
+  p.local_ranks = 1;
+  p.pool_threads = 1;
+  // Unknown CPU time: nothing changes.
+  EXPECT_EQ(host_share(p).compute_stretch, 1.0);
+  // Four nodes on two cores, each rank busy for 0.8 of the window's
+  // compute: a compute-bound iteration takes 4 x 0.8 / 2 = 1.6 of it.
+  p.nodes_on_host = 4;
+  p.train_cpu_us = 0.8 * last;
+  HostShare s = host_share(p);
+  EXPECT_NEAR(s.compute_stretch, 1.6, 1e-12);
+  EXPECT_NEAR(s.compute_bound_us, 1.6 * last, 1e-6);
+  EXPECT_TRUE(s.pool_shares_compute);
+  EXPECT_NEAR(s.pool_cost_scale, 2.0, 1e-12);
+  // One node on 8 cores: spare cores, no stretch, the pool runs beside.
+  p.nodes_on_host = 1;
+  p.cpu_cores = 8;
+  s = host_share(p);
+  EXPECT_EQ(s.compute_stretch, 1.0);
+  EXPECT_FALSE(s.pool_shares_compute);
+  // The stretch is bounded.
+  p.nodes_on_host = 64;
+  p.cpu_cores = 2;
+  EXPECT_EQ(host_share(p).compute_stretch, 4.0);
+  // And the model uses it: the same window on a shared host predicts a
+  // slower compute-bound (compressed) iteration, not a slower fp32 one
+  // (calibrated to the window).
+  NodeProfile q = resnet18();
+  q.cpu_cores = 2;
+  const Decision alone = decide(q, two_nodes({"efsignsgd"}));
+  q.nodes_on_host = 2;
+  q.train_cpu_us = 1.5 * last;
+  const Decision shared = decide(q, two_nodes({"efsignsgd"}));
+  EXPECT_NEAR(alternative(shared, "fp32").predicted_us, alternative(alone, "fp32").predicted_us,
+              1e-3 * alternative(alone, "fp32").predicted_us);
+  EXPECT_GT(alternative(shared, "all:efsignsgd").predicted_us,
+            1.2 * alternative(alone, "all:efsignsgd").predicted_us);
+  EXPECT_EQ(shared.strategy.meta.at("nodes_on_host"), "2");
+}
+
 TEST(OnlineYaml, ProfileRoundTrip) {
   NodeProfile p = resnet18();
   p.link_gbps = 0.123456789;
   p.current_strategy_yaml = "version: 1\ndefault: {compressor: none}\n";
+  p.train_cpu_us = 123456.5;
+  p.host = "8d0c3f5e-boot";
+  p.nodes_on_host = 3;
   const std::string text = p.to_yaml();
   const NodeProfile q = NodeProfile::parse(text, "again.yaml");
   EXPECT_EQ(q.to_yaml(), text);
   EXPECT_EQ(q.link_gbps, p.link_gbps);
   EXPECT_EQ(q.current_strategy_yaml, p.current_strategy_yaml);
+  EXPECT_EQ(q.train_cpu_us, p.train_cpu_us);
+  EXPECT_EQ(q.host, p.host);
+  EXPECT_EQ(q.nodes_on_host, 3u);
   ASSERT_EQ(q.tensors.size(), 62u);
   EXPECT_EQ(q.tensors[0].name, "conv1.weight");
   EXPECT_EQ(q.tensors[0].ready_us, p.tensors[0].ready_us);
