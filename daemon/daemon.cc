@@ -520,7 +520,7 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
       return;
     }
     case ipc::MsgType::kCollective: {
-      if (c.state != S::kStarted || c.job == nullptr || !c.job->engine) {
+      if (c.state != S::kRunning || c.job == nullptr || !c.job->engine) {
         return reject(c, ErrorCode::kMalformed, "COLLECTIVE before the job started");
       }
       c.job->engine->submit_collective(c.rank, std::get<ipc::Collective>(d.msg));
