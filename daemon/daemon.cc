@@ -519,6 +519,13 @@ void Daemon::on_message(Conn& c, std::span<const uint8_t> bytes) {
       maybe_start(j);
       return;
     }
+    case ipc::MsgType::kCollective: {
+      if (c.state != S::kRunning || c.job == nullptr || !c.job->engine) {
+        return reject(c, ErrorCode::kMalformed, "COLLECTIVE before the job started");
+      }
+      c.job->engine->submit_collective(c.rank, std::get<ipc::Collective>(d.msg));
+      return;
+    }
     case ipc::MsgType::kCtlRequest:
       return on_ctl(c, std::get<ipc::CtlRequest>(d.msg));
     case ipc::MsgType::kBye:

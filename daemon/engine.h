@@ -124,6 +124,10 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Local rank `rank`'s collective operation (a COLLECTIVE message, decoded
+  // by the control thread): the engine thread runs it once every local rank
+  // sent the same one (docs/daemon.md "Broadcast and barrier"). Thread-safe.
+  void submit_collective(uint32_t rank, const ipc::Collective& c);
   // A rank left gracefully (BYE): rounds waiting for it can never finish.
   void rank_left(uint32_t rank);
   // Publishes an abort in shared memory (wakes every client) and returns the
@@ -177,7 +181,27 @@ class Engine {
     size_t partitions_left = 0;
   };
 
+  // A broadcast (per tensor) or the barrier, as the local ranks join it.
+  struct CollRound {
+    ipc::Collective first;  // the first rank's, which the others must equal
+    uint32_t first_rank = 0;
+    uint32_t arrived = 0;
+    bool running = false;
+    int64_t last_done = -1;
+    std::vector<bool> from;
+    size_t parts_left = 0;
+  };
+
   void loop();
+  // The queued collectives; false after failing the job.
+  bool drain_collectives();
+  // Every local rank joined: copies, or sends to the servers/coordinator.
+  bool begin_collective(CollRound& c);
+  bool finish_collective(const Inbox::Arrival& a);
+  void complete_collective(CollRound& c);
+  CollRound& coll_of(uint32_t tensor) {
+    return tensor == ipc::kBarrierTensor ? barrier_ : bcasts_[tensor];
+  }
   // Multi-node: the join and the ps/peer paths; false after failing the job.
   bool open_paths();
   void adopt_pending();
@@ -212,6 +236,10 @@ class Engine {
   std::vector<ipc::Ring> submit_;
   std::vector<ipc::Ring> complete_;
   std::vector<Round> rounds_;
+  std::vector<CollRound> bcasts_;  // per tensor
+  CollRound barrier_;
+  // From submit_collective(), guarded by pending_mu_.
+  std::vector<std::pair<uint32_t, ipc::Collective>> pending_coll_;
   std::unique_ptr<std::atomic<bool>[]> left_;
   uint32_t node_rank_;
   uint64_t partition_bytes_;

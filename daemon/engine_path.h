@@ -52,6 +52,9 @@ class Inbox {
     Status status;
     transport::Buffer result;  // ps: the pull's answer; peer: empty (PeerJob::take() has it)
     uint64_t at_ns = 0;        // monotonic_ns() when delivered (0: not stamped)
+    // What answered: a path's partition, or one of the engine's own
+    // collective operations (not a path's: Engine handles them).
+    enum class Kind : uint8_t { kPath, kBroadcast, kBarrier } kind = Kind::kPath;
   };
   // `stamp`: deliver() records each arrival's time (phase timestamps on).
   Inbox(boost::interprocess::interprocess_semaphore* doorbell, bool stamp)

@@ -1,5 +1,6 @@
 #include "server/protocol.h"
 
+#include <cstdio>
 #include <cstring>
 
 #include "common/record.h"
@@ -221,6 +222,34 @@ Stats decode_stats(std::string_view bytes) {
   s.frames_refused = rd.u64("frames_refused");
   rd.end();
   return s;
+}
+
+transport::Buffer encode(const BroadcastMeta& m) {
+  Writer w;
+  w.u32(m.root);
+  w.u64(m.nbytes);
+  w.u64(m.tag);
+  return w.take();
+}
+
+BroadcastMeta decode_broadcast_meta(std::string_view bytes) {
+  Reader rd(bytes, "broadcast");
+  BroadcastMeta m;
+  m.root = rd.u32("root");
+  m.nbytes = rd.u64("nbytes");
+  m.tag = rd.u64("tag");
+  rd.end();
+  if (m.nbytes > (uint64_t{1} << 40))
+    throw Error(ErrorCode::kMalformed, "broadcast: nbytes " + std::to_string(m.nbytes) +
+                                           " exceeds 1 TiB");
+  return m;
+}
+
+std::string describe(const BroadcastMeta& m) {
+  char tag[24];
+  std::snprintf(tag, sizeof tag, "0x%llx", static_cast<unsigned long long>(m.tag));
+  return "root rank " + std::to_string(m.root) + ", " + std::to_string(m.nbytes) + " bytes, tag " +
+         tag;
 }
 
 std::string joined(const transport::Message& m) {

@@ -31,6 +31,8 @@ inline constexpr uint16_t kVersion = 1;
 // the coordinator aborts the job for every party instead of waiting for the
 // others to time out.
 inline constexpr uint16_t kLeaveAbort = 0x1;
+// Header flag of kBroadcast: the sender's node holds the root rank.
+inline constexpr uint16_t kBroadcastRoot = 0x1;
 // Header flag of kAutoDecision: planning failed or timed out.
 inline constexpr uint16_t kAutoFailed = 0x1;
 // Bound of a probe's upload and answer.
@@ -70,6 +72,14 @@ enum MsgType : uint16_t {
   // both at most kMaxProbeBytes)
   kProbe = 0x5144,
   kMetrics = 0x5143,      // req; reply payload: Prometheus text (server/metrics.h)
+  // req: aux=uid, key (a partition key of the broadcast's tensor),
+  // arg=iteration; payload 0: BroadcastMeta; flags kBroadcastRoot: this node
+  // holds the root rank and payload 1 is the partition's bytes (raw). Every
+  // node of the job sends one per partition; the server answers them all
+  // once all arrived: the root with an empty ok, the others with the bytes;
+  // a disagreement (meta, no root or two roots) fails every one of them,
+  // naming it. Added within version 1: older servers refuse it by type.
+  kBroadcast = 0x5145,
   // replies
   kOkReply = 0x51F0,
   kErrorReply = 0x51F1,
@@ -143,6 +153,16 @@ struct Stats {
   uint64_t frames_refused = 0;
 };
 
+// What every node of a broadcast must agree on (kBroadcast's payload 0).
+struct BroadcastMeta {
+  uint32_t root = 0;    // global rank
+  uint64_t nbytes = 0;  // of the whole broadcast (every partition)
+  uint64_t tag = 0;     // the clients' agreement value
+  bool operator==(const BroadcastMeta&) const = default;
+};
+// "root rank R, N bytes, tag 0x..": what error messages name.
+std::string describe(const BroadcastMeta& m);
+
 void write_spec(Writer& w, const JobSpec& spec);
 JobSpec read_spec(Reader& r);
 transport::Buffer encode(const Admission& a);
@@ -153,6 +173,9 @@ transport::Buffer encode(const Stats& s);
 // Throws Error(kMalformed) naming the field on a short, long or
 // wrong-version reply.
 Stats decode_stats(std::string_view bytes);
+transport::Buffer encode(const BroadcastMeta& m);
+// Throws Error(kMalformed) naming the field.
+BroadcastMeta decode_broadcast_meta(std::string_view bytes);
 
 // The answer to a kProbe request: `arg` zero bytes, or an error naming the
 // bound when the request or the answer would exceed kMaxProbeBytes.

@@ -96,6 +96,19 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     start(server_of(key), std::move(m), timeout, std::move(done));
   }
 
+  void broadcast(uint64_t key, uint64_t iteration, uint32_t root, uint64_t nbytes, uint64_t tag,
+                 bool is_root, Buffer data, PullCallback done, Millis timeout) override {
+    Message m;
+    m.header.type = proto::kBroadcast;
+    m.header.aux = info_.uid;
+    m.header.key = key;
+    m.header.arg = iteration;
+    m.header.flags = is_root ? proto::kBroadcastRoot : 0;
+    m.payloads.push_back(proto::encode(proto::BroadcastMeta{root, nbytes, tag}));
+    if (is_root) m.payloads.push_back(std::move(data));
+    start(server_of(key), std::move(m), timeout, std::move(done));
+  }
+
   void barrier(DoneCallback done, Millis timeout) override {
     Message m;
     m.header.type = proto::kBarrier;

@@ -166,6 +166,18 @@ class PsJob {
   virtual void pull(uint64_t key, uint64_t iteration, PullCallback done,
                     Millis timeout = Millis{0}) = 0;
 
+  // This node's part of partition `key` (a partition key of the broadcast
+  // tensor, routed like its push) of a broadcast at `iteration` (one per
+  // partition and iteration; iterations of a key increase): `root` (global
+  // rank), `nbytes` (of the whole broadcast) and `tag` must be every node's;
+  // `is_root`: this node holds the root rank and `data` is the partition's
+  // bytes (else empty). `done` runs once every node sent its part: the bytes
+  // (empty for the root), or the refusal (kInvalidArgument naming what the
+  // nodes disagree on), kTimeout, or the job's failure.
+  virtual void broadcast(uint64_t key, uint64_t iteration, uint32_t root, uint64_t nbytes,
+                         uint64_t tag, bool is_root, transport::Buffer data, PullCallback done,
+                         Millis timeout = Millis{0}) = 0;
+
   // Every node of the job calls barrier with the same sequence of calls;
   // done runs when all arrived (kOk) or the job failed / timeout passed.
   virtual void barrier(DoneCallback done, Millis timeout) = 0;

@@ -37,6 +37,7 @@ ParameterServer::Impl::Impl(ServerConfig c) : cfg(std::move(c)) {
 void ParameterServer::Impl::start() {
   tp->set_handler(proto::kPush, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_handler(proto::kPull, [this](Incoming in) { on_data(std::move(in)); });
+  tp->set_handler(proto::kBroadcast, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_handler(proto::kStats, [this](Incoming in) { on_stats(in); });
   tp->set_handler(proto::kProbe, [this](Incoming in) {
     if (in.expects_reply) reply(in, proto::probe_answer(in.message));
@@ -179,6 +180,7 @@ Status ParameterServer::Impl::setup_job(const proto::Admission& a) {
     rs.deterministic = a.deterministic;
     rs.shared_seed = strategy::partition_seed(a.name, p.key);
     rs.private_seed = strategy::server_private_seed(cfg.node_id, p.key);
+    job->bcasts.emplace(p.key, std::make_unique<BroadcastRound>(p, rs.label, rs.nodes));
     auto round = std::make_unique<PartitionRound>(std::move(rs), *job->plans);
     job->round_list.push_back(round.get());
     job->parts.emplace(p.key, std::move(round));
@@ -224,8 +226,11 @@ void ParameterServer::Impl::end_job(uint32_t uid, ErrorCode code, const std::str
   // Each partition is released by its own engine, after what is queued.
   for (auto& [key, ps] : job->parts) {
     PartitionRound* r = ps.get();
-    engines[r->part().engine % engines.size()]->post([this, job, r, why] {
+    BroadcastRound* b = job->bcasts.at(key).get();
+    engines[r->part().engine % engines.size()]->post([this, job, r, b, why] {
       std::vector<RoundAnswer> answers = r->release(why);
+      answer(answers);
+      answers = b->release(why);
       answer(answers);
     });
   }
@@ -318,7 +323,7 @@ void ParameterServer::Impl::on_stats(const Incoming& in) {
 
 void ParameterServer::Impl::on_data(Incoming in) {
   const auto& h = in.message.header;
-  const char* what = h.type == proto::kPush ? "push" : "pull";
+  const char* what = h.type == proto::kPush ? "push" : h.type == proto::kPull ? "pull" : "broadcast";
   std::shared_ptr<ServerJob> job;
   std::optional<Ended> gone;
   {
@@ -359,7 +364,10 @@ void ParameterServer::Impl::on_data(Incoming in) {
   }
   PartitionRound* round = pit->second.get();
   EngineThread& e = *engines[round->part().engine % engines.size()];
-  if (h.type == proto::kPush)
+  if (h.type == proto::kBroadcast) {
+    BroadcastRound* b = job->bcasts.at(h.key).get();
+    e.post([this, job, b, in = std::move(in)]() mutable { on_broadcast(job, *b, std::move(in)); });
+  } else if (h.type == proto::kPush)
     e.post([this, job, round, in = std::move(in)] { on_push(job, *round, in); });
   else
     e.post([this, job, round, in = std::move(in)]() mutable { on_pull(job, *round, std::move(in)); });
@@ -396,6 +404,23 @@ void ParameterServer::Impl::on_pull(const std::shared_ptr<ServerJob>& job, Parti
   if (!a) return;  // waits for the round
   if (!a->status.ok()) return refuse(a->to, a->status.code(), a->status.message());
   answer(*a);
+}
+
+void ParameterServer::Impl::on_broadcast(const std::shared_ptr<ServerJob>& job,
+                                         BroadcastRound& round, Incoming in) {
+  if (job->ended.load() || round.released()) {
+    Status s = job->end_status();
+    return refuse(in, s.code(), "broadcast refused: " + s.message());
+  }
+  const uint32_t rank = job->rank.at(in.from);
+  const bool is_root = (in.message.header.flags & proto::kBroadcastRoot) != 0;
+  if (is_root && in.message.payloads.size() > 1) metrics.pushed(in.message.payloads[1].size());
+  BroadcastOutcome out = round.add(std::move(in), rank, is_root);
+  if (!out.failure.empty()) {
+    BC_LOG(LogServer(), kWarn) << out.failure;
+    request_abort(job->uid, out.failure);
+  }
+  answer(out.answers);
 }
 
 void ParameterServer::Impl::answer(RoundAnswer& a) {

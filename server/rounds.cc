@@ -381,4 +381,117 @@ std::vector<RoundAnswer> PartitionRound::release(const Status& why) {
   return out;
 }
 
+// ---------------------------------------------------------------------------
+// BroadcastRound
+
+BroadcastRound::BroadcastRound(Partition part, std::string label, uint32_t nodes)
+    : part_(part), label_(std::move(label)), nodes_(nodes), from_(nodes, 0) {}
+
+BroadcastOutcome BroadcastRound::fail_all(Incoming in, const std::string& why) {
+  BroadcastOutcome out;
+  out.failure = label_ + ": broadcast of iteration " + std::to_string(collecting_) + ": " + why;
+  const Status err(ErrorCode::kInvalidArgument, out.failure);
+  for (Incoming& w : waiting_) out.answers.push_back({std::move(w), err, {}});
+  out.answers.push_back({std::move(in), err, {}});
+  waiting_.clear();
+  ranks_.clear();
+  std::fill(from_.begin(), from_.end(), 0);
+  data_ = Buffer();
+  root_rank_ = -1;
+  last_done_ = static_cast<int64_t>(collecting_);
+  return out;
+}
+
+BroadcastOutcome BroadcastRound::add(Incoming in, uint32_t rank, bool is_root) {
+  const uint64_t iteration = in.message.header.arg;
+  const std::string node = "node " + std::to_string(in.from) + " (rank " + std::to_string(rank) + ")";
+  BroadcastOutcome out;
+  auto refuse = [&](const std::string& why) {
+    out.answers.push_back({std::move(in), Status(ErrorCode::kInvalidArgument, label_ + ": " + why), {}});
+    return std::move(out);
+  };
+  if (released_) return refuse("released");
+  const size_t want_payloads = is_root ? 2 : 1;
+  if (in.message.payloads.size() != want_payloads)
+    return refuse("broadcast from " + node + " has " + std::to_string(in.message.payloads.size()) +
+                  " payloads, expected " + std::to_string(want_payloads));
+  proto::BroadcastMeta meta;
+  try {
+    meta = proto::decode_broadcast_meta(in.message.payloads[0].view());
+  } catch (const Error& e) {
+    out.answers.push_back({std::move(in), Status(ErrorCode::kMalformed, e.what()), {}});
+    return out;
+  }
+  if (rank >= nodes_) return refuse(node + " is not a rank of the job");
+  if (waiting_.empty()) {
+    if (static_cast<int64_t>(iteration) <= last_done_)
+      return refuse("broadcast of iteration " + std::to_string(iteration) + " from " + node +
+                    " is not after the last one (" + std::to_string(last_done_) + ")");
+    collecting_ = iteration;
+    meta_ = meta;
+    first_rank_ = rank;
+  } else if (iteration != collecting_) {
+    return fail_all(std::move(in), node + " sent iteration " + std::to_string(iteration) +
+                                       ", rank " + std::to_string(first_rank_) + " iteration " +
+                                       std::to_string(collecting_) +
+                                       " (the ranks run different broadcasts)");
+  }
+  if (from_[rank]) return fail_all(std::move(in), node + " sent its part twice");
+  if (!(meta == meta_))
+    return fail_all(std::move(in), "the ranks disagree: " + node + " passed " +
+                                       proto::describe(meta) + ", rank " +
+                                       std::to_string(first_rank_) + " passed " +
+                                       proto::describe(meta_));
+  const uint64_t begin = part_.offset * 4;
+  if (part_.index > 0 && begin >= meta.nbytes)
+    return fail_all(std::move(in), node + " sent partition " + std::to_string(part_.index) +
+                                       ", beyond the broadcast's " + std::to_string(meta.nbytes) +
+                                       " bytes");
+  const uint64_t want = meta.nbytes <= begin ? 0 : std::min<uint64_t>(meta.nbytes - begin, part_.count * 4);
+  if (is_root) {
+    if (root_rank_ >= 0)
+      return fail_all(std::move(in), node + " and rank " + std::to_string(root_rank_) +
+                                         " both hold root rank " + std::to_string(meta.root));
+    if (in.message.payloads[1].size() != want)
+      return fail_all(std::move(in), "root " + node + " sent " +
+                                         std::to_string(in.message.payloads[1].size()) +
+                                         " bytes for a partition of " + std::to_string(want));
+    data_ = in.message.payloads[1];
+    root_rank_ = rank;
+  }
+  from_[rank] = 1;
+  ranks_.push_back(rank);
+  waiting_.push_back(std::move(in));
+  if (waiting_.size() < nodes_) return out;
+  if (root_rank_ < 0) {
+    Incoming last = std::move(waiting_.back());
+    waiting_.pop_back();
+    return fail_all(std::move(last), "no node holds root rank " + std::to_string(meta_.root) +
+                                         " (root beyond the job's ranks, or nodes with "
+                                         "different numbers of local ranks)");
+  }
+  for (size_t i = 0; i < waiting_.size(); ++i) {
+    const bool root = static_cast<int64_t>(ranks_[i]) == root_rank_;
+    out.answers.push_back({std::move(waiting_[i]), Status::Ok(), root ? Buffer() : data_});
+  }
+  waiting_.clear();
+  ranks_.clear();
+  std::fill(from_.begin(), from_.end(), 0);
+  data_ = Buffer();
+  root_rank_ = -1;
+  last_done_ = static_cast<int64_t>(collecting_);
+  return out;
+}
+
+std::vector<RoundAnswer> BroadcastRound::release(const Status& why) {
+  std::vector<RoundAnswer> out;
+  if (released_) return out;
+  released_ = true;
+  const Status err = why.ok() ? Status(ErrorCode::kUnavailable, label_ + " released") : why;
+  for (Incoming& in : waiting_) out.push_back({std::move(in), err, {}});
+  waiting_.clear();
+  data_ = Buffer();
+  return out;
+}
+
 }  // namespace bytecomp::server

@@ -26,6 +26,7 @@
 #include "common/error.h"
 #include "compress/compressor.h"
 #include "server/job.h"
+#include "server/protocol.h"
 #include "transport/transport.h"
 
 namespace bytecomp::server {
@@ -159,6 +160,50 @@ class PartitionRound {
   bool released_ = false;
   bool poisoned_ = false;
   std::string poison_;
+};
+
+// The broadcast state of one partition (docs/server.md "Broadcast"): every
+// rank (node) of the job sends one kBroadcast per iteration, the root's
+// carrying the bytes; once all arrived they are all answered (the root with
+// an empty ok, the others with the bytes), after checking that they agree.
+// No sum and no plan: the bytes travel raw. Thread-bound like
+// PartitionRound (the partition's engine thread).
+struct BroadcastOutcome {
+  std::vector<RoundAnswer> answers;
+  // Set when the nodes disagree (every sender so far is answered with it):
+  // the job must abort, so that the nodes not arrived yet learn it too.
+  std::string failure;
+};
+
+class BroadcastRound {
+ public:
+  // `part`: the partition (its bytes are [offset*4, (offset+count)*4) of the
+  // tensor); `label` as RoundSetup's.
+  BroadcastRound(Partition part, std::string label, uint32_t nodes);
+
+  // The part of rank `rank` (node `in.from`); `payloads` as received
+  // (meta, then the bytes when `is_root`).
+  BroadcastOutcome add(transport::Incoming in, uint32_t rank, bool is_root);
+  // The job ended: answers whatever waits with `why`. Idempotent.
+  std::vector<RoundAnswer> release(const Status& why);
+  bool released() const { return released_; }
+
+ private:
+  BroadcastOutcome fail_all(transport::Incoming in, const std::string& why);
+
+  Partition part_;
+  std::string label_;
+  uint32_t nodes_;
+  uint64_t collecting_ = 0;
+  int64_t last_done_ = -1;
+  std::vector<transport::Incoming> waiting_;
+  std::vector<uint8_t> from_;  // per rank
+  std::vector<uint32_t> ranks_;  // arrival order
+  proto::BroadcastMeta meta_;
+  uint32_t first_rank_ = 0;
+  int64_t root_rank_ = -1;  // the rank (node) that sent the bytes
+  transport::Buffer data_;
+  bool released_ = false;
 };
 
 }  // namespace bytecomp::server

@@ -42,6 +42,8 @@ struct ServerJob {
   std::unique_ptr<JobPlans> plans;  // from iteration on; its own lock
   std::unordered_map<uint64_t, std::unique_ptr<PartitionRound>> parts;  // fixed after setup
   std::vector<const PartitionRound*> round_list;                      // the same, for JobPlans
+  // Broadcast state of the same partitions (same engine), fixed after setup.
+  std::unordered_map<uint64_t, std::unique_ptr<BroadcastRound>> bcasts;
   uint64_t reserved = 0;
 
   std::mutex mu;  // guards end_*
@@ -122,6 +124,8 @@ struct ParameterServer::Impl {
                const transport::Incoming& in);
   void on_pull(const std::shared_ptr<ServerJob>& job, PartitionRound& round,
                transport::Incoming in);
+  void on_broadcast(const std::shared_ptr<ServerJob>& job, BroadcastRound& round,
+                    transport::Incoming in);
 
   void on_control(transport::Incoming in);
   void on_stats(const transport::Incoming& in);

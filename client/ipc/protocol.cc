@@ -118,6 +118,7 @@ const char* type_name(uint16_t t) {
     case MsgType::kStrategy: return "STRATEGY";
     case MsgType::kCtlRequest: return "CTL_REQUEST";
     case MsgType::kCtlReply: return "CTL_REPLY";
+    case MsgType::kCollective: return "COLLECTIVE";
   }
   return "unknown";
 }
@@ -240,6 +241,16 @@ std::vector<uint8_t> encode(const CtlReply& m) {
   w.u8(m.last ? 1 : 0);
   w.u32(static_cast<uint32_t>(m.data.size()));
   w.raw(m.data);
+  return w.finish();
+}
+std::vector<uint8_t> encode(const Collective& m) {
+  Writer w(MsgType::kCollective);
+  w.u8(static_cast<uint8_t>(m.op));
+  w.u32(m.tensor);
+  w.u64(m.iteration);
+  w.u32(m.root);
+  w.u64(m.nbytes);
+  w.u64(m.tag);
   return w.finish();
 }
 std::vector<std::vector<uint8_t>> encode_ctl_reply(uint32_t code, std::string_view text) {
@@ -420,6 +431,34 @@ Decoded decode(std::span<const uint8_t> bytes) {
       }
       m.last = last == 1;
       d.msg = std::move(m);
+      break;
+    }
+    case MsgType::kCollective: {
+      Collective m;
+      const uint8_t op = r.u8("op");
+      m.tensor = r.u32("tensor");
+      m.iteration = r.u64("iteration");
+      m.root = r.u32("root");
+      m.nbytes = r.u64("nbytes");
+      m.tag = r.u64("tag");
+      r.end();
+      if (op != static_cast<uint8_t>(CollectiveOp::kBroadcast) &&
+          op != static_cast<uint8_t>(CollectiveOp::kBarrier)) {
+        r.fail("unknown collective op " + std::to_string(op));
+      }
+      m.op = static_cast<CollectiveOp>(op);
+      if (m.iteration > static_cast<uint64_t>(INT64_MAX)) {
+        r.fail("iteration " + std::to_string(m.iteration) + " exceeds 2^63 - 1");
+      }
+      if (m.op == CollectiveOp::kBarrier) {
+        if (m.tensor != kBarrierTensor || m.root != 0 || m.nbytes != 0 || m.tag != 0)
+          r.fail("a barrier carries no tensor, root, size or tag");
+      } else {
+        if (m.tensor >= kMaxTensors) r.fail("tensor id " + std::to_string(m.tensor) + " too large");
+        if (m.root >= kMaxLocalSize * kMaxNodes) r.fail("root rank " + std::to_string(m.root) + " too large");
+        if (m.nbytes > (uint64_t{1} << 40)) r.fail("broadcast of " + std::to_string(m.nbytes) + " bytes exceeds 1 TiB");
+      }
+      d.msg = m;
       break;
     }
     default:

@@ -19,6 +19,8 @@
 //   C STRATEGY     (optional, once, before START: the job's strategy YAML)
 //   C START        -> D READY (once every local rank started) | ERROR
 //   then data moves through shared memory (shm_layout.h); on the socket:
+//   C COLLECTIVE   (a broadcast or barrier; no reply: it completes through
+//                   the completion ring like a push_pull, see Collective)
 //   D ABORT        (the job was aborted; D closes afterwards)
 //   C BYE          (graceful leave; C closes)
 //
@@ -70,6 +72,7 @@ enum class MsgType : uint16_t {
   kStrategy = 9,  // added within version 1: older daemons refuse it by type
   kCtlRequest = 10,  // added within version 1 (bytecompctl), as kStrategy
   kCtlReply = 11,
+  kCollective = 12,  // added within version 1 (broadcast, barrier), as kStrategy
 };
 
 // Version of the operator requests' payload (CtlRequest.ctl_version).
@@ -150,8 +153,32 @@ struct CtlReply {
   std::string data;
 };
 
+// A collective operation of this local rank, after READY. Every rank of the
+// job (all nodes) sends the same one: same op, tensor, iteration, root,
+// nbytes and tag; the daemon (and across nodes the servers) check that and
+// fail the job naming what differed.
+//   kBroadcast: the first `nbytes` bytes of `tensor`'s buffer of global rank
+//     `root` (= node_rank * local_size + local_rank) are copied, raw, into
+//     every rank's buffer of `tensor`. `iteration` follows the tensor's
+//     push_pull rule (increasing; one operation per tensor in flight).
+//     Completes as a ring entry {tensor, status, iteration}.
+//   kBarrier: no payload; completes once every rank of the job entered it.
+//     tensor = kBarrierTensor, root = nbytes = tag = 0, iteration = the
+//     rank's barrier sequence number (0, 1, ...); its completion is the ring
+//     entry {kBarrierTensor, status, iteration}.
+enum class CollectiveOp : uint8_t { kBroadcast = 1, kBarrier = 2 };
+inline constexpr uint32_t kBarrierTensor = 0xFFFFFFFFu;
+struct Collective {
+  CollectiveOp op = CollectiveOp::kBroadcast;
+  uint32_t tensor = 0;
+  uint64_t iteration = 0;
+  uint32_t root = 0;
+  uint64_t nbytes = 0;
+  uint64_t tag = 0;  // a value every rank must pass equal (e.g. a hash of what travels)
+};
+
 using Message = std::variant<Hello, Welcome, Declare, Start, Ready, ErrorMsg, Bye, StrategyMsg,
-                             CtlRequest, CtlReply>;
+                             CtlRequest, CtlReply, Collective>;
 
 struct Decoded {
   MsgType type;
@@ -171,6 +198,7 @@ std::vector<uint8_t> encode(const Bye& m);
 std::vector<uint8_t> encode(const StrategyMsg& m);
 std::vector<uint8_t> encode(const CtlRequest& m);
 std::vector<uint8_t> encode(const CtlReply& m);
+std::vector<uint8_t> encode(const Collective& m);
 // Cuts `text` into CTL_REPLY datagrams of at most kMaxCtlChunkBytes each,
 // the last one flagged (one empty datagram for empty text).
 std::vector<std::vector<uint8_t>> encode_ctl_reply(uint32_t code, std::string_view text);

@@ -91,8 +91,9 @@ struct TensorInfo {
 };
 
 struct Op {
-  uint32_t tensor;
+  uint32_t tensor;  // ipc::kBarrierTensor for a barrier
   uint64_t iteration;
+  const char* kind = "push_pull";  // "broadcast", "barrier"
   bool done = false;
   bytecomp_status status = BYTECOMP_OK;
   std::string message;
@@ -129,6 +130,8 @@ struct bytecomp_client {
   std::unordered_map<bytecomp_handle, Op> ops;
   std::vector<bytecomp_handle> pending;  // per tensor; 0 when none
   std::vector<int64_t> last_iteration;   // per tensor; -1 before the first
+  bytecomp_handle pending_barrier = 0;   // 0 when none
+  uint64_t barrier_seq = 0;              // of the next barrier
   bytecomp_handle next_handle = 1;
   bool reaper_active = false;
 
@@ -165,6 +168,24 @@ struct bytecomp_client {
     return ipc::decode(buf);
   }
 
+  // "push_pull of tensor 'x' (iteration 3)", "barrier 2" (lock held).
+  std::string describe(const Op& op) const {
+    if (op.tensor == ipc::kBarrierTensor) return "barrier " + std::to_string(op.iteration);
+    return std::string(op.kind) + " of tensor '" + tensors[op.tensor].name + "' (iteration " +
+           std::to_string(op.iteration) + ")";
+  }
+
+  // Sends one message while started (lock held; the socket's only other
+  // user then is check_health(), also under the lock).
+  void send_started(const std::vector<uint8_t>& m) {
+    try {
+      send_msg(m);
+    } catch (const ApiError& e) {
+      break_job(e.status, e.message);
+      throw;
+    }
+  }
+
   // --- broken state (lock held) --------------------------------------------
   void break_job(bytecomp_status s, const std::string& msg) {
     if (phase == Phase::kBroken) return;
@@ -175,8 +196,7 @@ struct bytecomp_client {
       if (!op.done) {
         op.done = true;
         op.status = s;
-        op.message = "push_pull of tensor '" + tensors[op.tensor].name + "' (iteration " +
-                     std::to_string(op.iteration) + ") failed: " + msg;
+        op.message = describe(op) + " failed: " + msg;
       }
     }
     cv.notify_all();
@@ -220,6 +240,22 @@ struct bytecomp_client {
     ipc::RingEntry e;
     try {
       while (complete->pop(e)) {
+        if (e.tensor == ipc::kBarrierTensor) {
+          auto it = pending_barrier != 0 ? ops.find(pending_barrier) : ops.end();
+          if (it == ops.end() || it->second.iteration != e.iteration) {
+            break_job(BYTECOMP_ERR_PROTOCOL, "bytecompd completed barrier " +
+                                                 std::to_string(e.iteration) +
+                                                 " which is not in flight");
+            return;
+          }
+          it->second.done = true;
+          if (e.status != 0) {
+            it->second.status = from_code(static_cast<ErrorCode>(e.status));
+            it->second.message = describe(it->second) + " failed in bytecompd";
+          }
+          pending_barrier = 0;
+          continue;
+        }
         if (e.tensor >= tensors.size() || pending[e.tensor] == 0) {
           break_job(BYTECOMP_ERR_PROTOCOL, "bytecompd completed tensor " +
                                                std::to_string(e.tensor) +
@@ -237,7 +273,7 @@ struct bytecomp_client {
         op.done = true;
         if (e.status != 0) {
           op.status = from_code(static_cast<ErrorCode>(e.status));
-          op.message = "push_pull of tensor '" + tensors[e.tensor].name + "' failed in bytecompd";
+          op.message = describe(op) + " failed in bytecompd";
         }
         pending[e.tensor] = 0;
       }
@@ -653,6 +689,81 @@ bytecomp_status bytecomp_push_pull(bytecomp_client* c, uint32_t id, uint64_t ite
   });
 }
 
+bytecomp_status bytecomp_broadcast(bytecomp_client* c, uint32_t id, uint64_t iteration,
+                                   uint32_t root_rank, uint64_t nbytes, uint64_t tag,
+                                   bytecomp_handle* out) {
+  return guarded([&] {
+    require_client(c);
+    if (out == nullptr) fail(BYTECOMP_ERR_INVALID_ARGUMENT, "out_handle is NULL");
+    *out = 0;
+    std::lock_guard lock(c->mu);
+    require_started(c, "bytecomp_broadcast");
+    c->check_health();
+    require_healthy(c);
+    require_tensor(c, id);
+    const TensorInfo& t = c->tensors[id];
+    if (c->pending[id] != 0) {
+      fail(BYTECOMP_ERR_STATE, "tensor '" + t.name + "' already has an operation in flight (" +
+                                   c->describe(c->ops.at(c->pending[id])) +
+                                   "): wait for that handle first");
+    }
+    if (iteration > static_cast<uint64_t>(INT64_MAX) ||
+        static_cast<int64_t>(iteration) <= c->last_iteration[id]) {
+      fail(BYTECOMP_ERR_INVALID_ARGUMENT,
+           "tensor '" + t.name + "': iteration " + std::to_string(iteration) +
+               " is not after the last one (" + std::to_string(c->last_iteration[id]) +
+               "); iterations of a tensor must increase");
+    }
+    if (nbytes > t.bytes) {
+      fail(BYTECOMP_ERR_INVALID_ARGUMENT, "broadcast of " + std::to_string(nbytes) +
+                                              " bytes exceeds tensor '" + t.name + "''s " +
+                                              std::to_string(t.bytes) + " bytes");
+    }
+    ipc::Collective m;
+    m.op = ipc::CollectiveOp::kBroadcast;
+    m.tensor = id;
+    m.iteration = iteration;
+    m.root = root_rank;
+    m.nbytes = nbytes;
+    m.tag = tag;
+    c->send_started(ipc::encode(m));
+    const bytecomp_handle h = c->next_handle++;
+    Op op{id, iteration};
+    op.kind = "broadcast";
+    c->ops.emplace(h, std::move(op));
+    c->pending[id] = h;
+    c->last_iteration[id] = static_cast<int64_t>(iteration);
+    *out = h;
+  });
+}
+
+bytecomp_status bytecomp_barrier(bytecomp_client* c, bytecomp_handle* out) {
+  return guarded([&] {
+    require_client(c);
+    if (out == nullptr) fail(BYTECOMP_ERR_INVALID_ARGUMENT, "out_handle is NULL");
+    *out = 0;
+    std::lock_guard lock(c->mu);
+    require_started(c, "bytecomp_barrier");
+    c->check_health();
+    require_healthy(c);
+    if (c->pending_barrier != 0) {
+      fail(BYTECOMP_ERR_STATE, c->describe(c->ops.at(c->pending_barrier)) +
+                                   " is still in flight: wait for that handle first");
+    }
+    ipc::Collective m;
+    m.op = ipc::CollectiveOp::kBarrier;
+    m.tensor = ipc::kBarrierTensor;
+    m.iteration = c->barrier_seq;
+    c->send_started(ipc::encode(m));
+    const bytecomp_handle h = c->next_handle++;
+    Op op{ipc::kBarrierTensor, c->barrier_seq++};
+    op.kind = "barrier";
+    c->ops.emplace(h, std::move(op));
+    c->pending_barrier = h;
+    *out = h;
+  });
+}
+
 bytecomp_status bytecomp_wait(bytecomp_client* c, bytecomp_handle h, uint32_t timeout_ms) {
   return guarded([&] {
     require_client(c);
@@ -671,6 +782,7 @@ bytecomp_status bytecomp_wait(bytecomp_client* c, bytecomp_handle h, uint32_t ti
         Op op = std::move(it->second);
         c->ops.erase(it);
         if (c->pending.size() > op.tensor && c->pending[op.tensor] == h) c->pending[op.tensor] = 0;
+        if (c->pending_barrier == h) c->pending_barrier = 0;
         if (op.status != BYTECOMP_OK) fail(op.status, op.message);
         return;
       }
@@ -683,8 +795,7 @@ bytecomp_status bytecomp_wait(bytecomp_client* c, bytecomp_handle h, uint32_t ti
       }
       if (now >= deadline) {
         fail(BYTECOMP_ERR_TIMEOUT,
-             "push_pull of tensor '" + c->tensors[it->second.tensor].name + "' (iteration " +
-                 std::to_string(it->second.iteration) + ") not finished within " +
+             c->describe(it->second) + " not finished within " +
                  std::to_string(timeout_ms) + " ms; the handle stays valid");
       }
       const auto slice = std::min<Clock::duration>(deadline - now, kSlice);

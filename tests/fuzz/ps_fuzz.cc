@@ -5,6 +5,8 @@
 //   1 admission (coordinator -> node, kJobSetup to servers): decode_admission
 //   2 kServerHello (server -> coordinator): decode_server_info
 //   3 a reply: u16 header type, u32 aux, then the payload: reply_status
+//   0xB0 (only that value, so the other inputs keep their meaning):
+//     kBroadcast's BroadcastMeta: decode_broadcast_meta
 // Push and pull payloads are compressed buffers (compress_fuzz) or raw fp32
 // whose length is checked against the partition; kSetStrategy's payload is
 // strategy YAML (strategy_fuzz). Error(kMalformed) is a correct rejection; a
@@ -39,6 +41,22 @@ void check_code(const Error& e) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] == 0xB0) {
+    proto::BroadcastMeta m;
+    try {
+      m = proto::decode_broadcast_meta(payload);
+    } catch (const Error& e) {
+      check_code(e);
+      return 0;
+    }
+    const std::string once(proto::encode(m).view());
+    try {
+      if (!(proto::decode_broadcast_meta(once) == m)) bcfuzz::broken("ps", "broadcast meta not stable");
+    } catch (const Error& e) {
+      bcfuzz::broken("ps", std::string("re-encoded broadcast meta does not decode: ") + e.what());
+    }
+    return 0;
+  }
   switch (data[0] % 4) {
     case 0: {
       bytecomp::server::JobSpec s;

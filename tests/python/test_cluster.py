@@ -149,7 +149,12 @@ class Quick(unittest.TestCase):
             self.assertEqual(p.returncode, 0, stdout[-4000:] + stderr[-4000:])
             last = json.loads(stdout.strip().splitlines()[-1])
             self.assertEqual(set(last), {"results", "compute_only_ms", "goodput_vs_link",
-                                         "loss_rel_diff_vs_ddp"})
+                                         "loss_rel_diff_vs_ddp", "broadcast_ms"})
+            # bc.broadcast_parameters vs DDP's broadcast, both timed, every bandwidth.
+            self.assertEqual(sorted(last["broadcast_ms"]["resnet18"]), ["1gbit", "unshaped"])
+            for bw, ways in last["broadcast_ms"]["resnet18"].items():
+                self.assertGreater(ways["ddp"] or 0, 0, (bw, ways))
+                self.assertGreater(ways["bytecomp"] or 0, 0, (bw, ways))
             table = open(os.path.join(out, "results.md")).read()
             bws = last["results"]["resnet18"]
             self.assertEqual(sorted(bws), ["1gbit", "unshaped"])

@@ -387,3 +387,129 @@ TEST(RoundsTest, ReservationCoversWhatARoundHolds) {
   EXPECT_EQ(round_reservation(fp16, 1000, 4, false),
             16000u + 4 * push_bytes_bound(fp16, 1000) + 2 * pull_bytes_bound(fp16, 1000));
 }
+
+// ---------------------------------------------------------------------------
+// BroadcastRound: the root's bytes to every node once all nodes sent their
+// part; disagreements fail everyone who sent.
+
+namespace {
+
+struct Bcast {
+  // Partition 1 of a tensor cut at 1000 elements (bytes 4000..7999).
+  Bcast(uint32_t nodes, uint64_t count = 1000)
+      : round(part(count), "job 'b' tensor 'x' partition 1 (key 0x1)", nodes) {}
+  static Partition part(uint64_t count) {
+    Partition p;
+    p.key = strategy::partition_key(0, 1);
+    p.index = 1;
+    p.offset = 1000;
+    p.count = count;
+    return p;
+  }
+  BroadcastOutcome add(uint32_t rank, uint64_t it, proto::BroadcastMeta meta,
+                       const std::string* bytes = nullptr) {
+    Incoming in;
+    in.from = kFirstNode + rank;
+    in.expects_reply = true;
+    in.request_id = 1000 * it + rank;
+    in.message.header.arg = it;
+    in.message.payloads.push_back(proto::encode(meta));
+    if (bytes) in.message.payloads.push_back(Buffer::copy_of(*bytes));
+    return round.add(std::move(in), rank, bytes != nullptr);
+  }
+  BroadcastRound round;
+};
+
+}  // namespace
+
+TEST(BroadcastRound, AnswersEveryNodeWithTheRootsBytesOnceAllArrived) {
+  Bcast b(3);
+  const proto::BroadcastMeta meta{4, 6000, 77};  // this partition holds bytes 4000..5999
+  std::string bytes(2000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 37);
+  EXPECT_TRUE(b.add(0, 0, meta).answers.empty());
+  EXPECT_TRUE(b.add(2, 0, meta, &bytes).answers.empty());
+  BroadcastOutcome out = b.add(1, 0, meta);
+  ASSERT_TRUE(out.failure.empty()) << out.failure;
+  ASSERT_EQ(out.answers.size(), 3u);
+  for (const RoundAnswer& a : out.answers) {
+    ASSERT_TRUE(a.status.ok()) << a.status.to_string();
+    if (a.to.from == kFirstNode + 2) {
+      EXPECT_TRUE(a.payload.empty());  // the root has them
+    } else {
+      EXPECT_EQ(a.payload.view(), bytes);
+    }
+  }
+  // The next iteration starts afresh; the finished one is stale.
+  out = b.add(0, 0, meta);
+  ASSERT_EQ(out.answers.size(), 1u);
+  EXPECT_NE(out.answers[0].status.message().find("is not after the last one (0)"),
+            std::string::npos)
+      << out.answers[0].status.message();
+}
+
+TEST(BroadcastRound, DisagreeingNodesFailEveryoneWhoSentNamingTheValues) {
+  Bcast b(3);
+  EXPECT_TRUE(b.add(0, 5, {0, 8000, 1}).answers.empty());
+  BroadcastOutcome out = b.add(1, 5, {0, 8004, 1});
+  ASSERT_EQ(out.answers.size(), 2u);
+  EXPECT_NE(out.failure.find("the ranks disagree: node 101 (rank 1) passed root rank 0, 8004 "
+                             "bytes"),
+            std::string::npos)
+      << out.failure;
+  EXPECT_NE(out.failure.find("rank 0 passed root rank 0, 8000 bytes"), std::string::npos)
+      << out.failure;
+  for (const RoundAnswer& a : out.answers) {
+    EXPECT_EQ(a.status.code(), ErrorCode::kInvalidArgument);
+    EXPECT_EQ(a.status.message(), out.failure);
+  }
+}
+
+TEST(BroadcastRound, RootProblemsAreDetected) {
+  const proto::BroadcastMeta meta{0, 8000, 0};
+  const std::string full(4000, 'x'), short_(3999, 'x');
+  {
+    Bcast b(2);  // two roots
+    EXPECT_TRUE(b.add(0, 0, meta, &full).answers.empty());
+    BroadcastOutcome out = b.add(1, 0, meta, &full);
+    EXPECT_NE(out.failure.find("both hold root rank 0"), std::string::npos) << out.failure;
+    EXPECT_EQ(out.answers.size(), 2u);
+  }
+  {
+    Bcast b(2);  // nobody holds the root
+    EXPECT_TRUE(b.add(0, 0, meta).answers.empty());
+    BroadcastOutcome out = b.add(1, 0, meta);
+    EXPECT_NE(out.failure.find("no node holds root rank 0"), std::string::npos) << out.failure;
+    EXPECT_EQ(out.answers.size(), 2u);
+  }
+  {
+    Bcast b(2);  // the root's bytes do not fill the partition's share
+    BroadcastOutcome out = b.add(0, 0, meta, &short_);
+    EXPECT_NE(out.failure.find("sent 3999 bytes for a partition of 4000"), std::string::npos)
+        << out.failure;
+  }
+  {
+    Bcast b(2);  // the broadcast ends before this partition
+    BroadcastOutcome out = b.add(0, 0, {0, 4000, 0});
+    EXPECT_NE(out.failure.find("beyond the broadcast's 4000 bytes"), std::string::npos)
+        << out.failure;
+  }
+}
+
+TEST(BroadcastRound, ReleaseAnswersWhatWaitsAndMalformedMetaIsRefused) {
+  Bcast b(3);
+  EXPECT_TRUE(b.add(0, 0, {0, 8000, 0}).answers.empty());
+  std::vector<RoundAnswer> gone =
+      b.round.release(Status(ErrorCode::kAborted, "job 'b' aborted: node 102 died"));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].status.message(), "job 'b' aborted: node 102 died");
+  Bcast c(2);
+  Incoming in;
+  in.from = kFirstNode;
+  in.message.payloads.push_back(Buffer::copy_of(std::string("\x01\x00\x02", 3)));
+  BroadcastOutcome out = c.round.add(std::move(in), 0, false);
+  ASSERT_EQ(out.answers.size(), 1u);
+  EXPECT_EQ(out.answers[0].status.code(), ErrorCode::kMalformed);
+  EXPECT_NE(out.answers[0].status.message().find("truncated at field 'root'"), std::string::npos)
+      << out.answers[0].status.message();
+}

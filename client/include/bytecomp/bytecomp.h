@@ -186,7 +186,35 @@ BYTECOMP_API bytecomp_status bytecomp_push_pull(bytecomp_client* client, uint32_
                                                 uint64_t iteration,
                                                 bytecomp_handle* out_handle);
 
-/* Waits at most timeout_ms (0: just look) for the push_pull to finish. BYTECOMP_OK: the
+/* Added in ABI 1.2 (symbol version BYTECOMP_1.2). Starts a broadcast: the
+ * first `nbytes` bytes of the tensor's buffer of global rank `root_rank`
+ * (node_rank * local_size + local_rank) are copied, raw (any dtype, no
+ * conversion), into every rank's buffer of the tensor; the rest of the
+ * buffers stays as it is. The root's node sends them once, cut at the
+ * cluster's partitions, to the parameter servers, which answer every other
+ * node with them; on the node the daemon copies them between the local
+ * ranks' shared memory. Every rank of the job must call it with the same
+ * tensor, iteration, root_rank, nbytes and `tag` (a value of the caller's,
+ * e.g. a hash of what travels); where they differ the job fails on every rank
+ * with an error naming the values. Iterations and the one-operation-in-flight
+ * rule are shared with bytecomp_push_pull on the same tensor (do not mix the
+ * two on one tensor while one is in flight). Wait with bytecomp_wait(); the
+ * root's buffer must stay untouched until then. nbytes may be 0 (the call
+ * then only synchronises). An older bytecompd refuses it (the job fails). */
+BYTECOMP_API bytecomp_status bytecomp_broadcast(bytecomp_client* client, uint32_t tensor_id,
+                                                uint64_t iteration, uint32_t root_rank,
+                                                uint64_t nbytes, uint64_t tag,
+                                                bytecomp_handle* out_handle);
+
+/* Added in ABI 1.2. Starts a barrier: its handle completes (bytecomp_wait)
+ * once every rank of the job (every node: through the coordinator) has
+ * called bytecomp_barrier as often. At most one barrier in flight per
+ * client. A rank that closes or dies meanwhile fails it for everyone. */
+BYTECOMP_API bytecomp_status bytecomp_barrier(bytecomp_client* client,
+                                              bytecomp_handle* out_handle);
+
+/* Waits at most timeout_ms (0: just look) for the push_pull (broadcast,
+ * barrier) to finish. BYTECOMP_OK: the
  * buffer holds the result and the handle is released. BYTECOMP_ERR_TIMEOUT:
  * not finished yet, the handle stays valid (wait again). Any other error: the
  * operation failed and the handle is released. */

@@ -161,6 +161,19 @@ class Client {
     return Operation(client_, h);
   }
 
+  // bytecomp_broadcast / bytecomp_barrier (ABI 1.2).
+  Operation broadcast(uint32_t tensor, uint64_t iteration, uint32_t root_rank, uint64_t nbytes,
+                      uint64_t tag = 0) {
+    bytecomp_handle h = 0;
+    detail::check(bytecomp_broadcast(client_, tensor, iteration, root_rank, nbytes, tag, &h));
+    return Operation(client_, h);
+  }
+  Operation barrier() {
+    bytecomp_handle h = 0;
+    detail::check(bytecomp_barrier(client_, &h));
+    return Operation(client_, h);
+  }
+
   // Leaves the job now; reports how it ended. The Client is empty afterwards.
   void close() { detail::check(bytecomp_close(std::exchange(client_, nullptr))); }
 

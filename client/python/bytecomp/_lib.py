@@ -169,6 +169,12 @@ def _declare(lib):
     if hasattr(lib, "bytecomp_set_strategy"):
         lib.bytecomp_set_strategy.argtypes = [vp, c.c_char_p, c.c_char_p]
         lib.bytecomp_set_strategy.restype = c.c_int
+    # ABI 1.2 (BYTECOMP_1.2): absent from older libraries.
+    if hasattr(lib, "bytecomp_broadcast"):
+        lib.bytecomp_broadcast.argtypes = [vp, u32, u64, u32, u64, u64, c.POINTER(u64)]
+        lib.bytecomp_broadcast.restype = c.c_int
+        lib.bytecomp_barrier.argtypes = [vp, c.POINTER(u64)]
+        lib.bytecomp_barrier.restype = c.c_int
 
 
 def library():
@@ -205,6 +211,12 @@ def library():
 def has_set_strategy():
     """Whether the loaded libbytecomp has bytecomp_set_strategy (ABI 1.1)."""
     return hasattr(library(), "bytecomp_set_strategy")
+
+
+def has_collectives():
+    """Whether the loaded libbytecomp has bytecomp_broadcast and
+    bytecomp_barrier (ABI 1.2)."""
+    return hasattr(library(), "bytecomp_broadcast")
 
 
 def version_string():
@@ -291,6 +303,32 @@ class Client:
     def push_pull(self, tensor_id, iteration):
         h = ctypes.c_uint64()
         self._check(self._lib.bytecomp_push_pull(self._c, tensor_id, iteration, ctypes.byref(h)))
+        return h.value
+
+    def _need_collectives(self, call):
+        if not hasattr(self._lib, "bytecomp_broadcast"):
+            raise UnsupportedError(
+                "BYTECOMP_ERR_UNSUPPORTED",
+                "this libbytecomp (%s) has no %s (ABI 1.2): install a libbytecomp and "
+                "bytecompd of the same release" % (version_string(), call))
+
+    def broadcast(self, tensor_id, iteration, root_rank, nbytes, tag=0):
+        """bytecomp_broadcast: starts copying root_rank's first `nbytes` bytes
+        of the tensor's buffer into every rank's; returns the handle (wait
+        with wait_once). Every rank passes the same values."""
+        self._need_collectives("bytecomp_broadcast")
+        h = ctypes.c_uint64()
+        self._check(self._lib.bytecomp_broadcast(self._c, tensor_id, iteration, root_rank,
+                                                 nbytes, tag & 0xFFFFFFFFFFFFFFFF,
+                                                 ctypes.byref(h)))
+        return h.value
+
+    def barrier(self):
+        """bytecomp_barrier: returns the handle, done once every rank of
+        the job entered the barrier."""
+        self._need_collectives("bytecomp_barrier")
+        h = ctypes.c_uint64()
+        self._check(self._lib.bytecomp_barrier(self._c, ctypes.byref(h)))
         return h.value
 
     def wait_once(self, handle, timeout_ms):

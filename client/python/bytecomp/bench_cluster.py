@@ -176,9 +176,22 @@ def summarize(ranks, system, world, loss_steps):
         elif sw > per[0].get("warmup", 0):
             out["auto"]["note"] = ("switched at iteration %d, after the timed steps began at %d"
                                    % (sw, per[0].get("warmup", 0)))
+    if "broadcast_s" in per[0]:
+        out.update(summarize_broadcast(per))
     if "time_to_accuracy_s" in per[0]:
         for key in ("time_to_accuracy_s", "final_accuracy", "epochs", "target_accuracy"):
             out[key] = per[0][key]
+    return out
+
+
+def summarize_broadcast(per):
+    """System 'broadcast': per way, the median over the repetitions of the
+    slowest rank's time (a broadcast is done when the last rank has it)."""
+    out = {}
+    for way in ("ddp", "bytecomp"):
+        reps = len(per[0]["broadcast_s"][way])
+        slowest = [max(p["broadcast_s"][way][i] for p in per) for i in range(reps)]
+        out["broadcast_%s_ms" % way] = 1000 * median(slowest) if slowest else None
     return out
 
 
@@ -213,6 +226,7 @@ class Bench:
         self.compute_ends = {}  # model -> bw -> [start ms, end ms]
         self.goodput = {}      # bw -> {ratio, ...}
         self.digits = {}       # system -> summary
+        self.broadcast = {}    # model -> bw -> {"ddp": ms, "bytecomp": ms} (or an error)
         self.notes = []
         self.t_start = time.monotonic()
 
@@ -251,6 +265,9 @@ class Bench:
             total += steps * (compute + comm)
             if s.startswith("ddp"):
                 total += 0 if rate is None else MODEL_BYTES[model] * 8 / rate  # constructor broadcast
+            if s == "broadcast":
+                total += 2 * a.broadcast_reps * (
+                    2.0 if rate is None else MODEL_BYTES[model] * 8 / rate + 2.0)
         return total
 
     # -- running ---------------------------------------------------------------
@@ -296,7 +313,8 @@ class Bench:
                 "--steps", str(self.steps_for(bw, model)), "--batch", str(a.batch or d["batch"]),
                 "--seq", str(d["seq"]), "--strategy-dir", os.path.join(tmp, "strategies"),
                 "--out", out, "--auto-compressors", a.auto_compressors,
-                "--auto-extra-steps", str(a.auto_extra_steps)] + extra
+                "--auto-extra-steps", str(a.auto_extra_steps),
+                "--broadcast-reps", str(a.broadcast_reps)] + extra
         est = self.estimate_s(model, bw, systems)
         limit = max(300.0, 4 * est + 120)
         self.log("%s at %s: %s (estimate %.0f s, limit %.0f s)" % (model, bw, ", ".join(systems),
@@ -352,6 +370,7 @@ class Bench:
                         systems.append("bc_pushpull")
                         extra = ["--pushpull-bytes", str(self.pushpull_bytes(bw)),
                                  "--pushpull-rounds", str(a.pushpull_rounds)]
+                    systems += self.broadcast_systems(runnable)
                     systems += ["compute_end"] + [x for x in runnable if x in RISKY]
                     res, rc = self.launch(cluster, model, bw, systems, extra, tmp)
                     # The machine's load drifts during a launch: the bound is
@@ -362,6 +381,7 @@ class Bench:
                     self.compute_ends.setdefault(model, {})[bw] = ends
                     if "bc_pushpull" in res:
                         self.goodput[bw] = self.goodput_of(res["bc_pushpull"], bw)
+                    self.record_broadcast(model, bw, res)
                     self.results.setdefault(model, {})[bw] = {
                         s: res[s] for s in runnable}
                     self.log("elapsed %.0f min" % ((time.monotonic() - self.t_start) / 60))
@@ -375,6 +395,50 @@ class Bench:
         if not a.keep_strategies:
             import shutil
             shutil.rmtree(tmp, ignore_errors=True)
+
+    # -- broadcast of the model's state: bc.broadcast_parameters vs DDP's ------
+    def broadcast_systems(self, runnable):
+        """The 'broadcast' measurement runs in every launch with a ByteComp
+        system (it needs bytecomp.torch and torch.distributed)."""
+        return ["broadcast"] if self.args.broadcast_reps > 0 and any(
+            s.startswith("bc_") for s in runnable) else []
+
+    def record_broadcast(self, model, bw, res):
+        r = res.get("broadcast")
+        if r is None:
+            return
+        if "error" in r:
+            self.broadcast.setdefault(model, {})[bw] = {"error": r["error"]}
+            return
+        self.broadcast.setdefault(model, {})[bw] = {
+            "ddp": r.get("broadcast_ddp_ms"), "bytecomp": r.get("broadcast_bytecomp_ms"),
+            "bytes": r.get("bytes")}
+
+    def broadcast_json(self):
+        return {m: {bw: ({"ddp": round(v["ddp"], 1) if v.get("ddp") is not None else None,
+                          "bytecomp": round(v["bytecomp"], 1)
+                          if v.get("bytecomp") is not None else None}
+                         if "error" not in v else {"ddp": None, "bytecomp": None})
+                    for bw, v in bws.items()} for m, bws in self.broadcast.items()}
+
+    def broadcast_table(self):
+        if not self.broadcast:
+            return ""
+        out = ("\n\nBroadcast of the model's state from rank 0 (bc.broadcast_parameters vs "
+               "DDP's constructor broadcast, torch.distributed._broadcast_coalesced, same "
+               "launch; median of %d, slowest rank):\n\n| model | bandwidth | bytes | DDP ms | "
+               "ByteComp ms | ByteComp / DDP |\n|---|---|---|---|---|---|\n" %
+               self.args.broadcast_reps)
+        for m, bws in self.broadcast.items():
+            for bw, v in bws.items():
+                if "error" in v:
+                    out += "| %s | %s | | null: %s | | |\n" % (m, bw, v["error"])
+                    continue
+                d, b = v.get("ddp"), v.get("bytecomp")
+                out += "| %s | %s | %s | %s | %s | %s |\n" % (
+                    m, bw, human_bytes(v.get("bytes")), fmt(d), fmt(b),
+                    fmt(b / d if d and b is not None else None, "%.2f"))
+        return out
 
     def pushpull_bytes(self, bw):
         """About 2 s of link time per round, at least 4 MiB, at most 128 MiB."""
@@ -431,7 +495,7 @@ class Bench:
                     vals.append((r["loss_at_k"] - ref["loss_at_k"]) / ref["loss_at_k"])
             loss[s] = round(median(vals), 4) if vals else None
         return {"results": res, "compute_only_ms": comp, "goodput_vs_link": good,
-                "loss_rel_diff_vs_ddp": loss}
+                "loss_rel_diff_vs_ddp": loss, "broadcast_ms": self.broadcast_json()}
 
     def table(self):
         a = self.args
@@ -474,6 +538,7 @@ class Bench:
                     bw, human_bytes(g.get("tensor_bytes")), fmt(g.get("round_ms")),
                     fmt(g.get("ratio"), "%.3f", "null: %s" % g.get("error")),
                     fmt(g.get("wire_vs_link"), "%.3f"))
+        out += self.broadcast_table()
         if self.digits:
             out += ("\n\nDigits MLP at %s, target %.0f%% test accuracy:\n\n| system | time to "
                     "accuracy s | final accuracy %% | epochs |\n|---|---|---|---|\n" %
@@ -573,6 +638,8 @@ def parse(argv):
     ap.add_argument("--target-accuracy", type=float, default=95.0)
     ap.add_argument("--max-epochs", type=int, default=20)
     ap.add_argument("--pushpull-rounds", type=int, default=5)
+    ap.add_argument("--broadcast-reps", type=int, default=3,
+                    help="timed broadcasts of the model's state per way and launch (0: off)")
     ap.add_argument("--partition-bytes", default="1MiB",
                     help="the servers' and daemons' partition size (default 1MiB, as "
                          "bytecomp-run)")
@@ -595,6 +662,7 @@ def parse(argv):
         a.warmup, a.steps, a.loss_steps, a.digits = 1, 10, 0, ""
         a.batch = a.batch or 4
         a.pushpull_rounds = 3
+        a.broadcast_reps = min(a.broadcast_reps, 2)
     a.models = [m for m in a.models.split(",") if m]
     a.bandwidths = [b for b in a.bandwidths.split(",") if b]
     a.systems = [s for s in a.systems.split(",") if s]

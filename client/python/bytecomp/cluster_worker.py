@@ -412,6 +412,48 @@ def run_pushpull(args, counters):
     return r
 
 
+def run_broadcast(args, rank):
+    """The model's state (parameters and buffers) from rank 0 to every rank,
+    timed both ways in the same launch: DDP's constructor broadcast
+    (torch.distributed._broadcast_coalesced in 250 MiB buckets over the same
+    tensors, as DistributedDataParallel's _sync_module_states does) and
+    bc.broadcast_parameters. Then checks that both made the ranks equal."""
+    import bytecomp.torch as bc
+    torch.manual_seed(args.seed + rank)
+    model = build_model(args.model)
+    tensors = list(model.state_dict().values())
+    pg = dist.distributed_c10d._get_default_group()
+    coalesced = getattr(dist, "_broadcast_coalesced", None)
+    ddp, byc = [], []
+    for _ in range(args.broadcast_reps):
+        for t in tensors:  # the root's values differ from the others' again
+            if rank != 0:
+                with torch.no_grad():
+                    t.add_(1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if coalesced is not None:
+            coalesced(pg, tensors, 250 * 1024 * 1024, 0)
+        else:
+            for t in tensors:
+                dist.broadcast(t, 0)
+        ddp.append(time.perf_counter() - t0)
+        ref = [t.clone() for t in tensors]
+        for t in tensors:
+            if rank != 0:
+                with torch.no_grad():
+                    t.add_(1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        bc.broadcast_parameters(model.state_dict(), root_rank=0)
+        byc.append(time.perf_counter() - t0)
+        if not all(torch.equal(a, b) for a, b in zip(tensors, ref)):
+            raise RuntimeError("bc.broadcast_parameters left rank %d with other values than "
+                               "DDP's broadcast" % rank)
+    return {"broadcast_s": {"ddp": ddp, "bytecomp": byc},
+            "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="worker of scripts/bench-cluster")
     ap.add_argument("--model", required=True, choices=MODELS)
@@ -427,6 +469,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--pushpull-bytes", type=int, default=16 << 20)
     ap.add_argument("--pushpull-rounds", type=int, default=5)
+    ap.add_argument("--broadcast-reps", type=int, default=3,
+                    help="system 'broadcast': timed broadcasts of the model's state per way")
     ap.add_argument("--strategy-dir", required=True)
     ap.add_argument("--auto-compressors", default="efsignsgd",
                     help="bc_auto: compressors the planner may use (comma-separated specs)")
@@ -445,7 +489,7 @@ def main(argv=None):
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
-    if any(s.startswith("bc_") for s in systems):
+    if any(s.startswith("bc_") or s == "broadcast" for s in systems):
         import bytecomp.torch as bc
         bc.init()
     pids = [int(x) for x in os.environ.get("BENCH_WATCH_PIDS", "").split(",") if x]
@@ -462,6 +506,8 @@ def main(argv=None):
         try:
             if system == "bc_pushpull":
                 r = run_pushpull(args, counters)
+            elif system == "broadcast":
+                r = run_broadcast(args, rank)
             elif args.model == "digits":
                 r = run_digits(system, args, rank, int(os.environ["WORLD_SIZE"]))
             else:
@@ -480,6 +526,10 @@ def main(argv=None):
                 what = r["error"]
             elif "step_s" in r:
                 what = "median step %.1f ms" % (1000 * sorted(r["step_s"])[len(r["step_s"]) // 2])
+            elif "broadcast_s" in r:
+                what = "broadcast of the model's state: DDP %s s, bytecomp %s s" % (
+                    ",".join("%.2f" % x for x in r["broadcast_s"]["ddp"]),
+                    ",".join("%.2f" % x for x in r["broadcast_s"]["bytecomp"]))
             else:
                 what = "accuracy %.2f%% after %d epochs, time to %.0f%%: %s s" % (
                     r["final_accuracy"], r["epochs"], r["target_accuracy"],
@@ -487,7 +537,7 @@ def main(argv=None):
             print("cluster_worker: %s %s: %s (%.1f s)" % (args.model, system, what,
                                                          r["wall_s"]), flush=True)
     dist.barrier()
-    if any(s.startswith("bc_") for s in systems):
+    if any(s.startswith("bc_") or s == "broadcast" for s in systems):
         import bytecomp.torch as bc
         bc.shutdown()
     dist.destroy_process_group()

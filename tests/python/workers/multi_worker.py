@@ -6,6 +6,9 @@
                                   broadcast_parameters: every rank must raise
     multi_worker.py declare       rank 1 builds a different model: the job
                                   must not start, each rank raises
+    multi_worker.py big           a state of ~21 MB (several 4 MiB chunks, not
+                                  a multiple of a partition) from the last
+                                  rank, then barriers: bit for bit
 Prints 'OK <what>' or 'RAISED <class>: <message>' (then exits 3)."""
 import sys
 
@@ -51,6 +54,24 @@ try:
                     b.view(torch.int32 if b.dtype == torch.float32 else torch.int16)
             assert torch.equal(a, b), (k, mine[k], v)
         print("OK state", flush=True)
+    elif mode == "big":
+        root = bc.size() - 1
+        g = torch.Generator().manual_seed(7)
+        want = {"a": torch.randn(2_500_001, generator=g, dtype=torch.float64),
+                "b": torch.randint(-128, 127, (12345,), generator=g, dtype=torch.int8),
+                "c": torch.randn(333, 77, generator=g).to(torch.bfloat16)}
+        mine = {k: (v.clone() if r == root else torch.full_like(v, r + 1))
+                for k, v in want.items()}
+        for _ in range(2):
+            bc.broadcast_parameters(mine, root_rank=root)
+            for k, v in want.items():
+                assert torch.equal(mine[k].view(torch.uint8) if mine[k].dtype == torch.bfloat16
+                                   else mine[k], v.view(torch.uint8)
+                                   if v.dtype == torch.bfloat16 else v), k
+            bc.barrier()
+        got = bc.broadcast_object(list(range(100000)) if r == root else None, root_rank=root)
+        assert got == list(range(100000))
+        print("OK big", flush=True)
     elif mode == "mismatch":
         sd = {"w": torch.zeros(4)} if r != 1 else {"w": torch.zeros(5)}
         bc.broadcast_parameters(sd, root_rank=0)

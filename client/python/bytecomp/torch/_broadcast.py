@@ -1,6 +1,7 @@
-"""bytecomp.torch's broadcasts and allreduce of tensors, objects and optimizer
-state, as sums through the control job (bytes as 16-bit digits, exact in
-either scratch dtype). Internal: use them through bytecomp.torch."""
+"""bytecomp.torch's broadcasts of tensors, objects and optimizer state (the
+daemons' broadcast operation: raw bytes from the root, no conversion) and
+allreduce of metrics (a sum through the control job). Internal: use them
+through bytecomp.torch."""
 
 import pickle
 import struct
@@ -25,28 +26,9 @@ def _tensor_bytes(t):
     return flat.view(torch.uint8)
 
 
-def _broadcast_bytes(c, data, count, is_root, what):
-    """Returns the root's `count` bytes (a uint8 tensor) on every rank: the
-    root contributes them as 16-bit digits, the others zeros, so the sum is
-    exact whatever the scratch dtype."""
-    if count == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    padded = count + (count & 1)
-    if is_root:
-        b = torch.zeros(padded, dtype=torch.uint8)
-        b[:count] = data
-        b = b.to(torch.int32)
-        flat = (b[0::2] + 256 * b[1::2]).to(c.dtype)
-    else:
-        flat = torch.empty(padded // 2, dtype=c.dtype)
-    c.sum_flat(flat, is_root, what)
-    if is_root:
-        return data
-    words = flat.to(torch.int32)
-    out = torch.empty(padded, dtype=torch.uint8)
-    out[0::2] = (words & 0xFF).to(torch.uint8)
-    out[1::2] = (words >> 8).to(torch.uint8)
-    return out[:count]
+def _tag(*values):
+    """The agreement value of a broadcast: every rank must compute the same."""
+    return zlib.crc32(repr(values).encode())
 
 
 def _named_tensors(params, what):
@@ -79,18 +61,24 @@ def _broadcast_tensors(c, named, root_rank, what):
     if not isinstance(root_rank, int) or not 0 <= root_rank < c.settings.size:
         raise ValueError("%s: root_rank=%r is not a rank (0..%d)" %
                          (what, root_rank, c.settings.size - 1))
-    sig = zlib.crc32(repr([(n, tuple(t.shape), str(t.dtype)) for n, t in named]).encode())
-    count = sum(t.numel() for _, t in named)
-    c.check_same(sig, count, what)
-    if count == 0:
-        return
     for name, t in named:
         if t.dtype not in _BROADCAST_DTYPES:
             raise TypeError("%s: cannot broadcast tensor %r of dtype %s" % (what, name, t.dtype))
-    is_root = c.settings.rank == root_rank
+    count = sum(t.numel() for _, t in named)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    data = torch.cat([_tensor_bytes(t) for _, t in named]) if is_root else None
-    data = _broadcast_bytes(c, data, nbytes, is_root, what)
+    # Names, shapes and dtypes travel as the tag: the daemons compare it (with
+    # the size and root) across every rank, in the broadcast itself.
+    tag = _tag([(n, tuple(t.shape), str(t.dtype)) for n, t in named], nbytes)
+    is_root = c.settings.rank == root_rank
+    data = torch.cat([_tensor_bytes(t) for _, t in named]) if is_root and named else \
+        torch.empty(0, dtype=torch.uint8)
+    try:
+        data = c.broadcast_bytes(data, nbytes, root_rank, tag, what)
+    except ValueError as e:
+        raise ValueError(
+            "%s: the processes passed different tensors (names, shapes, dtypes or number of "
+            "elements differ; this rank passed %d elements): every rank must pass the same set "
+            "in the same order (%s)" % (what, count, e)) from None
     if not is_root:
         off = 0
         with torch.no_grad():
@@ -153,11 +141,11 @@ def broadcast_object(obj, root_rank=0):
     def as_tensor(b):
         return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else \
             torch.empty(0, dtype=torch.uint8)
-    length = _broadcast_bytes(c, as_tensor(struct.pack("<Q", len(data))) if is_root else None,
-                              8, is_root, "broadcast_object")
-    n = struct.unpack("<Q", bytes(length.tolist()))[0]
-    got = _broadcast_bytes(c, as_tensor(data) if is_root else None, n, is_root,
-                           "broadcast_object")
+    length = c.broadcast_bytes(as_tensor(struct.pack("<Q", len(data))), 8, root_rank,
+                               _tag("broadcast_object"), "broadcast_object")
+    n = struct.unpack("<Q", length.numpy().tobytes())[0]
+    got = c.broadcast_bytes(as_tensor(data), n, root_rank, _tag("broadcast_object", n),
+                            "broadcast_object")
     if is_root:
         return obj
     return pickle.loads(got.numpy().tobytes())

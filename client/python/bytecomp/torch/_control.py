@@ -1,7 +1,8 @@
 """bytecomp.torch's control job: init()/shutdown(), the process's context
-(settings, the control job's scratch tensor) and the exact sums every
-collective of the package runs through (see the package docstring).
-Internal: use it through bytecomp.torch."""
+(settings, the control job's scratch tensors), the exact sums allreduce()
+of metrics runs through, and the daemons' broadcast and barrier operations
+(bytecomp_broadcast, bytecomp_barrier) every broadcast* and barrier() runs
+through. Internal: use it through bytecomp.torch."""
 
 import atexit
 import ctypes
@@ -16,6 +17,12 @@ from bytecomp.env import Settings
 # Elements of the control job's scratch tensor: 2 MiB per process on one
 # node (float64), 1 MiB across nodes (float32).
 _SCRATCH_ELEMENTS = 1 << 18
+# Broadcasts go through two scratch tensors of this many bytes each (one
+# chunk in flight on each, so copying one overlaps sending the other).
+_BCAST_BYTES = 4 << 20
+_BCAST_NAMES = ("bytecomp.broadcast.0", "bytecomp.broadcast.1")
+# Marks the daemons' and servers' message about disagreeing ranks.
+_DISAGREE = "the ranks disagree"
 # check_same() compares values through sums of 4-bit digits and their
 # squares: exact in float32 for up to 2**24 / 225 processes.
 _DIGIT_BITS = 4
@@ -69,6 +76,7 @@ class _Context:
         self.settings = settings
         self.ctl = None
         self.scratch = None
+        self.bcast = []
         # Iterations start at 0 and follow each other (the parameter servers
         # collect iteration i + 1 after i).
         self.ctl_iteration = 0
@@ -83,8 +91,13 @@ class _Context:
                           connect_timeout_ms=min(settings.timeout_ms, 60000))
         try:
             tid = ctl.declare("bytecomp.control", _SCRATCH_ELEMENTS, _TORCH_TO_C[self.dtype])
+            btids = [ctl.declare(n, _BCAST_BYTES // 4, _lib.FLOAT32) for n in _BCAST_NAMES]
             ctl.start(settings.start_timeout_ms)
             addr, nbytes = ctl.buffer(tid)
+            self.bcast = []
+            for b in btids:
+                baddr, bbytes = ctl.buffer(b)
+                self.bcast.append((b, _shm_tensor(baddr, bbytes, torch.uint8)))
         except _lib.InvalidArgumentError as e:
             ctl.close()
             if "bytecomp.control" not in e.message:
@@ -100,10 +113,12 @@ class _Context:
         self.ctl = ctl
         self.ctl_tensor = tid
         self.scratch = _shm_tensor(addr, nbytes, self.dtype)
+        self.bcast_iteration = [0] * len(self.bcast)
         try:
             self.probe()
         except BaseException:
             self.scratch = None
+            self.bcast = []
             ctl.close()
             raise
 
@@ -147,6 +162,58 @@ class _Context:
                 raise
             flat[off:off + k].copy_(chunk)
             off += k
+
+    def broadcast_bytes(self, data, count, root_rank, tag, what):
+        """Returns root_rank's `count` bytes (`data`, a flat uint8 tensor, on
+        the root; ignored elsewhere) on every rank, through the daemons'
+        broadcast (raw bytes, sent once from the root's node), in chunks of
+        the scratch tensors, two in flight. Every rank passes the same count,
+        root and tag; where they differ every rank raises ValueError."""
+        is_root = self.settings.rank == root_rank
+        out = data if is_root else torch.empty(count, dtype=torch.uint8)
+        chunk = _BCAST_BYTES
+        inflight = []
+
+        def finish():
+            slot, h, off, k = inflight.pop(0)
+            _wait(self.ctl, h, self.settings.timeout_ms, "%s", what)
+            if not is_root and k:
+                out[off:off + k].copy_(self.bcast[slot][1][:k])
+
+        try:
+            n = max(1, (count + chunk - 1) // chunk)
+            for i in range(n):
+                slot = i % len(self.bcast)
+                if len(inflight) == len(self.bcast):
+                    finish()
+                off = i * chunk
+                k = min(chunk, count - off)
+                tid, buf = self.bcast[slot]
+                if is_root and k:
+                    buf[:k].copy_(data[off:off + k])
+                h = self.ctl.broadcast(tid, self.bcast_iteration[slot], root_rank, k, tag)
+                self.bcast_iteration[slot] += 1
+                inflight.append((slot, h, off, k))
+            while inflight:
+                finish()
+        except BytecompError as e:
+            self.failed = True  # no exit barrier: the job is broken
+            if _DISAGREE in e.message:
+                raise ValueError("%s: the processes passed different arguments (this rank "
+                                 "passed %d bytes from root rank %d): %s" %
+                                 (what, count, root_rank, e.message)) from None
+            raise
+        return out
+
+    def barrier(self, what):
+        """Returns once every process of the job entered it (the daemons'
+        barrier: through the coordinator across nodes)."""
+        try:
+            h = self.ctl.barrier()
+            _wait(self.ctl, h, self.settings.timeout_ms, "%s", what)
+        except BytecompError:
+            self.failed = True
+            raise
 
     def check_same(self, signature, count, what):
         """Fails on every rank unless all ranks passed the same (signature,
@@ -245,13 +312,13 @@ def shutdown(barrier=False):
             opt._bytecomp_detach()
         c.optimizers.clear()
         c.scratch = None
+        c.bcast = []
         c.ctl.close()
         _ctx = None
 
 
 def _barrier(c):
-    flat = torch.zeros(1, dtype=c.dtype)
-    c.sum_flat(flat, True, "barrier")
+    c.barrier("barrier")
 
 
 def barrier():
