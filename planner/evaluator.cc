@@ -21,6 +21,7 @@ Evaluator::Evaluator(Problem& p) : p_(p) {
   base_done_.assign(n, 0);
   base_inter_.assign(n, 0);
   base_info_from_ = 0;  // nothing known yet: boundaries >= 0 need a refresh
+  tried_.resize(n);
   for (auto& r : res_) r.gaps.reserve(4 * p_.chunks().size() + 16);
 }
 
@@ -190,6 +191,7 @@ double Evaluator::evaluate(const Assignment& a, Timeline* tl) {
 
 void Evaluator::set_base(const Assignment& a) {
   base_ = a;
+  ++base_version_;
   rollback(0);
   base_value_ = -1;
   base_info_from_ = 0;
@@ -241,6 +243,27 @@ void Evaluator::refresh_base_info(int from) {
   base_info_from_ = n + 1;
 }
 
+bool Evaluator::cannot_beat(int j, double cutoff) const {
+  // The base's remaining inter-node work can only use idle gaps after
+  // tensor j - 1's gradient is ready, or time after the link's last end.
+  const ResourceState& r = res_[static_cast<int>(Resource::kInter)];
+  const double ready = compute_end_[j - 1];
+  // How much idle time may be usable before the bound no longer reaches
+  // the cutoff; negative: not even with none (the common case, decided
+  // without looking at the gaps).
+  const double slack = p_.forward_us() + std::max(r.last_end, ready) + base_inter_work_[j] - cutoff;
+  if (slack < 0) return false;
+  // Latest gaps first: the largest are usually the latest (an operation
+  // placed far ahead leaves one behind it), so a bound that fails is
+  // known after a few.
+  double idle = 0;
+  for (auto it = r.gaps.rbegin(); it != r.gaps.rend() && it->end > ready; ++it) {
+    idle += it->end - std::max(it->start, ready);
+    if (idle > slack) return false;
+  }
+  return true;
+}
+
 double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch,
                              double cutoff) {
   const int n = p_.tensors();
@@ -251,6 +274,7 @@ double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch
     while (prefix_ < start) simulate_tensor(prefix_, base_[prefix_], nullptr);
     refresh_base_info(start);
   }
+  if (!shortcuts_) cutoff = std::numeric_limits<double>::infinity();
   // Bring the prefix to `from` using the base.
   if (prefix_ > from) rollback(from);
   while (prefix_ < from) simulate_tensor(prefix_, base_[prefix_], nullptr);
@@ -266,22 +290,9 @@ double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch
       return std::numeric_limits<double>::infinity();
     }
     const int j = i + 1;
-    if (next == nch && j < n && std::isfinite(cutoff)) {
-      // The base's remaining inter-node work can only use idle gaps after
-      // tensor j's gradient is ready, or time after the link's last end.
-      const ResourceState& r = res_[static_cast<int>(Resource::kInter)];
-      const double ready = compute_end_[i];
-      double idle = 0;
-      auto it = std::upper_bound(r.gaps.begin(), r.gaps.end(), ready,
-                                 [](double t, const Gap& g) { return t < g.end; });
-      int scanned = 0;
-      for (; it != r.gaps.end() && scanned < 64; ++it, ++scanned)
-        idle += it->end - std::max(it->start, ready);
-      if (it == r.gaps.end() &&
-          fwd + std::max(r.last_end, ready) + base_inter_work_[j] - idle >= cutoff) {
-        rollback(from);
-        return std::numeric_limits<double>::infinity();
-      }
+    if (next == nch && j < n && std::isfinite(cutoff) && cannot_beat(j, cutoff)) {
+      rollback(from);
+      return std::numeric_limits<double>::infinity();
     }
     if (next == nch && j < n && base_drained_[j] && drained(j)) {
       // Both timelines are idle when tensor j starts: the rest is the
@@ -299,7 +310,18 @@ double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch
 
 double Evaluator::try_option(int i, int opt, double cutoff) {
   std::pair<int, int> c{i, opt};
-  return run_suffix(i, &c, 1, cutoff);
+  if (!shortcuts_) return run_suffix(i, &c, 1, cutoff);
+  std::vector<Tried>& row = tried_[i];
+  if (static_cast<size_t>(opt) >= row.size()) row.resize(p_.options().size());
+  Tried& t = row[opt];
+  // The answer depends on the base only; +inf holds for any lower cutoff.
+  if (t.version == base_version_ && (std::isfinite(t.value) || cutoff <= t.cutoff)) {
+    ++remembered_;
+    return t.value;
+  }
+  const double v = run_suffix(i, &c, 1, cutoff);
+  t = {base_version_, cutoff, v};
+  return v;
 }
 
 double Evaluator::try_changes(const std::vector<std::pair<int, int>>& changes, double cutoff) {
@@ -309,6 +331,7 @@ double Evaluator::try_changes(const std::vector<std::pair<int, int>>& changes, d
 
 void Evaluator::commit(int i, int opt) {
   base_[i] = opt;
+  ++base_version_;
   rollback(i);
   base_value_ = -1;
   // Boundaries <= i keep their drain facts; later ones must be refreshed.

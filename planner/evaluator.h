@@ -41,11 +41,23 @@ class Evaluator {
   const Assignment& base() const { return base_; }
   double base_value();
   // F of the base with tensor i's option replaced by `opt`; returns +inf as
-  // soon as the value is known to be >= cutoff.
+  // soon as the value is known to be >= cutoff. Answers are remembered until
+  // the base changes: a sweep that re-tries a tensor against the base it
+  // was last tried on (the last round of a coordinate descent, which finds
+  // nothing) simulates nothing.
   double try_option(int i, int opt, double cutoff = std::numeric_limits<double>::infinity());
   // F of the base with several tensors changed (sorted by tensor index).
   double try_changes(const std::vector<std::pair<int, int>>& changes,
                      double cutoff = std::numeric_limits<double>::infinity());
+  // The shortcuts of try_option() and try_changes() that cannot change an
+  // answer below the cutoff: ending a run once a lower bound of F (the
+  // prefix's latest completion, the inter-node work left) reaches the
+  // cutoff, and remembering try_option()'s answers until the base changes.
+  // Off, every run goes to its end (or to a drained timeline, whose rest is
+  // the base's shifted: that is how F is computed) and nothing is
+  // remembered: the reference the tests hold the shortcuts to. On by
+  // default.
+  void set_shortcuts(bool on) { shortcuts_ = on; }
   // Accept a change into the base.
   void commit(int i, int opt);
   // Lower bound of F for any assignment: forward + backward without
@@ -54,6 +66,8 @@ class Evaluator {
   // tensor.)
   double lower_bound();
   uint64_t simulations() const { return simulations_; }
+  // try_option() calls answered from memory.
+  uint64_t remembered() const { return remembered_; }
 
   // Low-level stepping for depth-first searches (the exact solver): the
   // state holds tensors [0, depth()); push() simulates the next tensor and
@@ -106,6 +120,10 @@ class Evaluator {
   // tensor j's gradient is ready: the rest of the timeline is then a pure
   // time shift of what follows in any assignment that agrees from j on.
   bool drained(int j) const;
+  // True when, with tensors < j simulated and the base's options for the
+  // rest, F is certainly >= cutoff (a lower bound from the inter-node work
+  // left).
+  bool cannot_beat(int j, double cutoff) const;
   // Records drained(), compute ends and suffix ends of the base from tensor
   // `from` on (state must hold exactly the base's tensors < from).
   void refresh_base_info(int from);
@@ -128,6 +146,17 @@ class Evaluator {
   double base_value_ = -1;
   double lower_bound_ = -1;
   uint64_t simulations_ = 0;
+  // try_option()'s answers for the base of `base_version_`, per tensor and
+  // option. A finite value is F itself (a run that is not cut off gives the
+  // same value whatever the cutoff); +inf only says F >= cutoff.
+  struct Tried {
+    uint64_t version = 0;  // 0: never (versions start at 1)
+    double cutoff = 0, value = 0;
+  };
+  std::vector<std::vector<Tried>> tried_;
+  uint64_t base_version_ = 1;
+  uint64_t remembered_ = 0;
+  bool shortcuts_ = true;
 };
 
 }  // namespace bytecomp::planner

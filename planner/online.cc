@@ -494,8 +494,9 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
 // resolution go back to none.
 std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<int>>& cands,
                                      const std::vector<int>& by_size, Assignment start,
-                                     bool cleanup) {
+                                     bool cleanup, bool shortcuts) {
   Evaluator ev(p);
+  ev.set_shortcuts(shortcuts);
   ev.set_base(start);
   double best = ev.base_value();
   auto threshold = [&](double v) { return std::max(kMinGainUs, kMinGainFraction * v); };
@@ -635,9 +636,9 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
   return {ev.base(), ev.base_value()};
 }
 
-}  // namespace
-
-Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
+// decide() and its reference: `shortcuts` off, every candidate the search
+// tries is simulated to its end (Evaluator::set_shortcuts).
+Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortcuts) {
   const auto t0 = std::chrono::steady_clock::now();
   auto bad = [](const std::string& what) {
     throw Error(ErrorCode::kInvalidArgument, "online planner: " + what);
@@ -858,13 +859,13 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
     }
   }
 
-  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0), false);
+  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0), false, shortcuts);
   if (plan_v > best_alt_us + std::max(kMinGainUs, kMinGainFraction * best_alt_us)) {
     // Coordinate descent from nothing compressed can stall where only many
     // tensors changing together pay; the best hand strategy is the other
     // start. From there the tiny tensors keep what it gave them, so take it
     // only when it is genuinely better.
-    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt, true);
+    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt, true, shortcuts);
     if (alt_v < plan_v - std::max(kMinGainUs, kMinGainFraction * plan_v)) {
       plan_a = alt_a;
       plan_v = alt_v;
@@ -934,6 +935,16 @@ Decision decide(const NodeProfile& prof, const AutoConfig& cfg) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   meta["decision_ms"] = fmt(d.decision_ms, 6);
   return d;
+}
+
+}  // namespace
+
+Decision decide(const NodeProfile& merged, const AutoConfig& cfg) {
+  return decide_with(merged, cfg, true);
+}
+
+Decision detail::decide_reference(const NodeProfile& merged, const AutoConfig& cfg) {
+  return decide_with(merged, cfg, false);
 }
 
 // ---------------------------------------------------------------- record

@@ -188,6 +188,15 @@ struct Decision {
 // compressor.
 Decision decide(const NodeProfile& merged, const AutoConfig& cfg);
 
+namespace detail {
+// decide() with the simulator's shortcuts off (Evaluator::set_shortcuts):
+// the same search, but every candidate it tries is simulated to its end and
+// nothing is remembered, as the search ran before the shortcuts. The
+// shortcuts only drop candidates that cannot beat the cutoff, so both give
+// the same decision; several times slower. The tests' reference.
+Decision decide_reference(const NodeProfile& merged, const AutoConfig& cfg);
+}  // namespace detail
+
 // The option decide() emits for a spec ("none", "fp16", "efsignsgd",
 // "topk:0.01"): hierarchical, intra reduce_broadcast, on the CPU; additive
 // compressors under reduce_scatter_allgather (compressed-domain sum), the

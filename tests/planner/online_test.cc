@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include "common/config.h"
 #include "common/error.h"
 #include "planner/cli/cli.h"
+#include "planner/model.h"
 #include "planner/strategy/plan.h"
 
 namespace bytecomp::planner::online {
@@ -350,6 +352,57 @@ TEST(OnlineDecide, SlowLinkCompressesBigTensorsNotTinyOnes) {
   EXPECT_GT(d.decision_ms, 0);
   EXPECT_NE(d.timeline_json.find("\"traceEvents\""), std::string::npos);
   EXPECT_NE(d.timeline_json.find("layer4.1.conv2.weight"), std::string::npos);
+}
+
+// The node profiles of planner/bench/online_bench.cc: a planner profile
+// (backward order, GPU gaps) as a CPU job, ready times 10x the GPU's, the
+// declaration order the reverse of the backward order, ResNet-18's costs.
+NodeProfile bench_profile(const std::string& model) {
+  if (model == "resnet18") return resnet18();
+  const Profile pr = Profile::load_file(planner_data_dir() + "/profiles/" + model + ".yaml");
+  NodeProfile n = resnet18();
+  n.tensors.clear();
+  double t = 10 * pr.forward_or_default_us();
+  for (const TensorProfile& tp : pr.tensors) {
+    t += 10 * tp.gap_us;
+    n.tensors.push_back({tp.name, tp.elements, t});
+  }
+  std::reverse(n.tensors.begin(), n.tensors.end());
+  n.iteration_us = 1.5 * t;
+  return n;
+}
+
+TEST(OnlineDecide, ShortcutsDecideAsTheReference) {
+  // The benchmark's cases: the simulator's shortcuts (cutoff bounds,
+  // remembered answers) must leave every decision as the reference search
+  // makes it, simulating every candidate to its end.
+  for (const std::string model : {"resnet18", "bert_base", "lstm"}) {
+    for (const double gbps : {0.1, 1.0, 10.0}) {
+      NodeProfile p = bench_profile(model);
+      p.link_gbps = gbps;
+      AutoConfig cfg;
+      cfg.compressors = {"efsignsgd", "topk:0.01"};
+      cfg.nodes = cfg.servers = 4;
+      const Decision fast = decide(p, cfg);
+      const Decision ref = detail::decide_reference(p, cfg);
+      SCOPED_TRACE(model + " at " + std::to_string(gbps) + " Gbit/s");
+      expect_executable(p, fast);
+      expect_executable(p, ref);
+      EXPECT_LE(fast.predicted_us, ref.predicted_us * (1 + 1e-9));
+      ASSERT_EQ(fast.tensors.size(), ref.tensors.size());
+      for (size_t k = 0; k < fast.tensors.size(); ++k)
+        EXPECT_EQ(fast.tensors[k].option, ref.tensors[k].option) << fast.tensors[k].name;
+      ASSERT_EQ(fast.alternatives.size(), ref.alternatives.size());
+      for (size_t k = 0; k < fast.alternatives.size(); ++k)
+        EXPECT_EQ(fast.alternatives[k].predicted_us, ref.alternatives[k].predicted_us);
+      // Not a trivial case: something is compressed at the slow link.
+      if (gbps < 0.5) {
+        size_t n = 0;
+        for (const Entry& e : fast.strategy.entries()) n += e.option.compressed();
+        EXPECT_GT(n, 0u);
+      }
+    }
+  }
 }
 
 TEST(OnlineDecide, AGainBelowTheBarKeepsEveryTensorUncompressed) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -443,6 +444,53 @@ TEST(Simulator, IncrementalEqualsFullSimulation) {
     else ASSERT_TRUE(cut >= base) << step;
     if (rng() % 3 == 0) ev.commit(i, o);
   }
+}
+
+TEST(Simulator, CutoffsAndRememberedAnswersAgreeWithFullSimulation) {
+  // try_option() with a cutoff first (the bound ends the run), then asked
+  // again (remembered until a commit), then without a cutoff; every answer
+  // must agree with a full simulation and with the evaluator whose
+  // shortcuts are off.
+  Problem p(Profile::load_file(data("profiles/bert_base.yaml")),
+            Cluster::load_file(data("clusters/pcie.yaml")),
+            CostTable::load_file(data("profiles/paper-results.yaml")), CompressorSpec::parse("efsignsgd"));
+  Evaluator ev(p), plain(p), ref(p);
+  plain.set_shortcuts(false);
+  ev.set_base(baseline(p, Baseline::kFp32));
+  plain.set_base(ev.base());
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> around(0.97, 1.03);
+  int cut_off = 0, answered = 0;
+  for (int step = 0; step < 200; ++step) {
+    const int i = rng() % p.tensors();
+    const int o = rng() % p.tree_options();
+    Assignment b = ev.base();
+    b[i] = o;
+    const double truth = ref.evaluate(b);
+    const double cutoff = truth * around(rng);
+    for (int again = 0; again < 2; ++again) {
+      const double v = ev.try_option(i, o, cutoff);
+      const double w = plain.try_option(i, o, cutoff);
+      if (truth < cutoff) {
+        ASSERT_NEAR(v, truth, 1e-6) << step;
+        ASSERT_NEAR(w, truth, 1e-6) << step;
+      } else {
+        ASSERT_TRUE(v >= cutoff) << step;
+        ASSERT_TRUE(w >= cutoff) << step;
+        cut_off += std::isinf(v);
+      }
+    }
+    ASSERT_NEAR(ev.try_option(i, o), truth, 1e-6) << step;
+    ++answered;
+    if (rng() % 4 == 0) {
+      ev.commit(i, o);
+      plain.commit(i, o);
+    }
+  }
+  EXPECT_EQ(answered, 200);
+  EXPECT_GT(cut_off, 0);               // the bounds did end runs
+  EXPECT_GE(ev.remembered(), 200u);    // every second ask was remembered
+  EXPECT_EQ(plain.remembered(), 0u);
 }
 
 TEST(Options, CountsAndPruningRules) {
