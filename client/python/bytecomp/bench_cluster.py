@@ -159,7 +159,7 @@ def summarize(ranks, system, world, loss_steps):
     if per[0].get("loss"):
         # The same step k for every system: bc_auto's extra steps are not counted.
         n = len(per[0]["loss"]) - per[0].get("auto_extra_steps", 0)
-        k = min(loss_steps, len(per[0]["loss"])) if loss_steps else n
+        k = min(loss_steps, n) if loss_steps else n
         lo = max(0, k - 5)
         out["loss_at_k"] = statistics.mean(x for p in per for x in p["loss"][lo:k])
         out["k"] = k
