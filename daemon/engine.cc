@@ -784,21 +784,26 @@ bool Engine::finish_collective(const Inbox::Arrival& a) {
   return true;
 }
 
-void Engine::complete_collective(CollRound& c) {
+bool Engine::notify_ranks(uint32_t tensor, uint64_t iteration) {
   for (uint32_t r = 0; r < layout_.local_size; ++r) {
-    if (!complete_[r].push({c.first.tensor, 0, c.first.iteration})) {
+    if (!complete_[r].push({tensor, 0, iteration})) {
       fail(ErrorCode::kMalformed, "completion ring of local rank " + std::to_string(r) +
                                       " is full (client does not drain it)");
-      return;
+      return false;
     }
     try {
       clients_[r].wake.post();
     } catch (const std::exception& e) {
       fail(ErrorCode::kMalformed, "wake semaphore of local rank " + std::to_string(r) +
                                       " unusable: " + e.what());
-      return;
+      return false;
     }
   }
+  return true;
+}
+
+void Engine::complete_collective(CollRound& c) {
+  if (!notify_ranks(c.first.tensor, c.first.iteration)) return;
   c.last_done = static_cast<int64_t>(c.first.iteration);
   c.arrived = 0;
   c.running = false;
@@ -808,20 +813,7 @@ void Engine::complete_collective(CollRound& c) {
 
 void Engine::complete(uint32_t tensor) {
   Round& round = rounds_[tensor];
-  for (uint32_t r = 0; r < layout_.local_size; ++r) {
-    if (!complete_[r].push({tensor, 0, round.iteration})) {
-      fail(ErrorCode::kMalformed, "completion ring of local rank " + std::to_string(r) +
-                                      " is full (client does not drain it)");
-      return;
-    }
-    try {
-      clients_[r].wake.post();
-    } catch (const std::exception& e) {
-      fail(ErrorCode::kMalformed, "wake semaphore of local rank " + std::to_string(r) +
-                                      " unusable: " + e.what());
-      return;
-    }
-  }
+  if (!notify_ranks(tensor, round.iteration)) return;
   round.last_done = static_cast<int64_t>(round.iteration);
   round.arrived = 0;
   round.running = false;

@@ -213,6 +213,9 @@ class Engine {
   bool process_arrivals();
   void buffers_of(uint32_t tensor, std::vector<char*>& out) const;
   void complete(uint32_t tensor);
+  // Posts (tensor, iteration) to every local rank's completion ring and
+  // wakes it; false after failing the job.
+  bool notify_ranks(uint32_t tensor, uint64_t iteration);
   void fail(ErrorCode code, const std::string& reason);
   int64_t latest_begun() const;
   // All local ranks of the tensor's round arrived: queue its partitions.

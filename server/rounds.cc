@@ -393,13 +393,17 @@ BroadcastOutcome BroadcastRound::fail_all(Incoming in, const std::string& why) {
   const Status err(ErrorCode::kInvalidArgument, out.failure);
   for (Incoming& w : waiting_) out.answers.push_back({std::move(w), err, {}});
   out.answers.push_back({std::move(in), err, {}});
+  finish();
+  return out;
+}
+
+void BroadcastRound::finish() {
   waiting_.clear();
   ranks_.clear();
   std::fill(from_.begin(), from_.end(), 0);
   data_ = Buffer();
   root_rank_ = -1;
   last_done_ = static_cast<int64_t>(collecting_);
-  return out;
 }
 
 BroadcastOutcome BroadcastRound::add(Incoming in, uint32_t rank, bool is_root) {
@@ -474,12 +478,7 @@ BroadcastOutcome BroadcastRound::add(Incoming in, uint32_t rank, bool is_root) {
     const bool root = static_cast<int64_t>(ranks_[i]) == root_rank_;
     out.answers.push_back({std::move(waiting_[i]), Status::Ok(), root ? Buffer() : data_});
   }
-  waiting_.clear();
-  ranks_.clear();
-  std::fill(from_.begin(), from_.end(), 0);
-  data_ = Buffer();
-  root_rank_ = -1;
-  last_done_ = static_cast<int64_t>(collecting_);
+  finish();
   return out;
 }
 

@@ -190,6 +190,8 @@ class BroadcastRound {
 
  private:
   BroadcastOutcome fail_all(transport::Incoming in, const std::string& why);
+  // The iteration is over (answered or failed): ready for the next.
+  void finish();
 
   Partition part_;
   std::string label_;
