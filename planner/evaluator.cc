@@ -17,9 +17,14 @@ Evaluator::Evaluator(Problem& p) : p_(p) {
   base_compute_end_.assign(n, 0);
   base_drained_.assign(n + 1, 0);
   base_suffix_end_.assign(n + 1, 0);
-  base_inter_work_.assign(n + 1, 0);
+  base_work_.assign(n + 1, Work{});
   base_done_.assign(n, 0);
-  base_inter_.assign(n, 0);
+  base_tensor_work_.assign(n, Work{});
+  rest_backward_.assign(n + 1, 0);
+  pending_off_.assign(static_cast<size_t>(n) * kResources + 1, 0);
+  pending_last_.assign(n, Work{});
+  for (int i = n - 1; i >= 0; --i)
+    rest_backward_[i] = rest_backward_[i + 1] + p_.profile().tensors[i].gap_us;
   base_info_from_ = 0;  // nothing known yet: boundaries >= 0 need a refresh
   tried_.resize(n);
   for (auto& r : res_) r.gaps.reserve(4 * p_.chunks().size() + 16);
@@ -220,48 +225,104 @@ void Evaluator::refresh_base_info(int from) {
   const int n = p_.tensors();
   for (int i = from; i < n; ++i) {
     base_drained_[i] = drained(i);
+    record_pending(i);
     base_done_[i] = simulate_tensor(i, base_[i], nullptr);
     base_compute_end_[i] = compute_end_[i];
-    double w = 0;
+    Work w{};
     for (int c = p_.first_chunk(i); c < p_.first_chunk(i + 1); ++c)
       for (const Op& op : p_.chunk_chain(c, base_[i]))
-        if (op.resource == Resource::kInter) w += op.duration_us;
-    base_inter_[i] = w;
+        if (op.duration_us > 0) w[static_cast<int>(op.resource)] += op.duration_us;
+    base_tensor_work_[i] = w;
   }
   // Suffix aggregates change at every boundary, not only from `from` on.
   base_drained_[n] = 0;
-  double tail = compute_end_[n - 1], work = 0;
+  double tail = compute_end_[n - 1];
+  Work work{};
   base_suffix_end_[n] = tail;
-  base_inter_work_[n] = 0;
+  base_work_[n] = work;
   for (int i = n - 1; i >= 0; --i) {
     tail = std::max(tail, base_done_[i]);
-    work += base_inter_[i];
+    for (int r = 0; r < kResources; ++r) work[r] += base_tensor_work_[i][r];
     base_suffix_end_[i] = tail;
-    base_inter_work_[i] = work;
+    base_work_[i] = work;
   }
   base_value_ = p_.forward_us() + std::max(prefix_done_[n], compute_end_[n - 1]);
   base_info_from_ = n + 1;
 }
 
-bool Evaluator::cannot_beat(int j, double cutoff) const {
-  // The base's remaining inter-node work can only use idle gaps after
-  // tensor j - 1's gradient is ready, or time after the link's last end.
-  const ResourceState& r = res_[static_cast<int>(Resource::kInter)];
-  const double ready = compute_end_[j - 1];
-  // How much idle time may be usable before the bound no longer reaches
-  // the cutoff; negative: not even with none (the common case, decided
-  // without looking at the gaps).
-  const double slack = p_.forward_us() + std::max(r.last_end, ready) + base_inter_work_[j] - cutoff;
-  if (slack < 0) return false;
-  // Latest gaps first: the largest are usually the latest (an operation
-  // placed far ahead leaves one behind it), so a bound that fails is
-  // known after a few.
-  double idle = 0;
-  for (auto it = r.gaps.rbegin(); it != r.gaps.rend() && it->end > ready; ++it) {
-    idle += it->end - std::max(it->start, ready);
-    if (idle > slack) return false;
+namespace {
+// Pending state compares equal up to this (µs): a shift of time rounds.
+constexpr double kShiftTolerance = 1e-6;
+}  // namespace
+
+void Evaluator::record_pending(int j) {
+  const double ce = j == 0 ? 0.0 : compute_end_[j - 1];
+  const size_t at = static_cast<size_t>(j) * kResources;
+  pending_gaps_.resize(pending_off_[at]);
+  for (int r = 0; r < kResources; ++r) {
+    pending_off_[at + r] = static_cast<uint32_t>(pending_gaps_.size());
+    const ResourceState& s = res_[r];
+    auto it = std::upper_bound(s.gaps.begin(), s.gaps.end(), ce,
+                               [](double t, const Gap& g) { return t < g.end; });
+    for (; it != s.gaps.end(); ++it)
+      pending_gaps_.push_back({std::max(it->start, ce) - ce, it->end - ce});
+    pending_last_[j][r] = std::max(s.last_end, ce) - ce;
+  }
+  pending_off_[at + kResources] = static_cast<uint32_t>(pending_gaps_.size());
+}
+
+bool Evaluator::shifted_base(int j) const {
+  const double ce = compute_end_[j - 1];
+  const size_t at = static_cast<size_t>(j) * kResources;
+  auto near = [](double a, double b) { return std::abs(a - b) <= kShiftTolerance; };
+  for (int r = 0; r < kResources; ++r) {
+    const ResourceState& s = res_[r];
+    if (!near(std::max(s.last_end, ce) - ce, pending_last_[j][r])) return false;
+    auto it = std::upper_bound(s.gaps.begin(), s.gaps.end(), ce,
+                               [](double t, const Gap& g) { return t < g.end; });
+    const uint32_t b = pending_off_[at + r], e = pending_off_[at + r + 1];
+    if (static_cast<size_t>(s.gaps.end() - it) != e - b) return false;
+    for (uint32_t k = b; k < e; ++k, ++it)
+      if (!near(std::max(it->start, ce) - ce, pending_gaps_[k].start) ||
+          !near(it->end - ce, pending_gaps_[k].end))
+        return false;
   }
   return true;
+}
+
+bool Evaluator::cannot_beat(int j, double cutoff) const {
+  // Every operation of tensors >= j starts once its gradient is ready, after
+  // tensor j - 1's; so does the backward pass left, which runs on the GPU
+  // resource in its idle time (no operation overlaps it). On each resource
+  // that work fits at best into the idle gaps after that point and then
+  // after the resource's last end: F >= forward + that finish.
+  const double ready = compute_end_[j - 1];
+  const double fwd = p_.forward_us();
+  for (int ri = 0; ri < kResources; ++ri) {
+    const double work =
+        base_work_[j][ri] + (ri == static_cast<int>(Resource::kGpu) ? rest_backward_[j] : 0.0);
+    if (work <= 0) continue;
+    const ResourceState& r = res_[ri];
+    // How much idle time may be usable before the bound no longer reaches
+    // the cutoff; negative: not even with none (the common case, decided
+    // without looking at the gaps).
+    const double slack = fwd + std::max(r.last_end, ready) + work - cutoff;
+    if (slack < 0) continue;
+    // Latest gaps first: the largest are usually the latest (an operation
+    // placed far ahead leaves one behind it), so a bound that fails is
+    // known after a few.
+    double idle = 0;
+    bool fits = false;
+    for (auto it = r.gaps.rbegin(); it != r.gaps.rend() && it->end > ready; ++it) {
+      idle += it->end - std::max(it->start, ready);
+      if (idle > slack) {
+        fits = true;
+        break;
+      }
+    }
+    if (!fits) return true;
+  }
+  return false;
 }
 
 double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch,
@@ -294,9 +355,15 @@ double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch
       rollback(from);
       return std::numeric_limits<double>::infinity();
     }
-    if (next == nch && j < n && base_drained_[j] && drained(j)) {
-      // Both timelines are idle when tensor j starts: the rest is the
-      // base's, shifted by the difference in backward progress.
+    bool same_rest = next == nch && j < n && base_drained_[j] && drained(j);
+    if (!same_rest && shortcuts_ && next == nch && j < n && shifted_base(j)) {
+      same_rest = true;
+      ++shifted_;
+    }
+    if (same_rest) {
+      // Both timelines are idle when tensor j starts (or what is pending is
+      // the same): the rest is the base's, shifted by the difference in
+      // backward progress.
       const double shift = compute_end_[i] - base_compute_end_[i];
       const double f = fwd + std::max(prefix_done_[j], base_suffix_end_[j] + shift);
       rollback(from);

@@ -12,6 +12,7 @@
 // cache).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -51,8 +52,10 @@ class Evaluator {
                      double cutoff = std::numeric_limits<double>::infinity());
   // The shortcuts of try_option() and try_changes() that cannot change an
   // answer below the cutoff: ending a run once a lower bound of F (the
-  // prefix's latest completion, the inter-node work left) reaches the
-  // cutoff, and remembering try_option()'s answers until the base changes.
+  // prefix's latest completion, the work left on a resource) reaches the
+  // cutoff, ending it where what is pending is the base's shifted in time
+  // (shifted_base()), and remembering try_option()'s answers until the base
+  // changes.
   // Off, every run goes to its end (or to a drained timeline, whose rest is
   // the base's shifted: that is how F is computed) and nothing is
   // remembered: the reference the tests hold the shortcuts to. On by
@@ -68,6 +71,9 @@ class Evaluator {
   uint64_t simulations() const { return simulations_; }
   // try_option() calls answered from memory.
   uint64_t remembered() const { return remembered_; }
+  // Runs ended because the rest of the timeline is the base's shifted
+  // (shifted_base(), a shortcut).
+  uint64_t shifted() const { return shifted_; }
 
   // Low-level stepping for depth-first searches (the exact solver): the
   // state holds tensors [0, depth()); push() simulates the next tensor and
@@ -120,9 +126,21 @@ class Evaluator {
   // tensor j's gradient is ready: the rest of the timeline is then a pure
   // time shift of what follows in any assignment that agrees from j on.
   bool drained(int j) const;
+  // True when, with tensors < j simulated, what is still pending once
+  // tensor j - 1's gradient is ready (each resource's idle gaps and last end
+  // from then on) is the base's at boundary j shifted by the difference of
+  // the two backward passes' progress: the simulation is invariant under a
+  // shift of time, so the rest of the timeline is the base's shifted.
+  // (drained() is the case of nothing pending, checked without the record.)
+  bool shifted_base(int j) const;
+  // Records the base's pending state at boundary j (the state holds exactly
+  // the base's tensors < j).
+  void record_pending(int j);
   // True when, with tensors < j simulated and the base's options for the
-  // rest, F is certainly >= cutoff (a lower bound from the inter-node work
-  // left).
+  // rest, F is certainly >= cutoff: a lower bound from the work left on
+  // each resource (the base's operations of tensors >= j, and on the GPU
+  // the backward pass left), which can only run after tensor j - 1's
+  // gradient is ready, in that resource's idle time.
   bool cannot_beat(int j, double cutoff) const;
   // Records drained(), compute ends and suffix ends of the base from tensor
   // `from` on (state must hold exactly the base's tensors < from).
@@ -133,9 +151,18 @@ class Evaluator {
   std::vector<double> base_compute_end_;  // per tensor
   std::vector<char> base_drained_;        // per boundary 0..n
   std::vector<double> base_suffix_end_;   // per boundary: max(done of >= j, backward end)
-  std::vector<double> base_inter_work_;   // per boundary: inter-link time of tensors >= j
+  using Work = std::array<double, kResources>;
+  std::vector<Work> base_work_;           // per boundary: time on each resource of tensors >= j
   std::vector<double> base_done_;         // per tensor
-  std::vector<double> base_inter_;        // per tensor: inter-link time
+  std::vector<Work> base_tensor_work_;    // per tensor: time on each resource
+  std::vector<double> rest_backward_;     // per boundary: backward time of tensors >= j
+  // The base's pending state per boundary j (shifted_base()), times relative
+  // to tensor j - 1's gradient: resource r's gaps are
+  // pending_gaps_[pending_off_[j * kResources + r] ..
+  // pending_off_[j * kResources + r + 1]), its last end pending_last_[j][r].
+  std::vector<Gap> pending_gaps_;
+  std::vector<uint32_t> pending_off_;
+  std::vector<Work> pending_last_;
   int base_info_from_ = 0;                // info valid for boundaries <= this... see .cc
   ResourceState res_[kResources];
   std::vector<Undo> log_;
@@ -156,6 +183,7 @@ class Evaluator {
   std::vector<std::vector<Tried>> tried_;
   uint64_t base_version_ = 1;
   uint64_t remembered_ = 0;
+  uint64_t shifted_ = 0;
   bool shortcuts_ = true;
 };
 
