@@ -204,6 +204,16 @@ class Bench:
         return out
 
 
+def save(out, doc):
+    """results.json, rewritten after every pair: a run cut short keeps what it measured."""
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json.tmp"), "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(os.path.join(out, "results.json.tmp"), os.path.join(out, "results.json"))
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(prog="bench-auto", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=2)
@@ -252,6 +262,7 @@ def main(argv=None):
                 b.log("%s at %s" % (model, bw))
                 results.setdefault(model, {})[bw] = b.pair(c, model, bw)
                 r = results[model][bw]
+                save(a.out, {"results": results, "partial": True})
                 b.log("%s at %s: auto %.3f s, best hand %.3f s (x%.3f); %s" % (
                     model, bw, r["systems"]["bc_auto"]["measured_s"], r["best_hand_s"],
                     r["auto_vs_best_hand"], ", ".join(
@@ -274,9 +285,6 @@ def main(argv=None):
         "decision_ms": {m: dec.get(m) for m in ("resnet18", "transformer", "lstm")},
         "coordinator_decision_ms": {m: median(v) for m, v in b.decisions_ms.items()},
     }
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "results.json"), "w") as f:
-            json.dump({"results": results, "replan": re, "final": final}, f, indent=1)
+    save(a.out, {"results": results, "replan": re, "final": final})
     print(json.dumps(final))
     return 0
