@@ -23,6 +23,8 @@ Evaluator::Evaluator(Problem& p) : p_(p) {
   rest_backward_.assign(n + 1, 0);
   pending_off_.assign(static_cast<size_t>(n) * kResources + 1, 0);
   pending_last_.assign(n, Work{});
+  pending_kept_.assign(n, 0);
+  pending_gaps_.reserve(static_cast<size_t>(n) * 4);
   for (int i = n - 1; i >= 0; --i)
     rest_backward_[i] = rest_backward_[i + 1] + p_.profile().tensors[i].gap_us;
   base_info_from_ = 0;  // nothing known yet: boundaries >= 0 need a refresh
@@ -253,17 +255,28 @@ void Evaluator::refresh_base_info(int from) {
 namespace {
 // Pending state compares equal up to this (µs): a shift of time rounds.
 constexpr double kShiftTolerance = 1e-6;
+// Boundaries with more idle gaps pending on a resource are not recorded.
+constexpr std::ptrdiff_t kPendingGapsKept = 16;
 }  // namespace
 
 void Evaluator::record_pending(int j) {
   const double ce = j == 0 ? 0.0 : compute_end_[j - 1];
   const size_t at = static_cast<size_t>(j) * kResources;
-  pending_gaps_.resize(pending_off_[at]);
+  const uint32_t start = pending_off_[at];
+  pending_gaps_.resize(start);
+  pending_kept_[j] = 1;
   for (int r = 0; r < kResources; ++r) {
     pending_off_[at + r] = static_cast<uint32_t>(pending_gaps_.size());
     const ResourceState& s = res_[r];
     auto it = std::upper_bound(s.gaps.begin(), s.gaps.end(), ce,
                                [](double t, const Gap& g) { return t < g.end; });
+    if (s.gaps.end() - it > kPendingGapsKept) {
+      // Much still pending: a shifted copy is unlikely, recording it costly.
+      pending_kept_[j] = 0;
+      pending_gaps_.resize(start);
+      for (int q = 0; q <= kResources; ++q) pending_off_[at + q] = start;
+      return;
+    }
     for (; it != s.gaps.end(); ++it)
       pending_gaps_.push_back({std::max(it->start, ce) - ce, it->end - ce});
     pending_last_[j][r] = std::max(s.last_end, ce) - ce;
@@ -272,6 +285,7 @@ void Evaluator::record_pending(int j) {
 }
 
 bool Evaluator::shifted_base(int j) const {
+  if (!pending_kept_[j]) return false;
   const double ce = compute_end_[j - 1];
   const size_t at = static_cast<size_t>(j) * kResources;
   auto near = [](double a, double b) { return std::abs(a - b) <= kShiftTolerance; };

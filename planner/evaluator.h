@@ -163,6 +163,7 @@ class Evaluator {
   std::vector<Gap> pending_gaps_;
   std::vector<uint32_t> pending_off_;
   std::vector<Work> pending_last_;
+  std::vector<char> pending_kept_;  // per boundary: recorded (not too much pending)
   int base_info_from_ = 0;                // info valid for boundaries <= this... see .cc
   ResourceState res_[kResources];
   std::vector<Undo> log_;

@@ -487,8 +487,9 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
 
 // Coordinate descent over the candidate options from `start`: first whole
 // groups of equal-sized tensors (what Algorithm 2 moves together; a tensor
-// of a size of its own is a group of one), largest first, then single
-// tensors, keeping only changes that beat the gain threshold. From a hand
+// of a size of its own is a group of one), largest first, then runs of a
+// group's members from either end in ready order and single tensors of a
+// size of their own, keeping only changes that beat the gain threshold. From a hand
 // strategy (`cleanup`: uniform, so what it can improve on is whole groups)
 // the group moves only, then tensors whose compression gains less than the
 // resolution go back to none.
@@ -564,37 +565,85 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
     }
     return moved;
   };
-  auto single_rounds = [&] {
-    for (int round = 0; round < kRefineRounds; ++round) {
-      bool improved = false;
-      for (int i : by_size) {
-        if (cands[i].size() < 2 || bound[i] < threshold(best)) continue;
-        int pick = -1;
-        double need = best - threshold(best);
-        for (int o : cands[i]) {
-          if (o == ev.base()[i]) continue;
-          const double v = ev.try_option(i, o, need);
+  // Tensor i takes its best other option if that beats the threshold.
+  auto single = [&](int i) {
+    if (cands[i].size() < 2 || bound[i] < threshold(best)) return false;
+    int pick = -1;
+    double need = best - threshold(best);
+    for (int o : cands[i]) {
+      if (o == ev.base()[i]) continue;
+      const double v = ev.try_option(i, o, need);
+      if (v < need) {
+        need = v;
+        pick = o;
+      }
+    }
+    if (pick < 0) return false;
+    // try_option's value below the cutoff is exact: no re-simulation.
+    ev.commit(i, pick);
+    best = need;
+    return true;
+  };
+  // The members of a group (in ready order) differ only in when their
+  // gradients are ready, and what choosing per tensor finds among them is
+  // a run from one end: the earliest have the whole backward pass left to
+  // hide a transfer in, the latest have none. Runs of 1, 2, 4, ... members
+  // from either end try each other option, growing while they pay (two
+  // misses in a row end a run); the best run is taken.
+  // (Members too small to matter one by one move with their whole group
+  // only: all members of a group have the same bound.)
+  auto runs = [&](const std::vector<int>& members) {
+    const size_t m = members.size();
+    if (bound[members.front()] < threshold(best)) return false;
+    double need = best - threshold(best);
+    std::vector<std::pair<int, int>> pick;
+    for (int o : cands[members.front()]) {
+      for (int from_end = 0; from_end < 2; ++from_end) {
+        auto member = [&](size_t q) { return members[from_end ? m - 1 - q : q]; };
+        int misses = 0;
+        for (size_t k = 1; k < m && misses < 2; k *= 2) {
+          changes.clear();
+          for (size_t q = 0; q < k; ++q)
+            if (ev.base()[member(q)] != o) changes.push_back({member(q), o});
+          if (changes.empty()) continue;
+          std::sort(changes.begin(), changes.end());
+          const double v = changes.size() == 1 ? ev.try_option(changes[0].first, o, need)
+                                               : ev.try_changes(changes, need);
           if (v < need) {
             need = v;
-            pick = o;
+            pick = changes;
+            misses = 0;
+          } else {
+            ++misses;
           }
         }
-        if (pick >= 0) {
-          // try_option's value below the cutoff is exact: no re-simulation.
-          ev.commit(i, pick);
-          best = need;
-          improved = true;
-        }
       }
-      if (!improved) break;
+    }
+    if (pick.empty()) return false;
+    for (auto [i, o] : pick) ev.commit(i, o);
+    best = need;
+    return true;
+  };
+  // Round after round over the groups (at most kRefineRounds), until every
+  // group has been tried against the current base without a change: a
+  // group tried since the last change would only repeat its answers.
+  std::vector<const std::vector<int>*> order;
+  for (const auto& [size, members] : groups) order.push_back(&members);
+  auto local_rounds = [&] {
+    const size_t g = order.size();
+    size_t quiet = 0;
+    for (size_t step = 0; step < kRefineRounds * g && quiet < g; ++step) {
+      const std::vector<int>& members = *order[step % g];
+      const bool moved = members.size() == 1 ? single(members.front()) : runs(members);
+      quiet = moved ? 0 : quiet + 1;
     }
   };
   group_pass();
   if (!cleanup) {
-    single_rounds();
-    // Single changes move the link's queue; a group that did not pay
-    // before may pay now (and then single tensors once more).
-    if (group_pass()) single_rounds();
+    local_rounds();
+    // Local changes move the link's queue; a group that did not pay before
+    // may pay now (and then the local moves once more).
+    if (group_pass()) local_rounds();
   }
   // Uncompressed is preferred where compression gains less than the
   // resolution (smallest tensors first): together these reverts cost at
@@ -638,7 +687,8 @@ std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<i
 
 // decide() and its reference: `shortcuts` off, every candidate the search
 // tries is simulated to its end (Evaluator::set_shortcuts).
-Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortcuts) {
+Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortcuts,
+                     double* best_move_gain = nullptr) {
   const auto t0 = std::chrono::steady_clock::now();
   auto bad = [](const std::string& what) {
     throw Error(ErrorCode::kInvalidArgument, "online planner: " + what);
@@ -872,6 +922,19 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
     }
   }
 
+  if (best_move_gain) {
+    // The tests' check of the search: every single tensor's every other
+    // candidate, from the plan.
+    Evaluator check(p);
+    check.set_base(plan_a);
+    const double f = check.base_value();
+    double low = f;
+    for (int k = 0; k < n; ++k)
+      for (int o : choice[k])
+        if (o != plan_a[k]) low = std::min(low, check.try_option(k, o));
+    *best_move_gain = (f - low) / f;
+  }
+
   // The bar a compressed plan must clear (AutoConfig::min_gain).
   // The calibration's misfit (what the link rate could not explain, as a
   // fraction of the iteration) raises it: a gain the model cannot resolve
@@ -945,6 +1008,12 @@ Decision decide(const NodeProfile& merged, const AutoConfig& cfg) {
 
 Decision detail::decide_reference(const NodeProfile& merged, const AutoConfig& cfg) {
   return decide_with(merged, cfg, false);
+}
+
+double detail::best_single_move_gain(const NodeProfile& merged, const AutoConfig& cfg) {
+  double gain = 0;
+  decide_with(merged, cfg, true, &gain);
+  return gain;
 }
 
 // ---------------------------------------------------------------- record

@@ -195,6 +195,11 @@ namespace detail {
 // shortcuts only drop candidates that cannot beat the cutoff, so both give
 // the same decision; several times slower. The tests' reference.
 Decision decide_reference(const NodeProfile& merged, const AutoConfig& cfg);
+// What the search leaves on the table: the largest fraction of the
+// predicted iteration (before the min_gain bar) that changing one tensor's
+// option would still save. The search moves runs of equal-sized tensors,
+// not each of them; the tests hold this small.
+double best_single_move_gain(const NodeProfile& merged, const AutoConfig& cfg);
 }  // namespace detail
 
 // The option decide() emits for a spec ("none", "fp16", "efsignsgd",

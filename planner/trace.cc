@@ -2,13 +2,12 @@
 
 #include <charconv>
 #include <cstdio>
-#include <sstream>
+#include <string_view>
 
 namespace bytecomp::planner {
 
 namespace {
-std::string json_escape(const std::string& s) {
-  std::string out;
+void append_escaped(std::string& out, std::string_view s) {
   for (char ch : s) {
     switch (ch) {
       case '"': out += "\\\""; break;
@@ -24,61 +23,59 @@ std::string json_escape(const std::string& s) {
         }
     }
   }
-  return out;
 }
 }  // namespace
 
 std::string Timeline::chrome_trace_json() const {
-  std::ostringstream os;
-  os.precision(12);
-  os << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
+  // The online planner writes one with every decision, and events are
+  // most of it: one string appended in place (no stream, which formats
+  // doubles slowly and copies the text twice), times at nanosecond
+  // resolution.
+  std::string out;
+  out.reserve(512 + events.size() * 200);
+  auto num = [&out](double v, bool fixed) {
+    char b[64];
+    auto [end, ec] = fixed ? std::to_chars(b, b + sizeof b, v, std::chars_format::fixed, 3)
+                           : std::to_chars(b, b + sizeof b, v, std::chars_format::general, 12);
+    if (ec == std::errc()) out.append(b, end);
+    else out += '0';
+  };
+  out += "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[";
+  out += R"({"ph":"M","pid":0,"tid":9,"name":"thread_name","args":{"name":"GPU backward"}})";
   const char* tracks[] = {"GPU compression", "CPU compression pool", "intra-node link",
                           "inter-node link", "inter-node link (receive)"};
-  bool first = true;
-  auto sep = [&] {
-    if (!first) os << ",\n";
-    first = false;
-  };
-  sep();
-  os << R"({"ph":"M","pid":0,"tid":9,"name":"thread_name","args":{"name":"GPU backward"}})";
   for (int r = 0; r < kResources; ++r) {
-    sep();
-    os << R"({"ph":"M","pid":0,"tid":)" << r << R"(,"name":"thread_name","args":{"name":")"
-       << tracks[r] << "\"}}";
+    out += ",\n";
+    out += R"({"ph":"M","pid":0,"tid":)";
+    out += static_cast<char>('0' + r);
+    out += R"(,"name":"thread_name","args":{"name":")";
+    out += tracks[r];
+    out += "\"}}";
   }
-  // Events are most of the text: appended with to_chars (shortest exact
-  // form) rather than through the stream, which formats doubles slowly.
-  std::string buf;
-  buf.reserve(events.size() * 160);
-  auto num = [&buf](double v) {
-    char b[32];
-    auto [end, ec] = std::to_chars(b, b + sizeof b, v);
-    if (ec == std::errc()) buf.append(b, end);
-    else buf += '0';
-  };
   for (const TraceEvent& e : events) {
-    if (!first) buf += ",\n";
-    first = false;
-    buf += R"({"ph":"X","pid":0,"tid":)";
-    buf += std::to_string(e.compute ? 9 : static_cast<int>(e.resource));
-    buf += R"(,"name":")";
-    buf += json_escape(e.name);
-    buf += R"(","cat":")";
-    const std::string what = json_escape(e.what);
-    buf += what;
-    buf += R"(","ts":)";
-    num(e.start_us);
-    buf += R"(,"dur":)";
-    num(e.end_us - e.start_us);
-    buf += R"(,"args":{"op":")";
-    buf += what;
-    buf += "\"}}";
+    out += ",\n";
+    out += R"({"ph":"X","pid":0,"tid":)";
+    out += static_cast<char>('0' + (e.compute ? 9 : static_cast<int>(e.resource)));
+    out += R"(,"name":")";
+    append_escaped(out, e.name);
+    out += R"(","cat":")";
+    append_escaped(out, e.what);
+    out += R"(","ts":)";
+    num(e.start_us, true);
+    out += R"(,"dur":)";
+    num(e.end_us - e.start_us, true);
+    out += R"(,"args":{"op":")";
+    append_escaped(out, e.what);
+    out += "\"}}";
   }
-  os << buf;
-  os << "],\"otherData\":{\"iteration_us\":" << iteration_us
-     << ",\"backward_end_us\":" << backward_end_us << ",\"comm_end_us\":" << comm_end_us
-     << "}}\n";
-  return os.str();
+  out += "],\"otherData\":{\"iteration_us\":";
+  num(iteration_us, false);
+  out += ",\"backward_end_us\":";
+  num(backward_end_us, false);
+  out += ",\"comm_end_us\":";
+  num(comm_end_us, false);
+  out += "}}\n";
+  return out;
 }
 
 }  // namespace bytecomp::planner
