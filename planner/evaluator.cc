@@ -365,12 +365,14 @@ double Evaluator::run_suffix(int from, const std::pair<int, int>* ch, size_t nch
       return std::numeric_limits<double>::infinity();
     }
     const int j = i + 1;
-    if (next == nch && j < n && std::isfinite(cutoff) && cannot_beat(j, cutoff)) {
+    // Only once every change is in does the rest run the base's options.
+    if (next < nch || j == n) continue;
+    if (std::isfinite(cutoff) && cannot_beat(j, cutoff)) {
       rollback(from);
       return std::numeric_limits<double>::infinity();
     }
-    bool same_rest = next == nch && j < n && base_drained_[j] && drained(j);
-    if (!same_rest && shortcuts_ && next == nch && j < n && shifted_base(j)) {
+    bool same_rest = base_drained_[j] && drained(j);
+    if (!same_rest && shortcuts_ && shifted_base(j)) {
       same_rest = true;
       ++shifted_;
     }

@@ -449,7 +449,7 @@ TEST(Simulator, IncrementalEqualsFullSimulation) {
 // try_option() with a cutoff first (the bound ends the run), then asked
 // again (remembered until a commit), then without a cutoff; every answer
 // must agree with a full simulation and with the evaluator whose shortcuts
-// are off. Returns the evaluator with shortcuts for its counters.
+// are off. Returns the shortcut evaluator's counters.
 struct ShortcutCounts {
   int cut_off = 0;
   uint64_t remembered = 0, plain_remembered = 0, shifted = 0;
