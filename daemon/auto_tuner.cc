@@ -305,12 +305,7 @@ void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
   ps->on_auto([weak](const server::AutoEvent& e) {
     if (auto self = weak.lock()) self->on_event(e);
   });
-  ps->on_strategy_change([weak](const server::StrategyChange& c) {
-    if (auto self = weak.lock()) {
-      std::lock_guard lk(self->mu_);
-      self->change_ = std::make_pair(c.iteration, c.strategy_yaml);
-    }
-  });
+  seen_change_ = ps->info().start_iteration;
   if (!o_.run_dir.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(o_.run_dir, ec);
@@ -565,18 +560,19 @@ void AutoTuner::run() {
     if (stopping_) break;
     std::deque<server::AutoEvent> events;
     events.swap(events_);
-    auto change = std::move(change_);
-    change_.reset();
     lk.unlock();
     for (const server::AutoEvent& e : events) handle(e);
-    if (change) {
-      current_yaml_ = change->second;
+    // The job's timeline (the PS client's) has every announced change.
+    if (const strategy::Timeline::Entry latest = ps_->timeline().latest();
+        latest.first != seen_change_) {
+      seen_change_ = latest.first;
+      current_yaml_ = latest.yaml;
       {
         std::lock_guard vl(mu_);
         view_.strategy_yaml = current_yaml_;
       }
       if (state_ == State::kApplied && !have_switch_) {
-        switch_iteration_ = change->first;
+        switch_iteration_ = latest.first;
         have_switch_ = true;
         trigger_.set_prediction(predicted_us_, switch_iteration_ + 1);
       }

@@ -184,11 +184,11 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<server::AutoEvent> events_;  // from PS callbacks
-  std::optional<std::pair<uint64_t, std::string>> change_;  // strategy changes seen
   bool stopping_ = false;
   View view_;
 
   // Tuner thread only.
+  uint64_t seen_change_ = 0;  // first iteration of the job timeline's entry last seen
   State state_ = State::kIdle;
   uint64_t epoch_ = 0;
   uint64_t profile_from_ = 0;

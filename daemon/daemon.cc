@@ -647,7 +647,7 @@ void Daemon::maybe_start(Job& j) {
                              std::to_string(next_job_seq_++);
     Job* jp = &j;
     const int wake = wake_fd_;
-    // Multi-node jobs follow the coordinator's plans (ps_->plan_at).
+    // Multi-node jobs follow the coordinator's plans (ps_->timeline()).
     std::vector<TensorPlan> plans = counting_plans(
         strategy && !join ? make_plans(*strategy, strategy_source, specs)
                           : uncompressed_plans(specs.size()),

@@ -22,6 +22,21 @@ namespace {
 constexpr auto kIdleWait = std::chrono::milliseconds(200);
 }  // namespace
 
+namespace {
+
+// An arrival of the engine's own collectives names its tensor, iteration and
+// byte range like a path's partition.
+Task collective_task(uint32_t tensor, uint64_t iteration, uint64_t begin, uint64_t end) {
+  Task t;
+  t.tensor = tensor;
+  t.iteration = iteration;
+  t.begin = begin;
+  t.end = end;
+  return t;
+}
+
+}  // namespace
+
 void Inbox::ring() {
   if (doorbell_ == nullptr) return;
   try {
@@ -92,7 +107,6 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
       left_(new std::atomic<bool>[o.layout.local_size]),
       node_rank_(o.node_rank),
       partition_bytes_(std::max<uint64_t>(64, tunables.partition_bytes.load() / 64 * 64)),
-      next_plans_(tensors_.size()),
       join_(std::move(o.join)),
       on_joined_(std::move(o.on_joined)),
       peer_opts_(o.peers),
@@ -123,10 +137,12 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
   if (!join_) {
     // Multi-node paths open on the engine thread, after the join.
     setup_phases();
+    own_timeline_ = std::make_unique<strategy::Timeline>(0, std::move(o.plans));
+    timeline_ = own_timeline_.get();
     local_ = std::make_unique<LocalPath>(
         // The daemon's plans count their own compression (counting_plans).
         PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_, nullptr},
-        node_rank_, std::move(o.plans));
+        node_rank_, timeline_->at(0));
     path_of_.assign(tensors_.size(), local_.get());
   }
   thread_ = std::thread([this] { loop(); });
@@ -232,14 +248,16 @@ void Engine::adopt_pending() {
       }
     });
   }
-  if (!p) return;
+  if (!p || !own_timeline_) return;
   // The switch iteration is after every round already begun, so no tensor
   // changes plan in the middle of an iteration some other tensor finished.
-  switch_iteration_ = latest_begun() + 1;
-  for (size_t t = 0; t < next_plans_.size(); ++t) next_plans_[t] = std::move((*p)[t]);
-  switch_published_.store(switch_iteration_);
-  BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": new strategy applies from iteration "
-                             << switch_iteration_;
+  const int64_t at = latest_begun() + 1;
+  if (Status s = own_timeline_->add(static_cast<uint64_t>(at), std::move(*p), ""); !s.ok()) {
+    fail(s.code(), "job " + job_ + ": " + s.message());
+    return;
+  }
+  switch_published_.store(at);
+  BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": new strategy applies from iteration " << at;
 }
 
 void Engine::setup_phases() {
@@ -276,13 +294,13 @@ void Engine::publish_gauges() {
 
 void Engine::begin_round(uint32_t tensor) {
   Round& round = rounds_[tensor];
-  std::optional<TensorPlan>& next = next_plans_[tensor];
-  if (next && static_cast<int64_t>(round.iteration) >= switch_iteration_) {
-    if (local_) local_->install(tensor, std::move(*next));
-    next.reset();
-  }
-  round.partitions_left = sched_.add(tensor, round.iteration, tensors_[tensor].bytes,
-                                     partition_bytes_);
+  // The round's plan, fixed once for all its partitions.
+  const strategy::Timeline::Entry in_force = timeline_->at(round.iteration);
+  if (local_) local_->follow(tensor, in_force);
+  round.partitions_left = sched_.add(
+      tensor, round.iteration, tensors_[tensor].bytes, partition_bytes_,
+      static_cast<uint32_t>(ipc::dtype_size(tensors_[tensor].dtype)),
+      std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[tensor]));
   if (phases_.enabled()) {
     const uint64_t now = monotonic_ns();
     for (size_t p = 0; p < round.partitions_left; ++p) {
@@ -350,6 +368,7 @@ bool Engine::open_paths() {
     return false;
   }
   partition_bytes_ = pb;
+  timeline_ = &ps_->timeline();
   std::weak_ptr<Inbox> inbox = inbox_;
   ps_->on_failure([inbox](const Status& s) {
     if (auto i = inbox.lock()) i->fail(s);
@@ -508,18 +527,17 @@ void Engine::run_batch(const std::vector<Task>& batch) {
   std::vector<std::vector<char*>> bufs(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     buffers_of(batch[i].tensor, bufs[i]);
-    if (!path_of_[batch[i].tensor]->synchronous()) inflight_bytes_ += batch[i].end - batch[i].begin;
+    if (!path_of_[batch[i].tensor]->synchronous()) inflight_bytes_ += batch[i].bytes();
   }
   pool_.parallel_for(
       batch.size(), 1,
       [&](size_t b, size_t e) {
         for (size_t i = b; i < e; ++i) {
           const Task& t = batch[i];
-          const auto part = static_cast<uint32_t>(t.begin / partition_bytes_);
-          phases_.stamp(t.tensor, part, t.iteration, Phase::kStart);
+          phases_.stamp(t.tensor, t.index, t.iteration, Phase::kStart);
           ExecutionPath& path = *path_of_[t.tensor];
           path.start(t, bufs[i]);
-          if (path.synchronous()) phases_.end(t.tensor, part, t.iteration);
+          if (path.synchronous()) phases_.end(t.tensor, t.index, t.iteration);
         }
       },
       batch.size());
@@ -548,8 +566,8 @@ bool Engine::process_arrivals() {
   if (arrived.empty()) return true;
   for (const auto& a : arrived) {
     if (!a.status.ok()) {
-      fail(a.status.code(), "pull of tensor '" + tensors_[a.tensor].name + "' (iteration " +
-                                std::to_string(a.iteration) + ") failed: " + a.status.message());
+      fail(a.status.code(), "pull of tensor '" + tensors_[a.task.tensor].name + "' (iteration " +
+                                std::to_string(a.task.iteration) + ") failed: " + a.status.message());
       return false;
     }
   }
@@ -559,18 +577,17 @@ bool Engine::process_arrivals() {
       [&](size_t b, size_t e) {
         std::vector<char*> bufs;
         for (size_t i = b; i < e; ++i) {
-          const auto& a = arrived[i];
-          const auto part = static_cast<uint32_t>(a.begin / partition_bytes_);
-          phases_.stamp(a.tensor, part, a.iteration, Phase::kArrived, a.at_ns);
-          buffers_of(a.tensor, bufs);
-          errors[i] = path_of_[a.tensor]->finish(a, bufs);
-          if (errors[i].empty()) phases_.end(a.tensor, part, a.iteration);
+          const Task& t = arrived[i].task;
+          phases_.stamp(t.tensor, t.index, t.iteration, Phase::kArrived, arrived[i].at_ns);
+          buffers_of(t.tensor, bufs);
+          errors[i] = path_of_[t.tensor]->finish(arrived[i], bufs);
+          if (errors[i].empty()) phases_.end(t.tensor, t.index, t.iteration);
         }
       },
       arrived.size());
   for (size_t i = 0; i < arrived.size(); ++i) {
     if (!errors[i].empty()) {
-      fail(ErrorCode::kMalformed, "answer for tensor '" + tensors_[arrived[i].tensor].name +
+      fail(ErrorCode::kMalformed, "answer for tensor '" + tensors_[arrived[i].task.tensor].name +
                                       "' unusable: " + errors[i]);
       return false;
     }
@@ -578,7 +595,7 @@ bool Engine::process_arrivals() {
   // Bytes in flight were released by the acknowledgements (servers' for
   // pushes, peers' for allgather payloads), not here.
   for (const auto& a : arrived) {
-    if (--rounds_[a.tensor].partitions_left == 0) complete(a.tensor);
+    if (--rounds_[a.task.tensor].partitions_left == 0) complete(a.task.tensor);
   }
   return true;
 }
@@ -689,7 +706,8 @@ bool Engine::begin_collective(CollRound& c) {
     ps_->barrier(
         [inbox, it](const Status& s) {
           if (auto i = inbox.lock())
-            i->deliver({ipc::kBarrierTensor, it, 0, 0, s, {}, 0, Inbox::Arrival::Kind::kBarrier});
+            i->deliver({collective_task(ipc::kBarrierTensor, it, 0, 0), s, {}, 0,
+                        Inbox::Arrival::Kind::kBarrier});
         },
         server::Millis{0});
     return true;
@@ -735,7 +753,7 @@ bool Engine::begin_collective(CollRound& c) {
     ps_->broadcast(key, it, op.root, op.nbytes, op.tag, here, std::move(data),
                    [inbox, t, it, begin, end](const Status& s, transport::Buffer result) {
                      if (auto i = inbox.lock())
-                       i->deliver({t, it, begin, end, s, std::move(result), 0,
+                       i->deliver({collective_task(t, it, begin, end), s, std::move(result), 0,
                                    Inbox::Arrival::Kind::kBroadcast});
                    });
   }
@@ -744,32 +762,32 @@ bool Engine::begin_collective(CollRound& c) {
 
 bool Engine::finish_collective(const Inbox::Arrival& a) {
   const bool barrier = a.kind == Inbox::Arrival::Kind::kBarrier;
-  if (!barrier && a.tensor >= bcasts_.size()) {
-    fail(ErrorCode::kInternal, "broadcast answer for unknown tensor " + std::to_string(a.tensor));
+  if (!barrier && a.task.tensor >= bcasts_.size()) {
+    fail(ErrorCode::kInternal, "broadcast answer for unknown tensor " + std::to_string(a.task.tensor));
     return false;
   }
-  CollRound& c = coll_of(barrier ? ipc::kBarrierTensor : a.tensor);
+  CollRound& c = coll_of(barrier ? ipc::kBarrierTensor : a.task.tensor);
   const std::string what =
-      barrier ? "the barrier" : "the broadcast of tensor '" + tensors_[a.tensor].name + "'";
-  if (!c.running || c.first.iteration != a.iteration || c.parts_left == 0) {
+      barrier ? "the barrier" : "the broadcast of tensor '" + tensors_[a.task.tensor].name + "'";
+  if (!c.running || c.first.iteration != a.task.iteration || c.parts_left == 0) {
     fail(ErrorCode::kInternal, "an answer for " + what + " (iteration " +
-                                   std::to_string(a.iteration) + ") that is not running");
+                                   std::to_string(a.task.iteration) + ") that is not running");
     return false;
   }
   if (!a.status.ok()) {
     fail(a.status.code() == ErrorCode::kOk ? ErrorCode::kAborted : a.status.code(),
-         what + " (iteration " + std::to_string(a.iteration) + ") failed: " + a.status.message());
+         what + " (iteration " + std::to_string(a.task.iteration) + ") failed: " + a.status.message());
     return false;
   }
-  if (!barrier && a.end > a.begin) {
+  if (!barrier && a.task.end > a.task.begin) {
     std::vector<char*> bufs;
-    buffers_of(a.tensor, bufs);
+    buffers_of(a.task.tensor, bufs);
     const uint32_t root_node = c.first.root / layout_.local_size;
     const uint32_t root_local = c.first.root % layout_.local_size;
-    const uint64_t n = a.end - a.begin;
+    const uint64_t n = a.task.end - a.task.begin;
     const char* src = nullptr;
     if (root_node == node_rank_) {
-      src = bufs[root_local] + a.begin;
+      src = bufs[root_local] + a.task.begin;
     } else if (a.result.size() != n) {
       fail(ErrorCode::kMalformed, what + ": a server answered " + std::to_string(a.result.size()) +
                                       " bytes for a partition of " + std::to_string(n));
@@ -778,7 +796,7 @@ bool Engine::finish_collective(const Inbox::Arrival& a) {
       src = reinterpret_cast<const char*>(a.result.data());
     }
     for (uint32_t r = 0; r < layout_.local_size; ++r)
-      if (bufs[r] + a.begin != src) std::memcpy(bufs[r] + a.begin, src, n);
+      if (bufs[r] + a.task.begin != src) std::memcpy(bufs[r] + a.task.begin, src, n);
   }
   if (--c.parts_left == 0) complete_collective(c);
   return true;

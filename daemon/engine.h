@@ -39,7 +39,7 @@
 //                    finish() for a batch while the engine thread waits in
 //                    parallel_for(); distinct partitions only.
 //   transport threads run the PS and peer callbacks, which touch only the
-//                    Inbox (and PeerPath's plans).
+//                    Inbox.
 // Phase timestamps (daemon/engine_phases.h): the core stamps kFirstRank and
 // kAllRanks (drain), kStart (before a path's start()) and kArrived (the
 // Inbox's delivery time) and publishes a record after a path finished it;
@@ -77,6 +77,7 @@
 #include "daemon/plan.h"
 #include "daemon/submit_check.h"
 #include "daemon/scheduler.h"
+#include "planner/strategy/timeline.h"
 #include "server/ps_client.h"
 
 namespace bytecomp::daemon {
@@ -249,9 +250,12 @@ class Engine {
   std::mutex pending_mu_;
   std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
   std::optional<std::string> pending_yaml_;          // guarded by pending_mu_
-  int64_t switch_iteration_ = -1;
   std::atomic<int64_t> switch_published_{-1};
-  std::vector<std::optional<TensorPlan>> next_plans_;  // from switch_iteration_ on
+  // The job's plans by first iteration: the engine's own for a single-node
+  // job (set_plans() adds to it), the PS client's (every node's and
+  // server's announced changes) for a multi-node one. Engine thread reads.
+  std::unique_ptr<strategy::Timeline> own_timeline_;
+  const strategy::Timeline* timeline_ = nullptr;
   // A strategy change this node asked the coordinator for, at iteration E:
   // until the coordinator confirms that every node applied it, rounds of
   // E - 1 and later wait here (held_), so that no other node can finish

@@ -9,13 +9,17 @@ namespace bytecomp::daemon {
 
 BC_LOG_CATEGORY(LogEngineLocal, "daemon.engine");
 
-LocalPath::LocalPath(const PathContext& ctx, uint32_t node_rank, std::vector<TensorPlan> plans)
+LocalPath::LocalPath(const PathContext& ctx, uint32_t node_rank,
+                     const strategy::Timeline::Entry& start)
     : ctx_(ctx), node_rank_(node_rank), runs_(ctx.tensors->size()) {
-  for (uint32_t t = 0; t < runs_.size(); ++t) install(t, std::move(plans.at(t)));
+  for (uint32_t t = 0; t < runs_.size(); ++t) follow(t, start);
 }
 
-void LocalPath::install(uint32_t t, TensorPlan plan) {
+void LocalPath::follow(uint32_t t, const strategy::Timeline::Entry& in_force) {
   Run& run = runs_[t];
+  if (run.from && *run.from == in_force.first) return;
+  run.from = in_force.first;
+  const TensorPlan& plan = (*in_force.plans).at(t);
   run.states.clear();
   run.scratch.clear();
   if (plan.compressor) {
@@ -29,7 +33,7 @@ void LocalPath::install(uint32_t t, TensorPlan plan) {
   }
   BC_LOG(LogEngineLocal(), kDebug) << "job " << ctx_.job << " tensor '" << (*ctx_.tensors)[t].name
                                    << "': " << plan.describe();
-  run.plan = std::move(plan);
+  run.plan = plan;
 }
 
 void LocalPath::start(const Task& t, std::span<char* const> bufs) {
@@ -39,8 +43,8 @@ void LocalPath::start(const Task& t, std::span<char* const> bufs) {
   PhaseLog& phases = *ctx_.phases;
   // Distinct partitions own distinct states and scratch buffers, so tasks of
   // one tensor run in parallel safely.
-  const size_t part = static_cast<size_t>(t.begin / ctx_.partition_bytes);
-  const auto index = static_cast<uint32_t>(part);
+  const size_t part = t.index;
+  const uint32_t index = t.index;
   if (!run.plan.compressor) {
     reducer.reduce(spec.dtype, bufs, t.begin, t.end);
     if (phases.enabled()) phases.stamp_through(t.tensor, index, t.iteration, Phase::kReduced, monotonic_ns());
@@ -49,13 +53,12 @@ void LocalPath::start(const Task& t, std::span<char* const> bufs) {
   reducer.sum_to_first(spec.dtype, bufs, t.begin, t.end);
   phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   float* sum = reinterpret_cast<float*>(bufs[0] + t.begin);
-  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
+  const auto n = static_cast<size_t>(t.count);
   compress::CompressContext cctx;
   cctx.iteration = t.iteration;
   // Same on every node for this tensor partition (randomk's indices), and
   // private per node for stochastic rounding.
-  cctx.shared_seed =
-      strategy::partition_seed(ctx_.job, strategy::partition_key(t.tensor, static_cast<uint32_t>(part)));
+  cctx.shared_seed = strategy::partition_seed(ctx_.job, t.key);
   cctx.private_seed = strategy::node_private_seed(cctx.shared_seed, node_rank_);
   std::vector<std::byte>& wire = run.scratch[part];
   const size_t len = run.plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), wire,
@@ -77,7 +80,7 @@ void LocalPath::start(const Task& t, std::span<char* const> bufs) {
 }
 
 std::string LocalPath::finish(const Inbox::Arrival& a, std::span<char* const>) {
-  return "the local path got an arrival for tensor " + std::to_string(a.tensor) +
+  return "the local path got an arrival for tensor " + std::to_string(a.task.tensor) +
          " (it finishes its tasks in start())";
 }
 

@@ -6,26 +6,30 @@
 // multi-node round does. Uncompressed tensors are summed and copied out in
 // one blocked pass.
 //
-// Thread-safety: see ExecutionPath. install() runs on the engine thread
+// Thread-safety: see ExecutionPath. follow() runs on the engine thread
 // while no task of that tensor runs (between its rounds).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "compress/compressor.h"
 #include "daemon/engine_path.h"
 #include "daemon/plan.h"
+#include "planner/strategy/timeline.h"
 
 namespace bytecomp::daemon {
 
 class LocalPath final : public ExecutionPath {
  public:
-  // `plans`: one per tensor.
-  LocalPath(const PathContext& ctx, uint32_t node_rank, std::vector<TensorPlan> plans);
+  // `start`: the job's first timeline entry.
+  LocalPath(const PathContext& ctx, uint32_t node_rank, const strategy::Timeline::Entry& start);
 
-  // The tensor's plan from its next round on (fresh per-partition state).
-  void install(uint32_t tensor, TensorPlan plan);
+  // Before each round of `tensor`: takes its plan from `in_force` (the
+  // timeline's entry for the round) when that entry is not the one it runs,
+  // with fresh per-partition state.
+  void follow(uint32_t tensor, const strategy::Timeline::Entry& in_force);
 
   const char* name() const override { return "local"; }
   bool synchronous() const override { return true; }
@@ -35,6 +39,7 @@ class LocalPath final : public ExecutionPath {
  private:
   struct Run {  // a tensor's current plan and its per-partition state
     TensorPlan plan;
+    std::optional<uint64_t> from;  // first iteration of the timeline entry `plan` came from
     std::vector<std::unique_ptr<compress::TensorState>> states;
     std::vector<std::vector<std::byte>> scratch;
   };

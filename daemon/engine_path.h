@@ -46,9 +46,7 @@ struct JobByteCounters;  // daemon/counting_compressor.h
 class Inbox {
  public:
   struct Arrival {
-    uint32_t tensor;
-    uint64_t iteration;
-    uint64_t begin, end;
+    Task task;  // the partition it answers (the engine's collectives fill tensor, iteration, range)
     Status status;
     transport::Buffer result;  // ps: the pull's answer; peer: empty (PeerJob::take() has it)
     uint64_t at_ns = 0;        // monotonic_ns() when delivered (0: not stamped)

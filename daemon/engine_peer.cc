@@ -18,23 +18,7 @@ uint64_t digest_of(const TensorPlan& plan) {
   return plan_digest(plan.compressor ? compress::to_string(plan.compressor->spec()) : "");
 }
 
-std::vector<TensorPlan> peer_plans_from(const std::string& yaml,
-                                        const std::vector<TensorSpec>& tensors) {
-  planner::Strategy strategy;
-  if (!yaml.empty()) strategy = planner::Strategy::parse(yaml, "the job's strategy");
-  return make_plans(strategy, "the job's strategy", tensors);
-}
-
 }  // namespace
-
-TensorPlan PeerPath::PeerPlans::at(uint32_t tensor, uint64_t iteration) {
-  std::lock_guard lock(mu);
-  const std::vector<TensorPlan>* plans = &by_iteration.front().second;
-  for (const auto& [from, p] : by_iteration) {
-    if (from <= iteration) plans = &p;
-  }
-  return plans->at(tensor);
-}
 
 PeerPath::PeerPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
                    std::vector<bool> peer_tensor)
@@ -50,7 +34,7 @@ std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
   std::vector<bool> peer_tensor(tensors.size(), false);
   bool any = false;
   for (uint32_t t = 0; t < tensors.size(); ++t) {
-    if (ps->plan_at(t, info.start_iteration).placement == strategy::Placement::kPeer) {
+    if (ps->timeline().plan(t, info.start_iteration).placement == strategy::Placement::kPeer) {
       peer_tensor[t] = true;
       any = true;
     }
@@ -62,33 +46,10 @@ std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
                 "endpoint (set internode.peer_listen in its configuration)");
   }
   std::unique_ptr<PeerPath> path(new PeerPath(ctx, ps, std::move(peer_tensor)));
-  try {
-    path->peer_plans_ = std::make_shared<PeerPlans>();
-    path->peer_plans_->by_iteration.emplace_back(info.start_iteration,
-                                                 peer_plans_from(info.strategy_yaml, tensors));
-  } catch (const std::exception& e) {
-    throw Error(ErrorCode::kInvalidArgument, std::string("the job's strategy: ") + e.what());
-  }
-  std::weak_ptr<PeerPlans> plans = path->peer_plans_;
+  // The plans (peer tensors' with their compressor) come with each task from
+  // the job's timeline, which the PS client keeps and every announced change
+  // extends: nothing to parse here.
   std::weak_ptr<Inbox> inbox = ctx.inbox;
-  ps->on_strategy_change([plans, inbox, tensors](const server::StrategyChange& c) {
-    auto p = plans.lock();
-    if (!p) return;
-    try {
-      auto next = peer_plans_from(c.strategy_yaml, tensors);
-      std::lock_guard lock(p->mu);
-      p->by_iteration.emplace_back(c.iteration, std::move(next));
-      std::stable_sort(p->by_iteration.begin(), p->by_iteration.end(),
-                       [](const auto& a, const auto& b) { return a.first < b.first; });
-    } catch (const std::exception& e) {
-      if (auto i = inbox.lock()) {
-        i->fail(Status(ErrorCode::kAborted,
-                       std::string("announced strategy cannot be run by peer allgather: ") +
-                           e.what()));
-      }
-    }
-  });
-
   const uint64_t pb = ctx.partition_bytes;
   PeerJobSpec spec;
   spec.name = info.name;
@@ -115,8 +76,17 @@ std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
   auto ready = [inbox, bytes, pb](uint32_t tensor, uint32_t index, uint64_t iteration) {
     if (auto i = inbox.lock()) {
       const uint64_t begin = uint64_t{index} * pb;
-      i->deliver({tensor, iteration, begin, std::min(bytes[tensor], begin + pb), Status::Ok(),
-                  {}});
+      // Only the partition's identity: finish() takes the round's plan
+      // from the contributing task's record.
+      Task t;
+      t.tensor = tensor;
+      t.index = index;
+      t.key = strategy::partition_key(tensor, index);
+      t.iteration = iteration;
+      t.begin = begin;
+      t.end = std::min(bytes[tensor], begin + pb);
+      t.count = (t.end - t.begin) / 4;
+      i->deliver({std::move(t), Status::Ok(), {}});
     }
   };
   auto failed = [inbox](const Status& s) {
@@ -144,13 +114,16 @@ void PeerPath::close() {
 
 void PeerPath::start(const Task& t, std::span<char* const> bufs) {
   const TensorSpec& spec = (*ctx_.tensors)[t.tensor];
-  const auto index = static_cast<uint32_t>(t.begin / ctx_.partition_bytes);
-  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
+  const uint32_t index = t.index;
+  const auto n = static_cast<size_t>(t.count);
   ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
   PhaseLog& phases = *ctx_.phases;
   phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
-  const TensorPlan plan = peer_plans_->at(t.tensor, t.iteration);
+  const TensorPlan& plan = *t.plan;
+  // finish() decodes under the same plan (a round's start happens before
+  // its finish, and the next round starts after both).
+  peer_parts_[t.tensor][index].plan = t.plan;
   PeerHeader h;
   h.count = n;
   h.plan_digest = digest_of(plan);
@@ -164,8 +137,7 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
     }
     compress::CompressContext ctx;
     ctx.iteration = t.iteration;
-    ctx.shared_seed =
-        strategy::partition_seed(ps_->info().name, strategy::partition_key(t.tensor, index));
+    ctx.shared_seed = strategy::partition_seed(ps_->info().name, t.key);
     ctx.private_seed = strategy::node_private_seed(ctx.shared_seed, ps_->info().rank);
     std::vector<std::byte> out(plan.compressor->max_compressed_bytes(n));
     out.resize(plan.compressor->compress(compress::ConstTensorView::cpu(sum, n), out, *part.state,
@@ -187,28 +159,29 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
   phases.stamp(t.tensor, index, t.iteration, Phase::kSent);
   std::weak_ptr<Inbox> inbox = ctx_.inbox;
   peer_->contribute(t.tensor, index, t.iteration, h, std::move(data),
-                    [inbox, bytes = t.end - t.begin] {
+                    [inbox, bytes = t.bytes()] {
                       if (auto i = inbox.lock()) i->acked(bytes);
                     });
 }
 
 std::string PeerPath::finish(const Inbox::Arrival& a, std::span<char* const> bufs) {
-  const auto index = static_cast<uint32_t>(a.begin / ctx_.partition_bytes);
-  const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
-  float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
+  const Task& t = a.task;
+  const uint32_t index = t.index;
+  const auto n = static_cast<size_t>(t.count);
+  float* out = reinterpret_cast<float*>(bufs[0] + t.begin);
   const uint32_t self = ps_->info().rank;
   const auto& nodes = ps_->info().nodes;
   auto who = [&](uint32_t r) {
     return "node " + std::to_string(nodes.at(r)) + " (rank " + std::to_string(r) + ")";
   };
   try {
-    std::vector<PeerPayload> payloads = peer_->take(a.tensor, index, a.iteration);
+    std::vector<PeerPayload> payloads = peer_->take(t.tensor, index, t.iteration);
     const PeerHeader& own = payloads.at(self).header;
     for (uint32_t r = 0; r < payloads.size(); ++r) {
       const PeerHeader& h = payloads[r].header;
       if (h.format != own.format || h.plan_digest != own.plan_digest) {
         return who(r) + " sent partition " + std::to_string(index) + " (iteration " +
-               std::to_string(a.iteration) + ") " +
+               std::to_string(t.iteration) + ") " +
                (h.format == PeerFormat::kRawFp32 ? "uncompressed" : "compressed") +
                " under plan digest " + std::to_string(h.plan_digest) + ", this node ran " +
                (own.format == PeerFormat::kRawFp32 ? "uncompressed" : "compressed") +
@@ -235,27 +208,27 @@ std::string PeerPath::finish(const Inbox::Arrival& a, std::span<char* const> buf
         }
       }
     } else {
-      const TensorPlan plan = peer_plans_->at(a.tensor, a.iteration);
+      // The plan this node's start() ran the round under.
+      const TensorPlan& plan = *peer_parts_[t.tensor][index].plan;
       if (!plan.compressor || digest_of(plan) != own.plan_digest) {
         return "the plan of partition " + std::to_string(index) + " changed under it";
       }
       compress::CompressContext ctx;
-      ctx.iteration = a.iteration;
-      ctx.shared_seed =
-          strategy::partition_seed(ps_->info().name, strategy::partition_key(a.tensor, index));
+      ctx.iteration = t.iteration;
+      ctx.shared_seed = strategy::partition_seed(ps_->info().name, t.key);
       for (uint32_t r = 0; r < payloads.size(); ++r) {
         try {
           plan.compressor->decompress(payloads[r].data.span(), compress::TensorView::cpu(out, n),
                                       r > 0, ctx);
         } catch (const std::exception& e) {
           return "the payload of " + who(r) + " for partition " + std::to_string(index) +
-                 " (iteration " + std::to_string(a.iteration) + ") does not decode: " + e.what();
+                 " (iteration " + std::to_string(t.iteration) + ") does not decode: " + e.what();
         }
       }
     }
-    ctx_.phases->stamp(a.tensor, index, a.iteration, Phase::kDecompressed);
-    ctx_.reducer->copy_from_first(bufs, a.begin, a.end);
-    ctx_.phases->stamp(a.tensor, index, a.iteration, Phase::kCopiedOut);
+    ctx_.phases->stamp(t.tensor, index, t.iteration, Phase::kDecompressed);
+    ctx_.reducer->copy_from_first(bufs, t.begin, t.end);
+    ctx_.phases->stamp(t.tensor, index, t.iteration, Phase::kCopiedOut);
   } catch (const std::exception& e) {
     return e.what();
   }

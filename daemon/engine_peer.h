@@ -2,11 +2,10 @@
 // peer_allgather.h): this node's (compressed) partition goes to every other
 // node's daemon, and a complete round is decompressed and summed in
 // node-rank order on every node. The plans of allgather tensors follow the
-// coordinator's strategy announcements (by first iteration).
+// coordinator's strategy announcements: each task carries its round's plan
+// from the job's timeline (the PS client's).
 //
-// Thread-safety: see ExecutionPath. The strategy-change callback runs on the
-// transport's thread and only touches PeerPlans (its own mutex, held for a
-// lookup or an insertion) and the Inbox.
+// Thread-safety: see ExecutionPath.
 #pragma once
 
 #include <memory>
@@ -50,14 +49,8 @@ class PeerPath final : public ExecutionPath {
   void close() override;
 
  private:
-  // Plans by first iteration (strategy changes arrive on the transport's
-  // thread).
-  struct PeerPlans {
-    std::mutex mu;
-    std::vector<std::pair<uint64_t, std::vector<TensorPlan>>> by_iteration;
-    TensorPlan at(uint32_t tensor, uint64_t iteration);
-  };
-  struct PeerPart {  // per-partition error-feedback state
+  struct PeerPart {  // per-partition plan of the running round and error-feedback state
+    std::shared_ptr<const TensorPlan> plan;
     uint64_t digest = 0;
     std::unique_ptr<compress::TensorState> state;
   };
@@ -68,7 +61,6 @@ class PeerPath final : public ExecutionPath {
   std::shared_ptr<server::PsJob> ps_;
   std::vector<bool> peer_tensor_;
   std::shared_ptr<PeerJob> peer_;
-  std::shared_ptr<PeerPlans> peer_plans_;
   std::vector<std::vector<PeerPart>> peer_parts_;
 };
 

@@ -19,11 +19,11 @@ PsPath::PsPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
   }
 }
 
-PsPath::PsPart& PsPath::ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration) {
-  PsPart& part = ps_parts_.at(tensor).at(static_cast<size_t>(begin / ctx_.partition_bytes));
-  // The plan in force at this iteration, the same on every node and server
-  // (strategy changes are announced by the coordinator ahead of time).
-  strategy::TensorPlan plan = ps_->plan_at(tensor, iteration);
+PsPath::PsPart& PsPath::ps_part(const Task& t) {
+  PsPart& part = ps_parts_.at(t.tensor).at(t.index);
+  // The round's plan, the same on every node and server (strategy changes
+  // are announced by the coordinator ahead of time).
+  const strategy::TensorPlan& plan = *t.plan;
   if (!(plan == part.plan) || (plan.compressed_push() && !part.compressor) ||
       (plan.pull == strategy::PullFormat::kCompressed && !part.compressor)) {
     part.plan = plan;
@@ -38,10 +38,10 @@ PsPath::PsPart& PsPath::ps_part(uint32_t tensor, uint64_t begin, uint64_t iterat
 
 void PsPath::start(const Task& t, std::span<char* const> bufs) {
   const TensorSpec& spec = (*ctx_.tensors)[t.tensor];
-  const auto index = static_cast<uint32_t>(t.begin / ctx_.partition_bytes);
-  const uint64_t key = strategy::partition_key(t.tensor, index);
+  const uint32_t index = t.index;
+  const uint64_t key = t.key;
   const server::Partition* p = ps_->info().assignment.find(key);
-  const size_t n = static_cast<size_t>((t.end - t.begin) / 4);
+  const auto n = static_cast<size_t>(t.count);
   if (p == nullptr || p->offset * 4 != t.begin || p->count != n) {
     throw Error(ErrorCode::kInternal, "partition " + std::to_string(index) + " of tensor '" +
                                           spec.name + "' does not match the servers' assignment");
@@ -50,7 +50,7 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
   PhaseLog& phases = *ctx_.phases;
   phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
-  PsPart& part = ps_part(t.tensor, t.begin, t.iteration);
+  PsPart& part = ps_part(t);
   transport::Buffer payload;
   if (part.plan.compressed_push()) {
     if (!part.state) part.state = part.compressor->make_state(n);
@@ -80,7 +80,7 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
   phases.stamp(t.tensor, index, t.iteration, Phase::kSent);
   std::weak_ptr<Inbox> inbox = ctx_.inbox;
   ps_->push(key, t.iteration, std::move(payload),
-            [inbox, name = spec.name, bytes = t.end - t.begin](const Status& s) {
+            [inbox, name = spec.name, bytes = t.bytes()](const Status& s) {
               auto i = inbox.lock();
               if (!i) return;
               if (s.ok()) {
@@ -91,24 +91,24 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
             });
   ps_->pull(key, t.iteration, [inbox, t](const Status& s, transport::Buffer result) {
     if (auto i = inbox.lock()) {
-      i->deliver({t.tensor, t.iteration, t.begin, t.end, s, std::move(result)});
+      i->deliver({t, s, std::move(result)});
     }
   });
 }
 
 std::string PsPath::finish(const Inbox::Arrival& a, std::span<char* const> bufs) {
-  const size_t n = static_cast<size_t>((a.end - a.begin) / 4);
-  float* out = reinterpret_cast<float*>(bufs[0] + a.begin);
-  const auto index = static_cast<uint32_t>(a.begin / ctx_.partition_bytes);
-  PsPart& part = ps_parts_[a.tensor][index];
+  const Task& t = a.task;
+  const auto n = static_cast<size_t>(t.count);
+  float* out = reinterpret_cast<float*>(bufs[0] + t.begin);
+  PsPart& part = ps_parts_[t.tensor][t.index];
   PhaseLog& phases = *ctx_.phases;
   try {
     compress::CompressContext cctx;
-    cctx.iteration = a.iteration;
+    cctx.iteration = t.iteration;
     strategy::decode_answer(part.plan.pull, a.result.span(), out, n, part.compressor.get(), cctx);
-    phases.stamp(a.tensor, index, a.iteration, Phase::kDecompressed);
-    ctx_.reducer->copy_from_first(bufs, a.begin, a.end);
-    phases.stamp(a.tensor, index, a.iteration, Phase::kCopiedOut);
+    phases.stamp(t.tensor, t.index, t.iteration, Phase::kDecompressed);
+    ctx_.reducer->copy_from_first(bufs, t.begin, t.end);
+    phases.stamp(t.tensor, t.index, t.iteration, Phase::kCopiedOut);
   } catch (const std::exception& e) {
     return e.what();
   }

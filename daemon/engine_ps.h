@@ -3,7 +3,7 @@
 // force pushes compressed, push to the partition's server, pull the
 // aggregate (fp32, fp16 or compressed, as the plan says), decode it and copy
 // it to every local rank. The plan of each partition is the coordinator's
-// (PsJob::plan_at), the same on every node and server at each iteration.
+// (the job timeline, PsJob::timeline()), the same on every node and server at each iteration.
 //
 // Thread-safety: see ExecutionPath. The push/pull callbacks run on the
 // transport's threads and only touch the Inbox.
@@ -37,7 +37,7 @@ class PsPath final : public ExecutionPath {
     std::unique_ptr<compress::Compressor> compressor;
     std::unique_ptr<compress::TensorState> state;
   };
-  PsPart& ps_part(uint32_t tensor, uint64_t begin, uint64_t iteration);
+  PsPart& ps_part(const Task& t);
 
   PathContext ctx_;
   std::shared_ptr<server::PsJob> ps_;

@@ -2,17 +2,28 @@
 
 #include <algorithm>
 
+#include "planner/strategy/partition.h"
+
 namespace bytecomp::daemon {
 
 size_t Scheduler::add(uint32_t tensor, uint64_t iteration, uint64_t bytes,
-                      uint64_t partition_bytes) {
+                      uint64_t partition_bytes, uint32_t elem_size,
+                      std::shared_ptr<const strategy::TensorPlan> plan) {
   const uint64_t part = std::max<uint64_t>(64, partition_bytes / 64 * 64);
   size_t n = 0;
   uint64_t begin = 0;
   do {
-    const uint64_t end = std::min(bytes, begin + part);
-    queue_.emplace(std::make_pair(tensor, seq_++), Task{tensor, iteration, begin, end});
-    begin = end;
+    Task t;
+    t.tensor = tensor;
+    t.index = static_cast<uint32_t>(n);
+    t.key = strategy::partition_key(tensor, t.index);
+    t.iteration = iteration;
+    t.begin = begin;
+    t.end = std::min(bytes, begin + part);
+    t.count = t.bytes() / std::max<uint32_t>(elem_size, 1);
+    t.plan = plan;
+    begin = t.end;
+    queue_.emplace(std::make_pair(tensor, seq_++), std::move(t));
     ++n;
   } while (begin < bytes);
   return n;

@@ -12,16 +12,30 @@
 #include <cstdint>
 #include <cstddef>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include "planner/strategy/plan.h"
+
 namespace bytecomp::daemon {
 
+// One partition of one tensor's round: its identity is computed here once
+// and carried to the path that runs it and back with its arrival (BytePS's
+// task lesson), so no path re-derives index, key or count.
 struct Task {
   uint32_t tensor = 0;
+  uint32_t index = 0;      // partition within the tensor
+  uint64_t key = 0;        // strategy::partition_key(tensor, index): the wire key
   uint64_t iteration = 0;
-  uint64_t begin = 0;  // byte range of the tensor
+  uint64_t begin = 0;      // byte range of the tensor
   uint64_t end = 0;
+  uint64_t count = 0;      // elements in [begin, end)
+  // The plan the round runs under (fixed once per round from the job's
+  // timeline); null where the path keeps its own (the local path).
+  std::shared_ptr<const strategy::TensorPlan> plan;
+
+  uint64_t bytes() const { return end - begin; }
 };
 
 class Scheduler {
@@ -29,7 +43,8 @@ class Scheduler {
   // Queues every partition of the tensor. Partitions are multiples of 64
   // bytes and of elem_size (64 is a multiple of every element size we have).
   // Returns the number of partitions.
-  size_t add(uint32_t tensor, uint64_t iteration, uint64_t bytes, uint64_t partition_bytes);
+  size_t add(uint32_t tensor, uint64_t iteration, uint64_t bytes, uint64_t partition_bytes,
+             uint32_t elem_size, std::shared_ptr<const strategy::TensorPlan> plan = {});
 
   // Up to max_tasks highest-priority partitions whose bytes sum to at most
   // max_bytes (the first always fits).

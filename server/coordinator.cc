@@ -312,9 +312,10 @@ void Coordinator::try_admit_locked(Pending& p, std::vector<std::function<void()>
 void Coordinator::admit(proto::Admission adm, std::string name) {
   // The coordinator computes the assignment like everybody else.
   std::string problem;
+  auto plans = std::make_shared<std::vector<TensorPlan>>();
   try {
-    std::vector<TensorPlan> plans = plan_job(adm.tensors, adm.strategy_yaml);
-    adm.digest = assign_partitions(adm.tensors, plans, adm.servers, adm.partition_bytes).digest;
+    *plans = plan_job(adm.tensors, adm.strategy_yaml);
+    adm.digest = assign_partitions(adm.tensors, *plans, adm.servers, adm.partition_bytes).digest;
   } catch (const Error& e) {
     problem = "job '" + name + "': " + e.what();
   }
@@ -345,7 +346,7 @@ void Coordinator::admit(proto::Admission adm, std::string name) {
   setup.payloads.push_back(proto::encode(adm));
   to_servers(
       srv_, servers, setup, [this, adm] { return srv_.setup_job(adm); },
-      [this, adm, name, fail](const Status& st, const std::vector<NodeId>& ok) {
+      [this, adm, name, fail, plans](const Status& st, const std::vector<NodeId>& ok) {
         if (!st.ok()) return fail("job '" + name + "': setup failed on " + st.message(), ok, adm.uid);
         std::vector<std::pair<Incoming, uint32_t>> answer;
         std::string failed;
@@ -359,9 +360,8 @@ void Coordinator::admit(proto::Admission adm, std::string name) {
           } else {
             Running r;
             r.adm = adm;
-            r.yaml = adm.strategy_yaml;
-            r.plans = plan_job(adm.tensors, adm.strategy_yaml);
-            r.last_change = adm.start_iteration;
+            r.timeline = std::make_unique<strategy::Timeline>(adm.start_iteration,
+                                                              std::move(*plans), adm.strategy_yaml);
             for (auto& [rank, reg] : it->second.regs) answer.emplace_back(std::move(reg.in), rank);
             pending_.erase(it);
             running_.emplace(adm.uid, std::move(r));
@@ -514,13 +514,14 @@ void Coordinator::on_set_strategy(Incoming in) {
     if (std::find(r.adm.nodes.begin(), r.adm.nodes.end(), in.from) == r.adm.nodes.end())
       return refuse(node_name(in.from) + " is not part of job '" + r.adm.name + "'");
     if (r.changing) return refuse("job '" + r.adm.name + "': another strategy change is in progress");
-    if (iteration <= r.last_change)
+    const strategy::Timeline::Entry last = r.timeline->latest();
+    if (iteration <= last.first)
       return refuse("job '" + r.adm.name + "': iteration " + std::to_string(iteration) +
-                    " is not after the last change (iteration " + std::to_string(r.last_change) +
+                    " is not after the last change (iteration " + std::to_string(last.first) +
                     ")");
     r.changing = true;
     adm = r.adm;
-    current = r.plans;
+    current = *last.plans;
   }
   auto unmark = [this, uid] {
     std::lock_guard lk(mu_);
@@ -579,9 +580,7 @@ void Coordinator::on_set_strategy(Incoming in) {
           auto it = running_.find(uid);
           if (it != running_.end()) {
             it->second.changing = false;
-            it->second.last_change = iteration;
-            it->second.plans = plans;
-            it->second.yaml = yaml;
+            (void)it->second.timeline->add(iteration, plans, yaml);
             left = it->second.left;
           }
         }

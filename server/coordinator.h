@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "server/auto_planner.h"
+#include "planner/strategy/timeline.h"
 #include "server/job.h"
 #include "server/protocol.h"
 #include "server/ps_server.h"
@@ -61,9 +62,8 @@ class Coordinator {
     proto::Admission adm;
     std::set<NodeId> left;
     std::map<uint64_t, std::vector<transport::Incoming>> barriers;
-    std::vector<TensorPlan> plans;
-    std::string yaml;
-    uint64_t last_change = 0;
+    // The job's strategy over time (its latest entry: the last change).
+    std::unique_ptr<strategy::Timeline> timeline;
     bool changing = false;
   };
 

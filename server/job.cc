@@ -4,23 +4,19 @@
 #include <numeric>
 #include <sstream>
 
+#include "planner/strategy/timeline.h"
+
 namespace bytecomp::server {
 
 std::vector<TensorPlan> plan_job(const std::vector<TensorSpec>& tensors,
                                  std::string_view strategy_yaml) {
-  planner::Strategy strategy;
-  if (!strategy_yaml.empty()) strategy = planner::Strategy::parse(strategy_yaml, "strategy");
-  std::vector<TensorPlan> plans;
-  plans.reserve(tensors.size());
-  for (const TensorSpec& t : tensors) {
-    if (t.dtype != compress::DType::kFloat32)
-      throw Error(ErrorCode::kInvalidArgument,
-                  "tensor '" + t.name + "': dtype " + std::string(compress::to_string(t.dtype)) +
-                      " is not summed by the servers (accepted: float32; express half "
-                      "precision as an fp16/bf16 compressor)");
-    plans.push_back(plan_for_option(strategy.resolve(t.name, t.count * 4), t.name));
-  }
-  return plans;
+  std::vector<strategy::PlanTensor> in;
+  in.reserve(tensors.size());
+  for (const TensorSpec& t : tensors)
+    in.push_back({t.name, t.count * 4,
+                  t.dtype == compress::DType::kFloat32 ? std::string()
+                                                       : std::string(compress::to_string(t.dtype))});
+  return strategy::plans_for(strategy::Scope::kCluster, in, strategy_yaml, "strategy");
 }
 
 const Partition* Assignment::find(uint64_t key) const {

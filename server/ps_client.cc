@@ -55,23 +55,13 @@ Status to_status(const Response& r) {
 
 class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl> {
  public:
-  JobImpl(std::shared_ptr<Core> core, JobInfo info) : core_(std::move(core)), info_(std::move(info)) {
-    changes_.push_back({info_.start_iteration, info_.strategy_yaml, info_.plans});
-  }
+  JobImpl(std::shared_ptr<Core> core, JobInfo info)
+      : core_(std::move(core)),
+        info_(std::move(info)),
+        timeline_(info_.start_iteration, info_.plans, info_.strategy_yaml) {}
 
   const JobInfo& info() const override { return info_; }
-
-  TensorPlan plan_at(uint32_t tensor, uint64_t iteration) const override {
-    if (tensor >= info_.tensors.size())
-      throw Error(ErrorCode::kInvalidArgument,
-                  "plan_at: tensor index " + std::to_string(tensor) + " out of range (job has " +
-                      std::to_string(info_.tensors.size()) + " tensors)");
-    std::lock_guard lk(mu_);
-    const StrategyChange* in_force = &changes_.front();
-    for (const StrategyChange& c : changes_)
-      if (c.iteration <= iteration) in_force = &c;
-    return in_force->plans[tensor];
-  }
+  const strategy::Timeline& timeline() const override { return timeline_; }
 
   void push(uint64_t key, uint64_t iteration, Buffer data, DoneCallback done,
             Millis timeout) override {
@@ -322,26 +312,24 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     // Held through the callbacks: whichever of the update message and the
     // requester's reply comes second returns only once they ran.
     std::lock_guard apply(apply_mu_);
-    StrategyChange c;
-    c.iteration = iteration;
-    c.strategy_yaml = yaml;
+    // The requester sees its change twice (reply and update): parse once.
+    if (timeline_.at(iteration).first == iteration) return;
+    std::vector<TensorPlan> plans;
     try {
-      c.plans = plan_job(info_.tensors, yaml);
+      plans = plan_job(info_.tensors, yaml);
     } catch (const Error& e) {
       fail(Status(ErrorCode::kAborted, "job '" + info_.name +
                                            "': announced strategy cannot be used: " + e.what()));
       return;
     }
+    if (Status s = timeline_.add(iteration, std::move(plans), yaml); !s.ok()) {
+      fail(Status(ErrorCode::kAborted, "job '" + info_.name + "': " + s.message()));
+      return;
+    }
+    const StrategyChange c{iteration, yaml, timeline_.at(iteration).plans};
     std::vector<StrategyCallback> cbs;
     {
       std::lock_guard lk(mu_);
-      for (const StrategyChange& known : changes_)
-        if (known.iteration == iteration) return;  // already applied
-      changes_.push_back(c);
-      std::stable_sort(changes_.begin(), changes_.end(),
-                       [](const StrategyChange& a, const StrategyChange& b) {
-                         return a.iteration < b.iteration;
-                       });
       cbs = strategy_cbs_;
     }
     BC_LOG(LogPsClient(), kInfo) << "job '" << info_.name << "': strategy changes at iteration "
@@ -439,7 +427,7 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
   uint64_t next_op_ = 1;
   uint64_t barrier_seq_ = 0;
   std::unordered_map<uint64_t, OpCallback> ops_;
-  std::vector<StrategyChange> changes_;
+  strategy::Timeline timeline_;
   std::vector<StrategyCallback> strategy_cbs_;
   std::vector<FailureCallback> failure_cbs_;
   std::vector<AutoCallback> auto_cbs_;

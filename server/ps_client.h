@@ -88,6 +88,7 @@
 
 #include "common/error.h"
 #include "server/cluster_config.h"
+#include "planner/strategy/timeline.h"
 #include "server/job.h"
 #include "transport/transport.h"
 
@@ -96,11 +97,12 @@ namespace bytecomp::server {
 using Millis = std::chrono::milliseconds;
 
 // A strategy change, effective from `iteration` on (for every node and
-// server alike). plans[i] is tensor i's plan from that iteration.
+// server alike). (*plans)[i] is tensor i's plan from that iteration: the
+// entry the job's timeline recorded, shared.
 struct StrategyChange {
   uint64_t iteration = 0;
   std::string strategy_yaml;
-  std::vector<TensorPlan> plans;
+  strategy::Plans plans;
 };
 
 // What admission tells every party.
@@ -155,9 +157,10 @@ class PsJob {
   virtual ~PsJob() = default;
 
   virtual const JobInfo& info() const = 0;
-  // Plan of `tensor` in force at `iteration` (takes announced strategy
-  // changes into account). Throws Error(kInvalidArgument) for a bad index.
-  virtual TensorPlan plan_at(uint32_t tensor, uint64_t iteration) const = 0;
+  // The job's plans by first iteration: the start plans and every announced
+  // strategy change (Scope::kCluster; a peer tensor's plan carries the
+  // compressor the daemons run). Lives as long as the job handle.
+  virtual const strategy::Timeline& timeline() const = 0;
 
   // Asynchronous data path. `timeout` Millis{0} = cluster request_timeout.
   // Unknown keys are sent anyway (the server refuses them: that is tested).

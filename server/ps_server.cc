@@ -168,7 +168,7 @@ Status ParameterServer::Impl::setup_job(const proto::Admission& a) {
                         " left of max_total_bytes)");
     reserved_total += job->reserved;
   }
-  job->plans = std::make_unique<JobPlans>(a.start_iteration, std::move(plans));
+  job->plans = std::make_unique<Timeline>(a.start_iteration, std::move(plans), a.strategy_yaml);
   for (const Partition& p : job->assignment.partitions) {
     if (p.server != cfg.node_id) continue;
     RoundSetup rs;
@@ -270,8 +270,10 @@ Status ParameterServer::Impl::prepare_strategy(uint32_t uid, uint64_t iteration,
       job->reserved = need;
     }
   }
-  Status st = job->plans->prepare(iteration, std::move(plans), job->round_list,
-                                  "server " + std::to_string(cfg.node_id));
+  const std::string who = "server " + std::to_string(cfg.node_id);
+  Status st = job->plans->add(iteration, std::move(plans), yaml, [&] {
+    return rounds_admit_change(iteration, job->round_list, who);
+  });
   if (!st.ok()) return st;
   BC_LOG(LogServer(), kInfo) << "job '" << job->name << "': strategy change prepared for iteration "
                              << iteration;

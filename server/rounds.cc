@@ -44,29 +44,10 @@ class BlockPool {
 };
 
 // ---------------------------------------------------------------------------
-// JobPlans
+// Strategy changes
 
-JobPlans::JobPlans(uint64_t start_iteration, std::vector<TensorPlan> plans) {
-  by_iteration_[start_iteration] = std::move(plans);
-}
-
-TensorPlan JobPlans::fix(uint64_t iteration, uint32_t tensor, std::atomic<int64_t>& frozen) const {
-  std::lock_guard lk(mu_);
-  auto it = by_iteration_.upper_bound(iteration);
-  if (it == by_iteration_.begin())
-    throw Error(ErrorCode::kInternal,
-                "no plan for iteration " + std::to_string(iteration) + " (job starts at " +
-                    std::to_string(by_iteration_.begin()->first) + ")");
-  --it;
-  if (tensor >= it->second.size())
-    throw Error(ErrorCode::kInternal, "no plan for tensor #" + std::to_string(tensor));
-  frozen.store(static_cast<int64_t>(iteration));
-  return it->second[tensor];
-}
-
-Status JobPlans::prepare(uint64_t iteration, std::vector<TensorPlan> plans,
-                         const std::vector<const PartitionRound*>& rounds, const std::string& who) {
-  std::lock_guard lk(mu_);
+Status rounds_admit_change(uint64_t iteration, const std::vector<const PartitionRound*>& rounds,
+                           const std::string& who) {
   for (const PartitionRound* r : rounds) {
     int64_t f = r->frozen();
     if (f >= 0 && static_cast<uint64_t>(f) >= iteration)
@@ -74,14 +55,7 @@ Status JobPlans::prepare(uint64_t iteration, std::vector<TensorPlan> plans,
                     who + ": " + r->label() + " already started iteration " + std::to_string(f) +
                         " (request changes at least one iteration ahead)");
   }
-  by_iteration_[iteration] = std::move(plans);
   return Status::Ok();
-}
-
-void JobPlans::cancel(uint64_t iteration) {
-  std::lock_guard lk(mu_);
-  if (by_iteration_.size() > 1 && by_iteration_.begin()->first != iteration)
-    by_iteration_.erase(iteration);
 }
 
 uint64_t round_reservation(const TensorPlan& plan, uint64_t count, size_t nodes,
@@ -97,7 +71,7 @@ uint64_t round_reservation(const TensorPlan& plan, uint64_t count, size_t nodes,
 // ---------------------------------------------------------------------------
 // PartitionRound
 
-PartitionRound::PartitionRound(RoundSetup setup, const JobPlans& plans)
+PartitionRound::PartitionRound(RoundSetup setup, const Timeline& plans)
     : setup_(std::move(setup)), plans_(plans), collecting_(setup_.start_iteration) {
   if (setup_.nodes == 0) throw Error(ErrorCode::kInvalidArgument, setup_.label + ": a job without nodes");
   pool_ = std::make_shared<BlockPool>(setup_.part.count);
@@ -117,7 +91,7 @@ compress::CompressContext PartitionRound::ctx() const {
 }
 
 void PartitionRound::fix_plan() {
-  TensorPlan plan = plans_.fix(collecting_, setup_.part.tensor, frozen_);
+  TensorPlan plan = plans_.plan(setup_.part.tensor, collecting_, &frozen_);
   if (plan_ready_ && plan == plan_) return;
   plan_ = std::move(plan);
   plan_ready_ = true;

@@ -9,9 +9,9 @@
 // sends the answers, counts refusals and aborts the job when a round fails.
 //
 // Threading: a PartitionRound is thread-bound (its partition's engine thread),
-// except frozen(), which any thread may read. JobPlans is thread-safe (its
-// mutex is the job's plan lock: taken after ServerState::jobs_mu, never
-// together with another job's).
+// except frozen(), which any thread may read. The job's Timeline is
+// thread-safe (its mutex is the job's plan lock: taken after
+// ServerState::jobs_mu, never together with another job's).
 #pragma once
 
 #include <atomic>
@@ -26,35 +26,22 @@
 #include "common/error.h"
 #include "compress/compressor.h"
 #include "server/job.h"
+#include "planner/strategy/timeline.h"
 #include "server/protocol.h"
 #include "transport/transport.h"
 
 namespace bytecomp::server {
 
+// A job's plans by first iteration: the strategy library's one type.
+using strategy::Timeline;
+
+// Refuses a change from `iteration` on when one of `rounds` already fixed its
+// plan for an iteration >= `iteration` (kInvalidArgument, "<who>: <label>
+// already started iteration f (...)"). Run as Timeline::add's admission
+// check, under the timeline's lock.
 class PartitionRound;
-
-// A job's per-tensor plans from the iteration they apply on: the start plans,
-// then one entry per prepared strategy change.
-class JobPlans {
- public:
-  JobPlans(uint64_t start_iteration, std::vector<TensorPlan> plans);
-
-  // The plan of `tensor` for `iteration` (the last entry at or before it);
-  // marks `frozen` = iteration under the lock, so prepare() sees it.
-  TensorPlan fix(uint64_t iteration, uint32_t tensor, std::atomic<int64_t>& frozen) const;
-
-  // Records `plans` from `iteration` on, unless one of `rounds` already fixed
-  // its plan for an iteration >= `iteration` (kInvalidArgument, message
-  // "<who>: <label> already started iteration f (...)").
-  Status prepare(uint64_t iteration, std::vector<TensorPlan> plans,
-                 const std::vector<const PartitionRound*>& rounds, const std::string& who);
-  // Drops the change prepared for `iteration` (a cancelled prepare).
-  void cancel(uint64_t iteration);
-
- private:
-  mutable std::mutex mu_;
-  std::map<uint64_t, std::vector<TensorPlan>> by_iteration_;
-};
+Status rounds_admit_change(uint64_t iteration, const std::vector<const PartitionRound*>& rounds,
+                           const std::string& who);
 
 // Bytes a partition of `count` elements may hold under `plan` (sum, answer in
 // flight, spare block, held push, stored pushes, encoded answers, EF state):
@@ -99,7 +86,7 @@ class BlockPool;
 class PartitionRound {
  public:
   // `plans` must outlive the round (both belong to the job).
-  PartitionRound(RoundSetup setup, const JobPlans& plans);
+  PartitionRound(RoundSetup setup, const Timeline& plans);
   ~PartitionRound();
   PartitionRound(const PartitionRound&) = delete;
   PartitionRound& operator=(const PartitionRound&) = delete;
@@ -108,7 +95,7 @@ class PartitionRound {
   // Refused: not the collecting iteration, a second push of the rank, not
   // exactly one payload, a wrong length or (compressed) a buffer of another
   // algorithm / element count / malformed (kMalformed). The first push of a
-  // round fixes the round's plan (JobPlans::fix).
+  // round fixes the round's plan (Timeline::plan with the round's frozen marker).
   PushOutcome push(transport::NodeId from, uint32_t rank, uint64_t iteration,
                    const std::vector<transport::Buffer>& payloads);
 
@@ -137,7 +124,7 @@ class PartitionRound {
   compress::CompressContext ctx() const;
 
   RoundSetup setup_;
-  const JobPlans& plans_;
+  const Timeline& plans_;
   uint64_t collecting_ = 0;
   TensorPlan plan_;
   bool plan_ready_ = false;

@@ -39,9 +39,9 @@ struct ServerJob {
   uint64_t start_iteration = 0;
   std::vector<TensorSpec> tensors;
   Assignment assignment;
-  std::unique_ptr<JobPlans> plans;  // from iteration on; its own lock
+  std::unique_ptr<Timeline> plans;  // from iteration on; its own lock
   std::unordered_map<uint64_t, std::unique_ptr<PartitionRound>> parts;  // fixed after setup
-  std::vector<const PartitionRound*> round_list;                      // the same, for JobPlans
+  std::vector<const PartitionRound*> round_list;                      // the same, for rounds_admit_change
   // Broadcast state of the same partitions (same engine), fixed after setup.
   std::unordered_map<uint64_t, std::unique_ptr<BroadcastRound>> bcasts;
   uint64_t reserved = 0;

@@ -78,7 +78,9 @@ TensorPlan map_option(const planner::Option& o, Scope scope) {
     default: plan.placement = Placement::kSharded; break;
   }
   if (!o.compressed()) return plan;
-  if (scope == Scope::kCluster && plan.placement == Placement::kPeer) return plan;
+  // No server touches a peer tensor: the daemons run its compressor by
+  // themselves, so the cluster's plan carries it with the node's rules.
+  if (plan.placement == Placement::kPeer) scope = Scope::kNode;
 
   const bool reducing = planner::is_reducing(o.inter);
   compress::CompressorSpec spec{o.compressor, o.params};

@@ -20,8 +20,8 @@
 //   Scope::kCluster (servers and the nodes' push path, plan_job): ef is the
 //     option's error_feedback under a gathering inter collective; under a
 //     reducing one the servers sum the pushes compressed and ef stays at the
-//     compressor's own default (randomk: on). A peer tensor gets no
-//     compressor (no server handles it).
+//     compressor's own default (randomk: on). A peer tensor (no server
+//     handles it) gets its compressor with the kNode rules below.
 //   Scope::kNode (a daemon running the option by itself: one-node jobs, peer
 //     allgather; make_plans): ef is always the option's error_feedback;
 //     params.ef is refused, and error_feedback on a compressor without it

@@ -1,5 +1,7 @@
 #include "daemon/scheduler.h"
 
+#include "planner/strategy/partition.h"
+
 #include <gtest/gtest.h>
 
 using bytecomp::daemon::Scheduler;
@@ -7,28 +9,34 @@ using bytecomp::daemon::Task;
 
 TEST(Scheduler, PartitionsCoverTheTensorExactly) {
   Scheduler s;
-  EXPECT_EQ(s.add(0, 1, 1000, 256), 4u);
+  EXPECT_EQ(s.add(0, 1, 1000, 256, 4), 4u);
   auto b = s.next_batch(10, 1 << 20);
   ASSERT_EQ(b.size(), 4u);
   uint64_t at = 0;
+  uint32_t index = 0;
   for (const Task& t : b) {
     EXPECT_EQ(t.begin, at);
     EXPECT_EQ(t.begin % 64, 0u);
+    // The identity every path and the servers use, computed once here.
+    EXPECT_EQ(t.index, index);
+    EXPECT_EQ(t.key, bytecomp::strategy::partition_key(0, index));
+    EXPECT_EQ(t.count, (t.end - t.begin) / 4);
+    ++index;
     at = t.end;
   }
   EXPECT_EQ(at, 1000u);
   EXPECT_TRUE(s.empty());
-  EXPECT_EQ(s.add(1, 1, 4, 4096), 1u);  // a single tiny partition
+  EXPECT_EQ(s.add(1, 1, 4, 4096, 4), 1u);  // a single tiny partition
 }
 
 TEST(Scheduler, FirstDeclaredTensorGoesFirstAndOvertakesALargeOne) {
   Scheduler s;
-  s.add(7, 0, 10 * 64, 64);  // large, low priority, arrived first
+  s.add(7, 0, 10 * 64, 64, 4);  // large, low priority, arrived first
   auto first = s.next_batch(2, 1 << 20);
   ASSERT_EQ(first.size(), 2u);
   EXPECT_EQ(first[0].tensor, 7u);
-  s.add(2, 0, 64, 64);  // arrives while tensor 7 is in progress
-  s.add(0, 0, 64, 64);
+  s.add(2, 0, 64, 64, 4);  // arrives while tensor 7 is in progress
+  s.add(0, 0, 64, 64, 4);
   auto next = s.next_batch(3, 1 << 20);
   ASSERT_EQ(next.size(), 3u);
   EXPECT_EQ(next[0].tensor, 0u);
@@ -39,7 +47,7 @@ TEST(Scheduler, FirstDeclaredTensorGoesFirstAndOvertakesALargeOne) {
 
 TEST(Scheduler, BatchRespectsBytesInFlight) {
   Scheduler s;
-  s.add(0, 0, 1000 * 64, 256);
+  s.add(0, 0, 1000 * 64, 256, 4);
   auto b = s.next_batch(100, 1024);
   EXPECT_EQ(b.size(), 4u);  // 4 x 256 bytes
   auto one = s.next_batch(100, 1);  // the first partition always fits

@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
       uint64_t pushes = 0;
       for (size_t i = 0; i < parts.size(); ++i) {
         const Partition& p = parts[i];
-        TensorPlan plan = job->plan_at(p.tensor, it);
+        TensorPlan plan = job->timeline().plan(p.tensor, it);
         if (!(plan == current[i]) || (plan.compressed_push() && !comps[i])) {
           current[i] = plan;
           comps[i].reset();

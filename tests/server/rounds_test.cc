@@ -72,7 +72,7 @@ struct Fixture {
   }
 
   std::vector<TensorSpec> tensors;
-  JobPlans plans;
+  Timeline plans;
   PartitionRound round;
 };
 
@@ -83,6 +83,13 @@ std::vector<float> ints(uint32_t rank, uint64_t it, size_t n) {
   for (size_t i = 0; i < n; ++i)
     v[i] = static_cast<float>(static_cast<int>((i * 7 + rank * 13 + it * 5) % 61) - 30);
   return v;
+}
+
+// What a server's prepare_strategy does: the change is admitted only while no
+// round fixed its plan at or past it.
+Status prepare(Timeline& plans, uint64_t it, std::vector<TensorPlan> p,
+               const std::vector<const PartitionRound*>& rounds) {
+  return plans.add(it, std::move(p), "", [&] { return rounds_admit_change(it, rounds, "server 0"); });
 }
 
 std::vector<float> sum_of(const std::vector<std::vector<float>>& parts) {
@@ -332,14 +339,14 @@ TEST(RoundsTest, StrategyChangeAppliesFromItsIterationOn) {
   // The round fixed its plan for 6 at its first push: a change at 6 is late.
   ASSERT_TRUE(f.push(0, 6, ints(0, 6, kCount)).status.ok());
   EXPECT_EQ(f.round.frozen(), 6);
-  Status late = f.plans.prepare(6, fp16, rounds, "server 0");
+  Status late = prepare(f.plans, 6, fp16, rounds);
   EXPECT_EQ(late.code(), ErrorCode::kInvalidArgument);
   expect_contains(late.message(),
                   "server 0: job 'rounds' tensor 'g' partition 0 (key 0x0) already started "
                   "iteration 6 (request changes at least one iteration ahead)");
-  ASSERT_TRUE(f.plans.prepare(7, fp16, rounds, "server 0").ok());
+  ASSERT_TRUE(prepare(f.plans, 7, fp16, rounds).ok());
   // A change prepared and then cancelled (another server refused it).
-  ASSERT_TRUE(f.plans.prepare(8, plan_job(f.tensors, kBf16), rounds, "server 0").ok());
+  ASSERT_TRUE(prepare(f.plans, 8, plan_job(f.tensors, kBf16), rounds).ok());
   f.plans.cancel(8);
 
   // Iteration 6 still runs the old plan.

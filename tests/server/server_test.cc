@@ -857,7 +857,7 @@ TEST_P(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
   auto round = [&](uint64_t it) {
     std::vector<std::future<std::pair<Status, transport::Buffer>>> fs;
     for (auto* j : {ja.get(), jb.get()}) {
-      TensorPlan plan = j->plan_at(0, it);
+      TensorPlan plan = j->timeline().plan(0, it);
       std::vector<float> g(5000);
       td::fill(g.data(), g.size(), 3, j->info().rank, 0, it, 0);
       transport::Buffer payload;
@@ -894,11 +894,11 @@ TEST_P(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
   EXPECT_EQ(r2[0].size(), 10000u);
   EXPECT_EQ(r2[1].size(), 10000u);
   EXPECT_EQ(seen.load(), 2);
-  EXPECT_EQ(ja->plan_at(0, 1).pull, PullFormat::kFp32);
-  EXPECT_EQ(jb->plan_at(0, 2).pull, PullFormat::kFp16);
+  EXPECT_EQ(ja->timeline().plan(0, 1).pull, PullFormat::kFp32);
+  EXPECT_EQ(jb->timeline().plan(0, 2).pull, PullFormat::kFp16);
   // Too late: iteration 3 already started on the server.
   std::vector<float> g(5000, 1.0f);
-  auto c = compress::make_compressor(ja->plan_at(0, 3).spec());
+  auto c = compress::make_compressor(ja->timeline().plan(0, 3).spec());
   auto st = c->make_state(g.size());
   std::vector<std::byte> out(c->max_compressed_bytes(g.size()));
   out.resize(c->compress(compress::ConstTensorView::cpu(g.data(), g.size()), out, *st, {}));

@@ -89,16 +89,18 @@ TEST(PlanMapping, PlacementSumAndPullFollowTheInterCollective) {
     ASSERT_NE(p.option, nullptr);
     EXPECT_EQ(*p.option, c.o);
   }
-  // A peer tensor is on no server: the servers' plan has no compressor, the
-  // daemon's (which runs it) has one.
+  // A peer tensor is on no server: the daemons run it by themselves, so the
+  // job's one timeline (cluster scope) carries the same plan a node would
+  // make for it, compressor and error feedback included.
   Option peer = opt("topk", Collective::kAllgather, true);
   st::TensorPlan cluster = st::plan_for_option(peer, "t", st::Scope::kCluster);
   EXPECT_EQ(cluster.placement, st::Placement::kPeer);
-  EXPECT_FALSE(cluster.compressed_push());
+  ASSERT_TRUE(cluster.compressed_push());
   st::TensorPlan node = st::plan_for_option(peer, "t", st::Scope::kNode);
   EXPECT_EQ(node.placement, st::Placement::kPeer);
   ASSERT_TRUE(node.compressed_push());
   EXPECT_EQ(node.spec().params.at("ef"), "true");
+  EXPECT_EQ(cluster, node);
 }
 
 TEST(PlanMapping, ErrorFeedbackRuleOfEachScope) {
