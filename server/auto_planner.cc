@@ -124,12 +124,8 @@ Status AutoPlanner::on_replan(const JobView& job, transport::NodeId from, uint64
   BC_LOG(LogAuto(), kInfo) << "job '" << job.name << "': re-plan (epoch " << epoch << ") asked by node "
                            << from << ": " << reason << "; every node profiles from iteration "
                            << from_iteration;
-  transport::Message m;
-  m.header.type = proto::kAutoProfileRequest;
-  m.header.aux = job.uid;
-  m.header.key = epoch;
-  m.header.arg = from_iteration;
-  m.payloads.push_back(transport::Buffer::copy_of(reason));
+  const transport::Message m =
+      proto::to_message(proto::AutoProfileRequest{job.uid, epoch, from_iteration, reason});
   for (transport::NodeId n : job.nodes) send_(n, m);
   return Status::Ok();
 }
@@ -161,26 +157,26 @@ bool AutoPlanner::finish(uint32_t uid, uint64_t epoch, const std::vector<transpo
       ++(d ? it->second.decisions : it->second.failures);
     }
   }
-  transport::Message m;
-  m.header.type = proto::kAutoDecision;
-  m.header.aux = uid;
-  m.header.key = epoch;
+  proto::AutoDecision msg;
+  msg.uid = uid;
+  msg.epoch = epoch;
   if (d) {
-    m.header.arg = static_cast<uint64_t>(std::max(0.0, d->predicted_us));
-    m.payloads.push_back(transport::Buffer::copy_of(d->strategy.to_yaml()));
-    m.payloads.push_back(transport::Buffer::copy_of(d->to_yaml()));
-    m.payloads.push_back(transport::Buffer::copy_of(d->explain()));
-    m.payloads.push_back(transport::Buffer::copy_of(d->timeline_json));
+    msg.predicted_us = std::max(0.0, d->predicted_us);
+    msg.strategy_yaml = d->strategy.to_yaml();
+    msg.decision_yaml = d->to_yaml();
+    msg.text = d->explain();
+    msg.timeline_json = d->timeline_json;
     BC_LOG(LogAuto(), kInfo) << "job '" << job << "' epoch " << epoch << ": decided in "
                              << d->decision_ms << " ms, predicted " << d->predicted_us / 1000.0
                              << " ms per iteration (measured " << d->measured_us / 1000.0
                              << " ms)";
   } else {
-    m.header.flags = proto::kAutoFailed;
-    m.payloads.push_back(transport::Buffer::copy_of(why));
+    msg.failed = true;
+    msg.text = why;
     BC_LOG(LogAuto(), kWarn) << "job '" << job << "' epoch " << epoch
                              << ": no plan, every node keeps its strategy: " << why;
   }
+  const transport::Message m = proto::to_message(msg);
   for (transport::NodeId n : nodes) send_(n, m);
   return true;
 }

@@ -1,6 +1,8 @@
 #include "server/coordinator.h"
 
 #include <algorithm>
+#include <optional>
+#include <type_traits>
 
 #include "server/server_impl.h"
 #include "server/server_log.h"
@@ -160,30 +162,63 @@ std::string Coordinator::missing_locked(const Pending& p) const {
 }
 
 void Coordinator::on_message(Incoming in) {
+  // Decoded here, once; a malformed message is counted and refused naming
+  // what was wrong, and no handler sees it.
+  auto decode = [&]<class M>(std::type_identity<M>) -> std::optional<M> {
+    try {
+      return proto::from_message<M>(in.message);
+    } catch (const Error& e) {
+      srv_.frames_refused.fetch_add(1);
+      BC_LOG(LogCoord(), kWarn) << node_name(in.from) << ": " << e.what();
+      if (in.expects_reply) srv_.reply(in, proto::error_reply(e.code(), e.what()));
+      return std::nullopt;
+    }
+  };
   switch (in.message.header.type) {
-    case proto::kRegister: return on_register(std::move(in));
-    case proto::kServerHello: return on_hello(std::move(in));
-    case proto::kBarrier: return on_barrier(std::move(in));
-    case proto::kSetStrategy: return on_set_strategy(std::move(in));
-    case proto::kLeave: return on_leave(std::move(in));
+    case proto::kRegister:
+      if (auto m = decode(std::type_identity<proto::Register>{})) on_register(std::move(in), std::move(*m));
+      return;
+    case proto::kServerHello:
+      if (auto m = decode(std::type_identity<proto::ServerHello>{})) on_hello(std::move(in), std::move(*m));
+      return;
+    case proto::kBarrier:
+      if (auto m = decode(std::type_identity<proto::Barrier>{})) on_barrier(std::move(in), *m);
+      return;
+    case proto::kSetStrategy:
+      if (auto m = decode(std::type_identity<proto::SetStrategy>{}))
+        on_set_strategy(std::move(in), std::move(*m));
+      return;
+    case proto::kLeave:
+      if (auto m = decode(std::type_identity<proto::Leave>{})) on_leave(std::move(in), *m);
+      return;
     case proto::kAutoProfile:
-    case proto::kAutoReplan: return on_auto(std::move(in));
+      if (auto m = decode(std::type_identity<proto::AutoProfile>{})) {
+        const uint32_t uid = m->uid;
+        const NodeId from = in.from;
+        on_auto(std::move(in), uid, [this, from, p = std::move(*m)](const AutoPlanner::JobView& v) {
+          return auto_.on_profile(v, from, p.epoch, p.profile_yaml, p.spec_yaml);
+        });
+      }
+      return;
+    case proto::kAutoReplan:
+      if (auto m = decode(std::type_identity<proto::AutoReplan>{})) {
+        const uint32_t uid = m->uid;
+        const NodeId from = in.from;
+        on_auto(std::move(in), uid, [this, from, r = std::move(*m)](const AutoPlanner::JobView& v) {
+          return auto_.on_replan(v, from, r.from_iteration, r.reason);
+        });
+      }
+      return;
     case proto::kAbortRequest:
-      if (srv_.cfg.cluster.server(in.from))
-        abort_running(in.message.header.aux, proto::joined(in.message));
+      if (auto m = decode(std::type_identity<proto::AbortRequest>{}))
+        if (srv_.cfg.cluster.server(in.from)) abort_running(m->uid, m->reason);
       return;
     default: break;
   }
 }
 
-void Coordinator::on_hello(Incoming in) {
-  ServerInfo info;
-  try {
-    info = proto::decode_server_info(proto::joined(in.message));
-  } catch (const Error& e) {
-    srv_.frames_refused.fetch_add(1);
-    return srv_.reply(in, proto::error_reply(e.code(), e.what()));
-  }
+void Coordinator::on_hello(Incoming in, proto::ServerHello m) {
+  const ServerInfo info = std::move(m.info);
   if (info.id != in.from || !srv_.cfg.cluster.server(info.id))
     return srv_.reply(in, proto::error_reply(ErrorCode::kInvalidArgument,
                                              "node " + std::to_string(in.from) +
@@ -200,17 +235,8 @@ void Coordinator::on_hello(Incoming in) {
   for (auto& f : after) f();
 }
 
-void Coordinator::on_register(Incoming in) {
-  JobSpec spec;
-  try {
-    const std::string bytes = proto::joined(in.message);
-    proto::Reader r(bytes, "register");
-    spec = proto::read_spec(r);
-    r.end();
-  } catch (const Error& e) {
-    srv_.frames_refused.fetch_add(1);
-    return srv_.reply(in, proto::error_reply(e.code(), e.what()));
-  }
+void Coordinator::on_register(Incoming in, proto::Register m) {
+  JobSpec spec = std::move(m.spec);
   auto refuse = [&](const std::string& why) {
     BC_LOG(LogCoord(), kWarn) << "registration of " << node_name(in.from) << " refused: " << why;
     srv_.reply(in, proto::error_reply(ErrorCode::kInvalidArgument, why));
@@ -327,10 +353,7 @@ void Coordinator::admit(proto::Admission adm, std::string name) {
     }
     BC_LOG(LogCoord(), kWarn) << why << "; job refused";
     reply_all(srv_, ins, ErrorCode::kInvalidArgument, why);
-    Message end;
-    end.header.type = proto::kJobEnd;
-    end.header.aux = uid;
-    end.payloads.push_back(Buffer::copy_of(why));
+    const Message end = proto::to_message(proto::JobEnd{uid, why});
     for (NodeId s : undo) {
       if (s == srv_.cfg.node_id) srv_.end_job(uid, ErrorCode::kAborted, why);
       else srv_.tp->request(s, end, srv_.cfg.cluster.setup_timeout, [](transport::Response) {});
@@ -340,10 +363,7 @@ void Coordinator::admit(proto::Admission adm, std::string name) {
 
   std::vector<NodeId> servers;
   for (const ServerInfo& s : adm.servers) servers.push_back(s.id);
-  Message setup;
-  setup.header.type = proto::kJobSetup;
-  setup.header.aux = adm.uid;
-  setup.payloads.push_back(proto::encode(adm));
+  const Message setup = proto::to_message(proto::JobSetup{adm});
   to_servers(
       srv_, servers, setup, [this, adm] { return srv_.setup_job(adm); },
       [this, adm, name, fail, plans](const Status& st, const std::vector<NodeId>& ok) {
@@ -424,28 +444,28 @@ void Coordinator::barrier_check_locked(Running& r, std::vector<Incoming>& done) 
   }
 }
 
-void Coordinator::on_barrier(Incoming in) {
+void Coordinator::on_barrier(Incoming in, const proto::Barrier& m) {
   std::vector<Incoming> done;
   {
     std::lock_guard lk(mu_);
-    auto it = running_.find(in.message.header.aux);
+    auto it = running_.find(m.uid);
     if (it == running_.end() ||
         std::find(it->second.adm.nodes.begin(), it->second.adm.nodes.end(), in.from) ==
             it->second.adm.nodes.end())
       return srv_.reply(in, proto::error_reply(ErrorCode::kInvalidArgument,
                                                "barrier: unknown job uid " +
-                                                   std::to_string(in.message.header.aux) +
-                                                   " for " + node_name(in.from)));
-    it->second.barriers[in.message.header.arg].push_back(std::move(in));
+                                                   std::to_string(m.uid) + " for " +
+                                                   node_name(in.from)));
+    it->second.barriers[m.seq].push_back(std::move(in));
     barrier_check_locked(it->second, done);
   }
   for (Incoming& d : done) srv_.reply(d, proto::ok_reply());
 }
 
-void Coordinator::on_leave(Incoming in) {
-  uint32_t uid = in.message.header.aux;
-  if (in.message.header.flags & proto::kLeaveAbort) {
-    std::string reason = node_name(in.from) + " aborted the job: " + proto::joined(in.message);
+void Coordinator::on_leave(Incoming in, const proto::Leave& m) {
+  const uint32_t uid = m.uid;
+  if (m.abort) {
+    std::string reason = node_name(in.from) + " aborted the job: " + m.reason;
     bool known;
     {
       std::lock_guard lk(mu_);
@@ -481,9 +501,7 @@ void Coordinator::on_leave(Incoming in) {
   for (Incoming& d : done) srv_.reply(d, proto::ok_reply());
   if (all_left) {
     BC_LOG(LogCoord(), kInfo) << "job '" << name << "' (uid " << uid << ") ended: all nodes left";
-    Message end;
-    end.header.type = proto::kJobEnd;
-    end.header.aux = uid;
+    const Message end = proto::to_message(proto::JobEnd{uid, ""});
     std::vector<NodeId> servers;
     for (const ServerInfo& s : srv_.cfg.cluster.servers) servers.push_back(s.id);
     to_servers(
@@ -496,10 +514,10 @@ void Coordinator::on_leave(Incoming in) {
   }
 }
 
-void Coordinator::on_set_strategy(Incoming in) {
-  uint32_t uid = in.message.header.aux;
-  uint64_t iteration = in.message.header.arg;
-  std::string yaml = proto::joined(in.message);
+void Coordinator::on_set_strategy(Incoming in, proto::SetStrategy m) {
+  const uint32_t uid = m.uid;
+  const uint64_t iteration = m.iteration;
+  const std::string yaml = std::move(m.yaml);
   auto refuse = [&](const std::string& why) {
     BC_LOG(LogCoord(), kWarn) << "strategy change refused: " << why;
     srv_.reply(in, proto::error_reply(ErrorCode::kInvalidArgument, why));
@@ -544,22 +562,15 @@ void Coordinator::on_set_strategy(Incoming in) {
   }
   std::vector<NodeId> servers;
   for (const ServerInfo& s : adm.servers) servers.push_back(s.id);
-  Message prep;
-  prep.header.type = proto::kStrategyPrepare;
-  prep.header.aux = uid;
-  prep.header.arg = iteration;
-  prep.payloads.push_back(Buffer::copy_of(yaml));
+  const Message prep = proto::to_message(proto::StrategyPrepare{uid, iteration, false, yaml});
   to_servers(
       srv_, servers, prep,
       [this, uid, iteration, yaml] { return srv_.prepare_strategy(uid, iteration, yaml, false); },
       [this, in, uid, iteration, yaml, plans, adm, servers](const Status& st,
                                                             const std::vector<NodeId>& ok) {
         if (!st.ok()) {
-          Message cancel;
-          cancel.header.type = proto::kStrategyPrepare;
-          cancel.header.flags = 1;
-          cancel.header.aux = uid;
-          cancel.header.arg = iteration;
+          const Message cancel =
+              proto::to_message(proto::StrategyPrepare{uid, iteration, true, ""});
           for (NodeId s : ok) {
             if (s == srv_.cfg.node_id) srv_.prepare_strategy(uid, iteration, yaml, true);
             else srv_.tp->request(s, cancel, srv_.cfg.cluster.setup_timeout, [](transport::Response) {});
@@ -586,11 +597,7 @@ void Coordinator::on_set_strategy(Incoming in) {
         }
         BC_LOG(LogCoord(), kInfo) << "job '" << adm.name << "': strategy changes at iteration "
                                   << iteration;
-        Message upd;
-        upd.header.type = proto::kStrategyUpdate;
-        upd.header.aux = uid;
-        upd.header.arg = iteration;
-        upd.payloads.push_back(Buffer::copy_of(yaml));
+        const Message upd = proto::to_message(proto::StrategyUpdate{uid, iteration, yaml});
         std::vector<NodeId> nodes;
         for (NodeId n : adm.nodes)
           if (!left.count(n)) nodes.push_back(n);
@@ -612,16 +619,16 @@ void Coordinator::on_set_strategy(Incoming in) {
       });
 }
 
-void Coordinator::on_auto(Incoming in) {
-  const auto& h = in.message.header;
+void Coordinator::on_auto(Incoming in, uint32_t uid,
+                          const std::function<Status(const AutoPlanner::JobView&)>& deliver) {
   AutoPlanner::JobView view;
   {
     std::lock_guard lk(mu_);
-    auto it = running_.find(h.aux);
+    auto it = running_.find(uid);
     if (it == running_.end())
       return srv_.reply(in, proto::error_reply(ErrorCode::kInvalidArgument,
                                                "auto planning: unknown job uid " +
-                                                   std::to_string(h.aux)));
+                                                   std::to_string(uid)));
     const proto::Admission& a = it->second.adm;
     view.uid = a.uid;
     view.name = a.name;
@@ -629,17 +636,7 @@ void Coordinator::on_auto(Incoming in) {
     view.servers = static_cast<uint32_t>(a.servers.size());
     view.partition_bytes = a.partition_bytes;
   }
-  Status st;
-  if (h.type == proto::kAutoProfile) {
-    if (in.message.payloads.size() != 2)
-      st = Status(ErrorCode::kMalformed, "auto profile: expected 2 payloads (profile, auto spec), got " +
-                                             std::to_string(in.message.payloads.size()));
-    else
-      st = auto_.on_profile(view, in.from, h.arg, in.message.payloads[0].view(),
-                            in.message.payloads[1].view());
-  } else {
-    st = auto_.on_replan(view, in.from, h.arg, proto::joined(in.message));
-  }
+  const Status st = deliver(view);
   if (!st.ok()) BC_LOG(LogCoord(), kWarn) << "job '" << view.name << "': " << st.message();
   srv_.reply(in, st.ok() ? proto::ok_reply() : proto::error_reply(st.code(), st.message()));
 }
@@ -661,17 +658,11 @@ void Coordinator::abort_running(uint32_t uid, const std::string& reason) {
   }
   BC_LOG(LogCoord(), kWarn) << "job '" << adm.name << "' (uid " << uid << ") aborted: " << reason;
   reply_all(srv_, waiting, ErrorCode::kAborted, reason);
-  Message ab;
-  ab.header.type = proto::kJobAborted;
-  ab.header.aux = uid;
-  ab.payloads.push_back(Buffer::copy_of(reason));
+  const Message ab = proto::to_message(proto::JobAborted{uid, reason});
   for (NodeId n : adm.nodes)
     if (!left.count(n) && srv_.tp->peer_state(n) != transport::PeerState::kLost)
       srv_.tp->send(n, ab, nullptr);
-  Message end;
-  end.header.type = proto::kJobEnd;
-  end.header.aux = uid;
-  end.payloads.push_back(Buffer::copy_of(reason));
+  const Message end = proto::to_message(proto::JobEnd{uid, reason});
   std::vector<NodeId> servers;
   for (const ServerInfo& s : adm.servers)
     if (s.id == srv_.cfg.node_id || srv_.tp->peer_state(s.id) != transport::PeerState::kLost)

@@ -67,12 +67,14 @@ class Coordinator {
     bool changing = false;
   };
 
-  void on_register(transport::Incoming in);
-  void on_hello(transport::Incoming in);
-  void on_barrier(transport::Incoming in);
-  void on_set_strategy(transport::Incoming in);
-  void on_auto(transport::Incoming in);
-  void on_leave(transport::Incoming in);
+  // Each handler gets its message decoded (on_message refused a malformed one).
+  void on_register(transport::Incoming in, proto::Register m);
+  void on_hello(transport::Incoming in, proto::ServerHello m);
+  void on_barrier(transport::Incoming in, const proto::Barrier& m);
+  void on_set_strategy(transport::Incoming in, proto::SetStrategy m);
+  void on_auto(transport::Incoming in, uint32_t uid,
+               const std::function<Status(const AutoPlanner::JobView&)>& deliver);
+  void on_leave(transport::Incoming in, const proto::Leave& m);
   void timer_loop();
   // Both called with mu_ held; they take what they must answer out of the
   // tables, and the caller answers after unlocking.

@@ -7,6 +7,16 @@
 
 namespace bytecomp::server::proto {
 
+namespace {
+
+std::string type_hex(uint16_t t) {
+  char b[8];
+  std::snprintf(b, sizeof b, "%04x", t);
+  return b;
+}
+
+}  // namespace
+
 Reader::Reader(std::string_view bytes, std::string what)
     : bytes_(bytes), what_(std::move(what)) {
   if (recording_inputs()) record_input_always("ps-" + what_, bytes_.data(), bytes_.size());
@@ -191,17 +201,6 @@ ServerInfo decode_server_info(std::string_view bytes) {
   return s;
 }
 
-transport::Message probe_answer(const transport::Message& request) {
-  uint64_t up = 0;
-  for (const transport::Buffer& b : request.payloads) up += b.size();
-  if (up > kMaxProbeBytes || request.header.arg > kMaxProbeBytes)
-    return error_reply(ErrorCode::kInvalidArgument,
-                       "probe of " + std::to_string(up) + " bytes asking " +
-                           std::to_string(request.header.arg) + " bytes back: at most " +
-                           std::to_string(kMaxProbeBytes) + " each way");
-  return ok_reply(transport::Buffer::take(std::string(request.header.arg, '\0')));
-}
-
 transport::Buffer encode(const Stats& s) {
   Writer w;
   w.u32(s.jobs);
@@ -269,26 +268,496 @@ transport::Message ok_reply(transport::Buffer payload) {
 transport::Message error_reply(ErrorCode code, const std::string& text) {
   transport::Message m;
   m.header.type = kErrorReply;
-  m.header.aux = static_cast<uint32_t>(code);
-  m.payloads.push_back(transport::Buffer::copy_of(text));
+  Writer w;
+  w.u32(static_cast<uint32_t>(code));
+  w.str(text);
+  m.payloads.push_back(w.take());
   return m;
 }
 
 Status reply_status(const transport::Message& m) {
   if (m.header.type == kOkReply) return Status::Ok();
   if (m.header.type == kErrorReply) {
-    uint32_t c = m.header.aux;
-    ErrorCode code = (c >= 1 && c <= static_cast<uint32_t>(ErrorCode::kInternal))
-                         ? static_cast<ErrorCode>(c)
-                         : ErrorCode::kInternal;
-    return Status(code, joined(m));
+    try {
+      if (m.payloads.size() != 1)
+        throw Error(ErrorCode::kMalformed, "error reply: " + std::to_string(m.payloads.size()) +
+                                               " payloads (expected 1)");
+      Reader r(m.payloads[0].view(), "error reply");
+      const uint32_t c = r.u32("code");
+      std::string text = r.str("text");
+      r.end();
+      const ErrorCode code = (c >= 1 && c <= static_cast<uint32_t>(ErrorCode::kInternal))
+                                 ? static_cast<ErrorCode>(c)
+                                 : ErrorCode::kInternal;
+      return Status(code, std::move(text));
+    } catch (const Error& e) {
+      return Status(ErrorCode::kMalformed, e.what());
+    }
   }
-  return Status(ErrorCode::kMalformed,
-                "unexpected reply type 0x" + [&] {
-                  char b[8];
-                  std::snprintf(b, sizeof b, "%04x", m.header.type);
-                  return std::string(b);
-                }());
+  return Status(ErrorCode::kMalformed, "unexpected reply type 0x" + type_hex(m.header.type));
+}
+
+// ---------------------------------------------------------------------------
+// Typed messages
+
+namespace {
+
+const char* name_of(MsgType t) {
+  switch (t) {
+    case kRegister: return "register";
+    case kBarrier: return "barrier";
+    case kSetStrategy: return "set strategy";
+    case kLeave: return "leave";
+    case kAutoProfile: return "auto profile";
+    case kAutoReplan: return "auto re-plan";
+    case kServerHello: return "server hello";
+    case kAbortRequest: return "abort request";
+    case kJobSetup: return "job setup";
+    case kJobEnd: return "job end";
+    case kStrategyPrepare: return "strategy prepare";
+    case kStrategyUpdate: return "strategy update";
+    case kJobAborted: return "job aborted";
+    case kAutoProfileRequest: return "auto profile request";
+    case kAutoDecision: return "auto decision";
+    case kPush: return "push";
+    case kPull: return "pull";
+    case kStats: return "stats";
+    case kMetrics: return "metrics";
+    case kProbe: return "probe";
+    case kBroadcast: return "broadcast";
+    case kOkReply: return "ok reply";
+    case kErrorReply: return "error reply";
+  }
+  return "message";
+}
+
+[[noreturn]] void malformed(MsgType t, const std::string& why) {
+  throw Error(ErrorCode::kMalformed, std::string(name_of(t)) + ": " + why);
+}
+
+// What every message shares: its type, the header fields it does not use
+// left 0, and its payload count within [min, max].
+void check_shape(const transport::Message& m, MsgType t, bool uses_uid, bool data,
+                 uint16_t flags_allowed, size_t min_payloads, size_t max_payloads) {
+  const transport::Header& h = m.header;
+  if (h.type != t) malformed(t, "message type 0x" + type_hex(h.type));
+  if (!uses_uid && h.aux != 0) malformed(t, "header aux " + std::to_string(h.aux) + " (unused, must be 0)");
+  if (!data && (h.key != 0 || h.arg != 0))
+    malformed(t, "header key/arg set (used by data messages only)");
+  if ((h.flags & ~flags_allowed) != 0)
+    malformed(t, "header flags 0x" + type_hex(h.flags) + " (accepted: 0x" +
+                     type_hex(flags_allowed) + ")");
+  if (m.payloads.size() < min_payloads || m.payloads.size() > max_payloads)
+    malformed(t, std::to_string(m.payloads.size()) + " payloads (expected " +
+                     std::to_string(min_payloads) +
+                     (max_payloads != min_payloads ? ".." + std::to_string(max_payloads) : "") + ")");
+}
+
+// A control message: header type (+ uid), payload 0 from `w`.
+transport::Message control(MsgType t, uint32_t uid, Writer& w) {
+  transport::Message m;
+  m.header.type = t;
+  m.header.aux = uid;
+  m.payloads.push_back(w.take());
+  return m;
+}
+
+// Checks a control message's shape and opens payload 0 (version checked).
+Reader open(const transport::Message& m, MsgType t, bool uses_uid) {
+  check_shape(m, t, uses_uid, false, 0, 1, 1);
+  return Reader(m.payloads[0].view(), name_of(t));
+}
+
+void put_double(Writer& w, double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, 8);
+  w.u64(bits);
+}
+double get_double(Reader& r, const char* field) {
+  const uint64_t bits = r.u64(field);
+  double v;
+  std::memcpy(&v, &bits, 8);
+  return v;
+}
+
+// Messages whose payload is one record with a codec of its own.
+template <class M, class Decode>
+M from_record(const transport::Message& m, Decode decode) {
+  check_shape(m, M::kType, false, false, 0, 1, 1);
+  return decode(m.payloads[0].view());
+}
+
+}  // namespace
+
+template <>
+transport::Message to_message(const Register& m) {
+  Writer w;
+  write_spec(w, m.spec);
+  return control(kRegister, 0, w);
+}
+template <>
+Register from_message(const transport::Message& m) {
+  Reader r = open(m, kRegister, false);
+  Register out{read_spec(r)};
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const Barrier& m) {
+  Writer w;
+  w.u64(m.seq);
+  return control(kBarrier, m.uid, w);
+}
+template <>
+Barrier from_message(const transport::Message& m) {
+  Reader r = open(m, kBarrier, true);
+  Barrier out{m.header.aux, r.u64("seq")};
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const SetStrategy& m) {
+  Writer w;
+  w.u64(m.iteration);
+  w.str(m.yaml);
+  return control(kSetStrategy, m.uid, w);
+}
+template <>
+SetStrategy from_message(const transport::Message& m) {
+  Reader r = open(m, kSetStrategy, true);
+  SetStrategy out;
+  out.uid = m.header.aux;
+  out.iteration = r.u64("iteration");
+  out.yaml = r.str("strategy");
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const Leave& m) {
+  Writer w;
+  w.u8(m.abort ? 1 : 0);
+  w.str(m.reason);
+  return control(kLeave, m.uid, w);
+}
+template <>
+Leave from_message(const transport::Message& m) {
+  Reader r = open(m, kLeave, true);
+  Leave out;
+  out.uid = m.header.aux;
+  const uint8_t abort = r.u8("abort");
+  if (abort > 1) malformed(kLeave, "abort " + std::to_string(abort) + " (accepted: 0, 1)");
+  out.abort = abort == 1;
+  out.reason = r.str("reason", 1u << 20);
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const AutoProfile& m) {
+  Writer w;
+  w.u64(m.epoch);
+  w.str(m.profile_yaml);
+  w.str(m.spec_yaml);
+  return control(kAutoProfile, m.uid, w);
+}
+template <>
+AutoProfile from_message(const transport::Message& m) {
+  Reader r = open(m, kAutoProfile, true);
+  AutoProfile out;
+  out.uid = m.header.aux;
+  out.epoch = r.u64("epoch");
+  out.profile_yaml = r.str("profile");
+  out.spec_yaml = r.str("auto spec");
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const AutoReplan& m) {
+  Writer w;
+  w.u64(m.from_iteration);
+  w.str(m.reason);
+  return control(kAutoReplan, m.uid, w);
+}
+template <>
+AutoReplan from_message(const transport::Message& m) {
+  Reader r = open(m, kAutoReplan, true);
+  AutoReplan out;
+  out.uid = m.header.aux;
+  out.from_iteration = r.u64("from_iteration");
+  out.reason = r.str("reason", 1u << 20);
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const ServerHello& m) {
+  transport::Message out;
+  out.header.type = kServerHello;
+  out.payloads.push_back(encode(m.info));
+  return out;
+}
+template <>
+ServerHello from_message(const transport::Message& m) {
+  return from_record<ServerHello>(m, [](std::string_view b) { return ServerHello{decode_server_info(b)}; });
+}
+
+template <>
+transport::Message to_message(const AbortRequest& m) {
+  Writer w;
+  w.str(m.reason);
+  return control(kAbortRequest, m.uid, w);
+}
+template <>
+AbortRequest from_message(const transport::Message& m) {
+  Reader r = open(m, kAbortRequest, true);
+  AbortRequest out{m.header.aux, r.str("reason", 1u << 20)};
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const JobSetup& m) {
+  transport::Message out;
+  out.header.type = kJobSetup;
+  out.payloads.push_back(encode(m.admission));
+  return out;
+}
+template <>
+JobSetup from_message(const transport::Message& m) {
+  return from_record<JobSetup>(m, [](std::string_view b) { return JobSetup{decode_admission(b)}; });
+}
+
+template <>
+transport::Message to_message(const JobEnd& m) {
+  Writer w;
+  w.str(m.reason);
+  return control(kJobEnd, m.uid, w);
+}
+template <>
+JobEnd from_message(const transport::Message& m) {
+  Reader r = open(m, kJobEnd, true);
+  JobEnd out{m.header.aux, r.str("reason", 1u << 20)};
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const StrategyPrepare& m) {
+  Writer w;
+  w.u64(m.iteration);
+  w.u8(m.cancel ? 1 : 0);
+  w.str(m.yaml);
+  return control(kStrategyPrepare, m.uid, w);
+}
+template <>
+StrategyPrepare from_message(const transport::Message& m) {
+  Reader r = open(m, kStrategyPrepare, true);
+  StrategyPrepare out;
+  out.uid = m.header.aux;
+  out.iteration = r.u64("iteration");
+  const uint8_t cancel = r.u8("cancel");
+  if (cancel > 1) malformed(kStrategyPrepare, "cancel " + std::to_string(cancel) + " (accepted: 0, 1)");
+  out.cancel = cancel == 1;
+  out.yaml = r.str("strategy");
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const StrategyUpdate& m) {
+  Writer w;
+  w.u64(m.iteration);
+  w.str(m.yaml);
+  return control(kStrategyUpdate, m.uid, w);
+}
+template <>
+StrategyUpdate from_message(const transport::Message& m) {
+  Reader r = open(m, kStrategyUpdate, true);
+  StrategyUpdate out;
+  out.uid = m.header.aux;
+  out.iteration = r.u64("iteration");
+  out.yaml = r.str("strategy");
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const JobAborted& m) {
+  Writer w;
+  w.str(m.reason);
+  return control(kJobAborted, m.uid, w);
+}
+template <>
+JobAborted from_message(const transport::Message& m) {
+  Reader r = open(m, kJobAborted, true);
+  JobAborted out{m.header.aux, r.str("reason", 1u << 20)};
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const AutoProfileRequest& m) {
+  Writer w;
+  w.u64(m.epoch);
+  w.u64(m.from_iteration);
+  w.str(m.reason);
+  return control(kAutoProfileRequest, m.uid, w);
+}
+template <>
+AutoProfileRequest from_message(const transport::Message& m) {
+  Reader r = open(m, kAutoProfileRequest, true);
+  AutoProfileRequest out;
+  out.uid = m.header.aux;
+  out.epoch = r.u64("epoch");
+  out.from_iteration = r.u64("from_iteration");
+  out.reason = r.str("reason", 1u << 20);
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const AutoDecision& m) {
+  Writer w;
+  w.u64(m.epoch);
+  w.u8(m.failed ? 1 : 0);
+  put_double(w, m.predicted_us);
+  w.str(m.strategy_yaml);
+  w.str(m.decision_yaml);
+  w.str(m.text);
+  w.str(m.timeline_json);
+  return control(kAutoDecision, m.uid, w);
+}
+template <>
+AutoDecision from_message(const transport::Message& m) {
+  Reader r = open(m, kAutoDecision, true);
+  AutoDecision out;
+  out.uid = m.header.aux;
+  out.epoch = r.u64("epoch");
+  const uint8_t failed = r.u8("failed");
+  if (failed > 1) malformed(kAutoDecision, "failed " + std::to_string(failed) + " (accepted: 0, 1)");
+  out.failed = failed == 1;
+  out.predicted_us = get_double(r, "predicted_us");
+  if (!(out.predicted_us >= 0) || out.predicted_us > 1e15)
+    malformed(kAutoDecision, "predicted_us " + std::to_string(out.predicted_us) +
+                                 " (accepted: 0..1e15)");
+  out.strategy_yaml = r.str("strategy");
+  out.decision_yaml = r.str("decision");
+  out.text = r.str("text");
+  out.timeline_json = r.str("timeline");
+  r.end();
+  return out;
+}
+
+template <>
+transport::Message to_message(const Push& m) {
+  transport::Message out;
+  out.header.type = kPush;
+  out.header.aux = m.uid;
+  out.header.key = m.key;
+  out.header.arg = m.iteration;
+  out.payloads.push_back(m.data);
+  return out;
+}
+template <>
+Push from_message(const transport::Message& m) {
+  check_shape(m, kPush, true, true, 0, 1, 1);
+  return Push{m.header.aux, m.header.key, m.header.arg, m.payloads[0]};
+}
+
+template <>
+transport::Message to_message(const Pull& m) {
+  transport::Message out;
+  out.header.type = kPull;
+  out.header.aux = m.uid;
+  out.header.key = m.key;
+  out.header.arg = m.iteration;
+  return out;
+}
+template <>
+Pull from_message(const transport::Message& m) {
+  check_shape(m, kPull, true, true, 0, 0, 0);
+  return Pull{m.header.aux, m.header.key, m.header.arg};
+}
+
+template <>
+transport::Message to_message(const Broadcast& m) {
+  transport::Message out;
+  out.header.type = kBroadcast;
+  out.header.aux = m.uid;
+  out.header.key = m.key;
+  out.header.arg = m.iteration;
+  out.header.flags = m.is_root ? kBroadcastRoot : 0;
+  out.payloads.push_back(encode(m.meta));
+  if (m.is_root) out.payloads.push_back(m.data);
+  return out;
+}
+template <>
+Broadcast from_message(const transport::Message& m) {
+  const bool root = (m.header.flags & kBroadcastRoot) != 0;
+  check_shape(m, kBroadcast, true, true, kBroadcastRoot, root ? 2 : 1, root ? 2 : 1);
+  Broadcast out;
+  out.uid = m.header.aux;
+  out.key = m.header.key;
+  out.iteration = m.header.arg;
+  out.meta = decode_broadcast_meta(m.payloads[0].view());
+  out.is_root = root;
+  if (root) out.data = m.payloads[1];
+  return out;
+}
+
+template <>
+transport::Message to_message(const StatsRequest&) {
+  Writer w;
+  return control(kStats, 0, w);
+}
+template <>
+StatsRequest from_message(const transport::Message& m) {
+  open(m, kStats, false).end();
+  return {};
+}
+
+template <>
+transport::Message to_message(const MetricsRequest&) {
+  Writer w;
+  return control(kMetrics, 0, w);
+}
+template <>
+MetricsRequest from_message(const transport::Message& m) {
+  open(m, kMetrics, false).end();
+  return {};
+}
+
+template <>
+transport::Message to_message(const Probe& m) {
+  Writer w;
+  w.u64(m.answer_bytes);
+  transport::Message out = control(kProbe, 0, w);
+  if (m.upload_bytes > 0) out.payloads.push_back(transport::Buffer::allocate(m.upload_bytes));
+  return out;
+}
+template <>
+Probe from_message(const transport::Message& m) {
+  check_shape(m, kProbe, false, false, 0, 1, 2);
+  Reader r(m.payloads[0].view(), name_of(kProbe));
+  Probe out;
+  out.answer_bytes = r.u64("answer_bytes");
+  r.end();
+  out.upload_bytes = m.payloads.size() > 1 ? m.payloads[1].size() : 0;
+  return out;
+}
+
+transport::Message probe_answer(const transport::Message& request) {
+  const Probe p = from_message<Probe>(request);
+  if (p.upload_bytes > kMaxProbeBytes || p.answer_bytes > kMaxProbeBytes)
+    return error_reply(ErrorCode::kInvalidArgument,
+                       "probe of " + std::to_string(p.upload_bytes) + " bytes asking " +
+                           std::to_string(p.answer_bytes) + " bytes back: at most " +
+                           std::to_string(kMaxProbeBytes) + " each way");
+  return ok_reply(transport::Buffer::take(std::string(p.answer_bytes, '\0')));
 }
 
 }  // namespace bytecomp::server::proto

@@ -1,15 +1,24 @@
 // The parameter server's messages on top of transport::Message (internal to
-// server/; the client library and the server both use it).
+// server/; the node's PS client, the servers and the coordinator use it).
 //
-// Header use: type = MsgType; aux = job uid (0 for cluster-level messages);
-// key = partition key; arg = iteration / barrier sequence / effective
-// iteration. Control payloads are one buffer encoded with Writer/Reader
-// below: a u16 protocol version first, then fields; every length and count
-// is checked before use (Reader throws Error(kMalformed) naming the field).
+// Every message is a typed struct below with one to_message()/from_message()
+// pair; nobody assembles a header by hand. Header fields have one meaning
+// each, whatever the message:
+//   type  MsgType;
+//   aux   the job uid on job-scoped messages (0 on cluster-level ones and on
+//         kRegister / kJobSetup, whose record carries the job);
+//   key   a partition key, data messages only (kPush, kPull, kBroadcast);
+//   arg   an iteration, data messages only;
+//   flags kBroadcastRoot on kBroadcast, 0 elsewhere.
+// Every other field of a control message travels in payload 0, written with
+// Writer below: a u16 protocol version first, then fields; every length and
+// count is checked before use (Reader throws Error(kMalformed) naming the
+// message and field). from_message() also refuses a wrong type, a header
+// field a message does not use, or a wrong number of payloads.
 //
 // Replies: a request succeeds with a reply of type kOkReply (payload as
-// documented per message) or fails with kErrorReply whose aux is the
-// ErrorCode and whose single payload is the message text.
+// documented per message) or fails with kErrorReply whose payload 0 holds
+// the ErrorCode and the message text.
 //
 // Thread-safety: plain functions and values.
 #pragma once
@@ -25,61 +34,44 @@
 
 namespace bytecomp::server::proto {
 
-inline constexpr uint16_t kVersion = 1;
+// 2: the typed messages (auto messages, kLeave's abort, error replies carry
+// their fields in payload 0, not in header fields).
+inline constexpr uint16_t kVersion = 2;
 
-// Header flag of kLeave: this node's part failed (e.g. a local client died);
-// the coordinator aborts the job for every party instead of waiting for the
-// others to time out.
-inline constexpr uint16_t kLeaveAbort = 0x1;
 // Header flag of kBroadcast: the sender's node holds the root rank.
 inline constexpr uint16_t kBroadcastRoot = 0x1;
-// Header flag of kAutoDecision: planning failed or timed out.
-inline constexpr uint16_t kAutoFailed = 0x1;
 // Bound of a probe's upload and answer.
 inline constexpr uint64_t kMaxProbeBytes = 16ull << 20;
 
+// What each message carries: its struct below.
 enum MsgType : uint16_t {
   // node -> coordinator
-  kRegister = 0x5101,     // req: JobSpec + rank; reply (deferred): Admission
-  kBarrier = 0x5102,      // req: aux=uid, arg=seq; reply when all arrived
-  kSetStrategy = 0x5103,  // req: aux=uid, arg=iteration, payload: yaml
-  kLeave = 0x5104,        // req: aux=uid; flags=kLeaveAbort + payload reason: abort the job
+  kRegister = 0x5101,     // req: Register; reply (deferred): Admission
+  kBarrier = 0x5102,      // req: Barrier; reply when all arrived
+  kSetStrategy = 0x5103,  // req: SetStrategy
+  kLeave = 0x5104,        // req: Leave
   // Automatic strategies (server/auto_planner.h, daemon/auto_tuner.h):
-  kAutoProfile = 0x5105,  // req: aux=uid, arg=epoch, payloads: profile yaml, auto spec yaml
-  kAutoReplan = 0x5106,   // req: aux=uid, arg=first iteration to profile, payload: reason
+  kAutoProfile = 0x5105,  // req: AutoProfile
+  kAutoReplan = 0x5106,   // req: AutoReplan
   // server -> coordinator
-  kServerHello = 0x5110,  // req: ServerInfo
-  kAbortRequest = 0x5111, // one-way: aux=uid, payload: reason (a server saw a node die)
+  kServerHello = 0x5110,  // req: ServerHello
+  kAbortRequest = 0x5111, // one-way: AbortRequest (a server saw a node die)
   // coordinator -> server
-  kJobSetup = 0x5120,     // req: Admission (rank ignored)
-  kJobEnd = 0x5121,       // req: aux=uid, payload: reason ("" = normal end)
-  kStrategyPrepare = 0x5122,  // req: aux=uid, arg=iteration, payload: yaml
+  kJobSetup = 0x5120,     // req: JobSetup
+  kJobEnd = 0x5121,       // req: JobEnd
+  kStrategyPrepare = 0x5122,  // req: StrategyPrepare
   // coordinator -> nodes
-  kStrategyUpdate = 0x5130,   // one-way: aux=uid, arg=iteration, payload: yaml
-  kJobAborted = 0x5131,       // one-way: aux=uid, payload: reason
-  // one-way: aux=uid, key=epoch, arg=first iteration to profile, payload: reason
-  kAutoProfileRequest = 0x5132,
-  // one-way: aux=uid, key=epoch, arg=predicted iteration us; flags 0: payloads
-  // strategy yaml, decision yaml (planner/online.h), explanation text,
-  // predicted timeline (Chrome trace JSON);
-  // flags kAutoFailed: payload reason (the current strategy stays)
-  kAutoDecision = 0x5133,
+  kStrategyUpdate = 0x5130,   // req: StrategyUpdate
+  kJobAborted = 0x5131,       // one-way: JobAborted
+  kAutoProfileRequest = 0x5132,  // one-way: AutoProfileRequest
+  kAutoDecision = 0x5133,        // one-way: AutoDecision
   // node -> server (data path)
-  kPush = 0x5140,         // req: aux=uid, key, arg=iteration, payload: data
-  kPull = 0x5141,         // req: aux=uid, key, arg=iteration; reply payload: result
-  kStats = 0x5142,        // req; reply: ServerStats
-  // req: arg=answer bytes, payload: ignored bytes; reply: arg bytes (link probe,
-  // both at most kMaxProbeBytes)
-  kProbe = 0x5144,
-  kMetrics = 0x5143,      // req; reply payload: Prometheus text (server/metrics.h)
-  // req: aux=uid, key (a partition key of the broadcast's tensor),
-  // arg=iteration; payload 0: BroadcastMeta; flags kBroadcastRoot: this node
-  // holds the root rank and payload 1 is the partition's bytes (raw). Every
-  // node of the job sends one per partition; the server answers them all
-  // once all arrived: the root with an empty ok, the others with the bytes;
-  // a disagreement (meta, no root or two roots) fails every one of them,
-  // naming it. Added within version 1: older servers refuse it by type.
-  kBroadcast = 0x5145,
+  kPush = 0x5140,         // req: Push
+  kPull = 0x5141,         // req: Pull; reply payload: the answer
+  kStats = 0x5142,        // req: StatsRequest; reply: Stats
+  kMetrics = 0x5143,      // req: MetricsRequest; reply payload: Prometheus text
+  kProbe = 0x5144,        // req: Probe; reply: answer_bytes zero bytes
+  kBroadcast = 0x5145,    // req: Broadcast
   // replies
   kOkReply = 0x51F0,
   kErrorReply = 0x51F1,
@@ -180,6 +172,151 @@ BroadcastMeta decode_broadcast_meta(std::string_view bytes);
 // The answer to a kProbe request: `arg` zero bytes, or an error naming the
 // bound when the request or the answer would exceed kMaxProbeBytes.
 transport::Message probe_answer(const transport::Message& request);
+
+// ---------------------------------------------------------------------------
+// The typed messages. `uid` fields travel in header.aux; data messages' `key`
+// and `iteration` in header.key and header.arg; everything else in payload 0.
+
+struct Register {  // node -> coordinator; the node's declaration
+  static constexpr MsgType kType = kRegister;
+  JobSpec spec;
+};
+struct Barrier {
+  static constexpr MsgType kType = kBarrier;
+  uint32_t uid = 0;
+  uint64_t seq = 0;  // the node's barrier count in the job
+};
+struct SetStrategy {  // a node asks to switch every party from `iteration` on
+  static constexpr MsgType kType = kSetStrategy;
+  uint32_t uid = 0;
+  uint64_t iteration = 0;
+  std::string yaml;
+};
+struct Leave {  // this node is done; `abort`: its part failed (reason says why)
+  static constexpr MsgType kType = kLeave;
+  uint32_t uid = 0;
+  bool abort = false;
+  std::string reason;
+};
+struct AutoProfile {  // planner::online::NodeProfile and strategy::AutoSpec YAML
+  static constexpr MsgType kType = kAutoProfile;
+  uint32_t uid = 0;
+  uint64_t epoch = 0;
+  std::string profile_yaml, spec_yaml;
+};
+struct AutoReplan {
+  static constexpr MsgType kType = kAutoReplan;
+  uint32_t uid = 0;
+  uint64_t from_iteration = 0;  // first iteration every node should profile
+  std::string reason;
+};
+struct ServerHello {
+  static constexpr MsgType kType = kServerHello;
+  ServerInfo info;
+};
+struct AbortRequest {
+  static constexpr MsgType kType = kAbortRequest;
+  uint32_t uid = 0;
+  std::string reason;
+};
+struct JobSetup {  // the admission (its rank is ignored by servers)
+  static constexpr MsgType kType = kJobSetup;
+  Admission admission;
+};
+struct JobEnd {
+  static constexpr MsgType kType = kJobEnd;
+  uint32_t uid = 0;
+  std::string reason;  // "" = the job ended normally
+};
+struct StrategyPrepare {  // `cancel`: drop the change prepared for `iteration`
+  static constexpr MsgType kType = kStrategyPrepare;
+  uint32_t uid = 0;
+  uint64_t iteration = 0;
+  bool cancel = false;
+  std::string yaml;
+};
+struct StrategyUpdate {  // every node applies the change, then answers
+  static constexpr MsgType kType = kStrategyUpdate;
+  uint32_t uid = 0;
+  uint64_t iteration = 0;
+  std::string yaml;
+};
+struct JobAborted {
+  static constexpr MsgType kType = kJobAborted;
+  uint32_t uid = 0;
+  std::string reason;
+};
+struct AutoProfileRequest {  // a re-plan: profile again
+  static constexpr MsgType kType = kAutoProfileRequest;
+  uint32_t uid = 0;
+  uint64_t epoch = 0;
+  uint64_t from_iteration = 0;
+  std::string reason;
+};
+struct AutoDecision {  // `failed`: no plan (text says why), the strategy stays
+  static constexpr MsgType kType = kAutoDecision;
+  uint32_t uid = 0;
+  uint64_t epoch = 0;
+  bool failed = false;
+  double predicted_us = 0;  // predicted iteration time
+  // strategy YAML, decision YAML (planner/online.h), the explanation (or the
+  // failure's reason) and the predicted timeline (Chrome trace JSON).
+  std::string strategy_yaml, decision_yaml, text, timeline_json;
+};
+struct Push {  // payload 0: the partition's bytes (raw fp32 or compressed)
+  static constexpr MsgType kType = kPush;
+  uint32_t uid = 0;
+  uint64_t key = 0;
+  uint64_t iteration = 0;
+  transport::Buffer data;
+};
+struct Pull {
+  static constexpr MsgType kType = kPull;
+  uint32_t uid = 0;
+  uint64_t key = 0;
+  uint64_t iteration = 0;
+};
+// One node's part of a broadcast: payload 0 the meta every node must agree
+// on; the root's node also sends payload 1, the partition's bytes. The
+// server answers every part once all arrived: the root with an empty ok, the
+// others with the bytes; a disagreement fails every one of them, naming it.
+struct Broadcast {
+  static constexpr MsgType kType = kBroadcast;
+  uint32_t uid = 0;
+  uint64_t key = 0;
+  uint64_t iteration = 0;
+  BroadcastMeta meta;
+  bool is_root = false;
+  transport::Buffer data;  // is_root only
+};
+struct StatsRequest {
+  static constexpr MsgType kType = kStats;
+};
+struct MetricsRequest {
+  static constexpr MsgType kType = kMetrics;
+};
+struct Probe {  // a link probe: `upload_bytes` sent, `answer_bytes` asked back
+  static constexpr MsgType kType = kProbe;
+  uint64_t answer_bytes = 0;
+  uint64_t upload_bytes = 0;  // payload 1 (zero bytes)
+};
+
+// One pair per message. from_message() throws Error(kMalformed) naming the
+// message and what was wrong (wrong type, an unused header field set, a
+// wrong payload count, a truncated or over-long field, trailing bytes).
+template <class M>
+transport::Message to_message(const M& m);
+template <class M>
+M from_message(const transport::Message& m);
+
+// Every message type, for tests and the fuzz target.
+template <class... M>
+struct MessageList {};
+using AllMessages =
+    MessageList<Register, Barrier, SetStrategy, Leave, AutoProfile, AutoReplan, ServerHello,
+                AbortRequest, JobSetup, JobEnd, StrategyPrepare, StrategyUpdate, JobAborted,
+                AutoProfileRequest, AutoDecision, Push, Pull, Broadcast, StatsRequest,
+                MetricsRequest, Probe>;
 
 // Concatenates all payloads of a control message (usually one).
 std::string joined(const transport::Message& m);

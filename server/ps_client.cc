@@ -4,6 +4,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -48,6 +49,18 @@ struct Core {
   Millis or_default(Millis t) const { return t.count() > 0 ? t : cluster.request_timeout; }
 };
 
+// A one-way message from the coordinator; a malformed one is logged and
+// ignored as if it had not arrived (the job's own timeouts still hold).
+template <class M>
+std::optional<M> decoded(const Incoming& in) {
+  try {
+    return proto::from_message<M>(in.message);
+  } catch (const Error& e) {
+    BC_LOG(LogPsClient(), kWarn) << "from node " << in.from << ": " << e.what();
+    return std::nullopt;
+  }
+}
+
 Status to_status(const Response& r) {
   if (!r.status.ok()) return r.status;
   return proto::reply_status(r.response);
@@ -65,60 +78,38 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
   void push(uint64_t key, uint64_t iteration, Buffer data, DoneCallback done,
             Millis timeout) override {
-    Message m;
-    m.header.type = proto::kPush;
-    m.header.aux = info_.uid;
-    m.header.key = key;
-    m.header.arg = iteration;
-    m.payloads.push_back(std::move(data));
-    start(server_of(key), std::move(m), timeout,
+    start(server_of(key), proto::to_message(proto::Push{info_.uid, key, iteration, std::move(data)}),
+          timeout,
           [done = std::move(done)](const Status& s, Buffer) {
             if (done) done(s);
           });
   }
 
   void pull(uint64_t key, uint64_t iteration, PullCallback done, Millis timeout) override {
-    Message m;
-    m.header.type = proto::kPull;
-    m.header.aux = info_.uid;
-    m.header.key = key;
-    m.header.arg = iteration;
-    start(server_of(key), std::move(m), timeout, std::move(done));
+    start(server_of(key), proto::to_message(proto::Pull{info_.uid, key, iteration}), timeout,
+          std::move(done));
   }
 
   void broadcast(uint64_t key, uint64_t iteration, uint32_t root, uint64_t nbytes, uint64_t tag,
                  bool is_root, Buffer data, PullCallback done, Millis timeout) override {
-    Message m;
-    m.header.type = proto::kBroadcast;
-    m.header.aux = info_.uid;
-    m.header.key = key;
-    m.header.arg = iteration;
-    m.header.flags = is_root ? proto::kBroadcastRoot : 0;
-    m.payloads.push_back(proto::encode(proto::BroadcastMeta{root, nbytes, tag}));
-    if (is_root) m.payloads.push_back(std::move(data));
-    start(server_of(key), std::move(m), timeout, std::move(done));
+    proto::Broadcast b{info_.uid, key, iteration, {root, nbytes, tag}, is_root, std::move(data)};
+    start(server_of(key), proto::to_message(b), timeout, std::move(done));
   }
 
   void barrier(DoneCallback done, Millis timeout) override {
-    Message m;
-    m.header.type = proto::kBarrier;
-    m.header.aux = info_.uid;
+    proto::Barrier b{info_.uid, 0};
     {
       std::lock_guard lk(mu_);
-      m.header.arg = barrier_seq_++;
+      b.seq = barrier_seq_++;
     }
-    start(core_->cluster.coordinator, std::move(m), timeout,
+    start(core_->cluster.coordinator, proto::to_message(b), timeout,
           [done = std::move(done)](const Status& s, Buffer) {
             if (done) done(s);
           });
   }
 
   void set_strategy(std::string yaml, uint64_t iteration, DoneCallback done) override {
-    Message m;
-    m.header.type = proto::kSetStrategy;
-    m.header.aux = info_.uid;
-    m.header.arg = iteration;
-    m.payloads.push_back(Buffer::copy_of(yaml));
+    Message m = proto::to_message(proto::SetStrategy{info_.uid, iteration, yaml});
     // The coordinator's update message and its reply travel separately; the
     // requester applies the change itself first so its on_strategy_change
     // always runs before done (the later update is then a duplicate).
@@ -133,25 +124,16 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
   void auto_profile(uint64_t epoch, std::string profile_yaml, std::string spec_yaml,
                     DoneCallback done) override {
-    Message m;
-    m.header.type = proto::kAutoProfile;
-    m.header.aux = info_.uid;
-    m.header.arg = epoch;
-    m.payloads.push_back(Buffer::take(std::move(profile_yaml)));
-    m.payloads.push_back(Buffer::take(std::move(spec_yaml)));
-    start(core_->cluster.coordinator, std::move(m), Millis{0},
+    proto::AutoProfile p{info_.uid, epoch, std::move(profile_yaml), std::move(spec_yaml)};
+    start(core_->cluster.coordinator, proto::to_message(p), Millis{0},
           [done = std::move(done)](const Status& s, Buffer) {
             if (done) done(s);
           });
   }
 
   void auto_replan(uint64_t from_iteration, std::string reason, DoneCallback done) override {
-    Message m;
-    m.header.type = proto::kAutoReplan;
-    m.header.aux = info_.uid;
-    m.header.arg = from_iteration;
-    m.payloads.push_back(Buffer::take(std::move(reason)));
-    start(core_->cluster.coordinator, std::move(m), Millis{0},
+    proto::AutoReplan r{info_.uid, from_iteration, std::move(reason)};
+    start(core_->cluster.coordinator, proto::to_message(r), Millis{0},
           [done = std::move(done)](const Status& s, Buffer) {
             if (done) done(s);
           });
@@ -179,12 +161,8 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
       return Status(ErrorCode::kInvalidArgument,
                     "probe: node " + std::to_string(server) + " is not a server of job '" +
                         info_.name + "'");
-    Message m;
-    m.header.type = proto::kProbe;
-    m.header.aux = info_.uid;
-    m.header.arg = down_bytes;
-    if (up_bytes > 0) m.payloads.push_back(Buffer::allocate(up_bytes));
-    Response r = core_->tp->call(server, std::move(m), timeout);
+    Response r = core_->tp->call(server, proto::to_message(proto::Probe{down_bytes, up_bytes}),
+                                 timeout);
     Status st = to_status(r);
     if (!st.ok()) return st;
     uint64_t got = 0;
@@ -276,13 +254,8 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
       core->leaves_deadline = std::max(core->leaves_deadline,
                                        std::chrono::steady_clock::now() + timeout + Millis{1000});
     }
-    Message m;
-    m.header.type = proto::kLeave;
-    m.header.aux = uid;
-    if (abort_reason) {
-      m.header.flags = proto::kLeaveAbort;
-      m.payloads.push_back(transport::Buffer::copy_of(*abort_reason));
-    }
+    Message m = proto::to_message(
+        proto::Leave{uid, abort_reason != nullptr, abort_reason ? *abort_reason : std::string()});
     // The job stays in the client's table until the answer, so a kJobAborted
     // crossing the leave finds it (and finds it closed).
     auto finish = [core, uid, done = std::move(done)](const Status& st) {
@@ -482,11 +455,7 @@ class ClientImpl final : public PsClient {
         if (--c.joins_in_flight == 0) c.early_aborts.clear();
       }
     } in_flight(*core_);
-    Message m;
-    m.header.type = proto::kRegister;
-    proto::Writer w;
-    proto::write_spec(w, spec);
-    m.payloads.push_back(w.take());
+    Message m = proto::to_message(proto::Register{spec});
     BC_LOG(LogPsClient(), kInfo) << "node " << self() << ": registering for job '" << spec.name
                                  << "'";
     Response r = core_->tp->call(core_->cluster.coordinator, std::move(m), timeout);
@@ -532,9 +501,7 @@ class ClientImpl final : public PsClient {
   }
 
   ServerStats stats(NodeId server, Millis timeout) override {
-    Message m;
-    m.header.type = proto::kStats;
-    Response r = core_->tp->call(server, std::move(m), timeout);
+    Response r = core_->tp->call(server, proto::to_message(proto::StatsRequest{}), timeout);
     Status st = to_status(r);
     if (!st.ok()) throw Error(st.code(), "stats of server " + std::to_string(server) + ": " + st.message());
     const proto::Stats d = proto::decode_stats(proto::joined(r.response));
@@ -548,9 +515,7 @@ class ClientImpl final : public PsClient {
   }
 
   std::string metrics(NodeId server, Millis timeout) override {
-    Message m;
-    m.header.type = proto::kMetrics;
-    Response r = core_->tp->call(server, std::move(m), timeout);
+    Response r = core_->tp->call(server, proto::to_message(proto::MetricsRequest{}), timeout);
     Status st = to_status(r);
     if (!st.ok()) {
       throw Error(st.code(), "metrics of server " + std::to_string(server) + ": " + st.message());
@@ -581,13 +546,16 @@ class ClientImpl final : public PsClient {
 
   static void on_aborted(Core& c, const Incoming& in) {
     if (in.from != c.cluster.coordinator) return;
-    Status why(ErrorCode::kAborted, proto::joined(in.message));
+    const std::optional<proto::JobAborted> msg = decoded<proto::JobAborted>(in);
+    if (!msg) return;
+    const proto::JobAborted& a = *msg;
+    Status why(ErrorCode::kAborted, a.reason);
     std::shared_ptr<JobImpl> job;
     {
       std::lock_guard lk(c.mu);
-      auto it = c.jobs.find(in.message.header.aux);
+      auto it = c.jobs.find(a.uid);
       if (it == c.jobs.end()) {
-        if (c.joins_in_flight > 0) c.early_aborts[in.message.header.aux] = why;
+        if (c.joins_in_flight > 0) c.early_aborts[a.uid] = why;
         return;
       }
       job = it->second;
@@ -603,14 +571,20 @@ class ClientImpl final : public PsClient {
   // completion thread; without the answer nothing orders the two).
   static void on_update(Core& c, const Incoming& in) {
     if (in.from != c.cluster.coordinator) return;
-    std::shared_ptr<JobImpl> job = find(c, in.message.header.aux);
-    if (job) job->apply_change(in.message.header.arg, proto::joined(in.message));
+    Message r;
+    try {
+      const proto::StrategyUpdate u = proto::from_message<proto::StrategyUpdate>(in.message);
+      std::shared_ptr<JobImpl> job = find(c, u.uid);
+      if (job) job->apply_change(u.iteration, u.yaml);
+      r = job ? proto::ok_reply()
+              : proto::error_reply(ErrorCode::kInvalidArgument,
+                                   "strategy update: node " + std::to_string(c.tp->self()) +
+                                       " has no job uid " + std::to_string(u.uid));
+    } catch (const Error& e) {
+      BC_LOG(LogPsClient(), kWarn) << "from the coordinator: " << e.what();
+      r = proto::error_reply(e.code(), e.what());
+    }
     if (!in.expects_reply) return;
-    Message r = job ? proto::ok_reply()
-                    : proto::error_reply(ErrorCode::kInvalidArgument,
-                                         "strategy update: node " + std::to_string(c.tp->self()) +
-                                             " has no job uid " +
-                                             std::to_string(in.message.header.aux));
     try {
       c.tp->reply(in, std::move(r), nullptr);
     } catch (const Error& e) {
@@ -621,29 +595,30 @@ class ClientImpl final : public PsClient {
 
   static void on_auto_message(Core& c, const Incoming& in) {
     if (in.from != c.cluster.coordinator) return;
-    const auto& h = in.message.header;
-    auto job = find(c, h.aux);
+    auto job = find(c, in.message.header.aux);
     if (!job) return;
     AutoEvent e;
-    e.epoch = h.key;
-    if (h.type == proto::kAutoProfileRequest) {
-      e.kind = AutoEvent::Kind::kProfileRequest;
-      e.from_iteration = h.arg;
-      e.text = proto::joined(in.message);
-    } else if (h.flags & proto::kAutoFailed) {
+    try {
+      if (in.message.header.type == proto::kAutoProfileRequest) {
+        const auto r = proto::from_message<proto::AutoProfileRequest>(in.message);
+        e.kind = AutoEvent::Kind::kProfileRequest;
+        e.epoch = r.epoch;
+        e.from_iteration = r.from_iteration;
+        e.text = r.reason;
+      } else {
+        auto d = proto::from_message<proto::AutoDecision>(in.message);
+        e.kind = d.failed ? AutoEvent::Kind::kFailed : AutoEvent::Kind::kDecision;
+        e.epoch = d.epoch;
+        e.predicted_us = d.predicted_us;
+        e.strategy_yaml = std::move(d.strategy_yaml);
+        e.decision_yaml = std::move(d.decision_yaml);
+        e.text = std::move(d.text);
+        e.timeline_json = std::move(d.timeline_json);
+      }
+    } catch (const Error& err) {
+      e = AutoEvent{};
       e.kind = AutoEvent::Kind::kFailed;
-      e.text = proto::joined(in.message);
-    } else if (in.message.payloads.size() == 4) {
-      e.kind = AutoEvent::Kind::kDecision;
-      e.predicted_us = static_cast<double>(h.arg);
-      e.strategy_yaml = std::string(in.message.payloads[0].view());
-      e.decision_yaml = std::string(in.message.payloads[1].view());
-      e.text = std::string(in.message.payloads[2].view());
-      e.timeline_json = std::string(in.message.payloads[3].view());
-    } else {
-      e.kind = AutoEvent::Kind::kFailed;
-      e.text = "malformed decision from the coordinator (" +
-               std::to_string(in.message.payloads.size()) + " payloads, expected 4)";
+      e.text = std::string("malformed message from the coordinator: ") + err.what();
     }
     job->deliver_auto(e);
   }

@@ -91,11 +91,10 @@ void ParameterServer::Impl::hello_loop() {
       continue;
     }
     lk.unlock();
-    Message m;
-    m.header.type = proto::kServerHello;
-    m.payloads.push_back(
-        proto::encode(ServerInfo{cfg.node_id, tp->local_addresses().at(0), cfg.engine_threads}));
-    transport::Response r = tp->call(cfg.cluster.coordinator, std::move(m), transport::Millis{2000});
+    const proto::ServerHello hello{
+        ServerInfo{cfg.node_id, tp->local_addresses().at(0), cfg.engine_threads}};
+    transport::Response r =
+        tp->call(cfg.cluster.coordinator, proto::to_message(hello), transport::Millis{2000});
     Status st = r.status.ok() ? proto::reply_status(r.response) : r.status;
     lk.lock();
     if (st.ok()) {
@@ -293,18 +292,21 @@ void ParameterServer::Impl::on_control(Incoming in) {
   Status st;
   try {
     switch (h.type) {
-      case proto::kJobSetup: st = setup_job(proto::decode_admission(proto::joined(in.message))); break;
+      case proto::kJobSetup: st = setup_job(proto::from_message<proto::JobSetup>(in.message).admission); break;
       case proto::kJobEnd: {
-        std::string reason = proto::joined(in.message);
-        end_job(h.aux, reason.empty() ? ErrorCode::kUnavailable : ErrorCode::kAborted, reason);
+        const proto::JobEnd e = proto::from_message<proto::JobEnd>(in.message);
+        end_job(e.uid, e.reason.empty() ? ErrorCode::kUnavailable : ErrorCode::kAborted, e.reason);
         break;
       }
-      case proto::kStrategyPrepare:
-        st = prepare_strategy(h.aux, h.arg, proto::joined(in.message), h.flags == 1);
+      case proto::kStrategyPrepare: {
+        const auto p = proto::from_message<proto::StrategyPrepare>(in.message);
+        st = prepare_strategy(p.uid, p.iteration, p.yaml, p.cancel);
         break;
+      }
       default: break;
     }
   } catch (const Error& e) {
+    if (e.code() == ErrorCode::kMalformed) frames_refused.fetch_add(1);
     st = Status::FromError(e);
   }
   if (in.expects_reply) reply(in, st.ok() ? proto::ok_reply() : proto::error_reply(st.code(), st.message()));
@@ -326,6 +328,16 @@ void ParameterServer::Impl::on_stats(const Incoming& in) {
 void ParameterServer::Impl::on_data(Incoming in) {
   const auto& h = in.message.header;
   const char* what = h.type == proto::kPush ? "push" : h.type == proto::kPull ? "pull" : "broadcast";
+  // The message's shape (payloads, header fields) before anything reads it;
+  // the rounds read its fields from the header, which data messages define.
+  try {
+    if (h.type == proto::kPush) (void)proto::from_message<proto::Push>(in.message);
+    else if (h.type == proto::kPull) (void)proto::from_message<proto::Pull>(in.message);
+    else (void)proto::from_message<proto::Broadcast>(in.message);
+  } catch (const Error& e) {
+    frames_refused.fetch_add(1);
+    return refuse(in, e.code(), e.what());
+  }
   std::shared_ptr<ServerJob> job;
   std::optional<Ended> gone;
   {
@@ -445,10 +457,7 @@ void ParameterServer::Impl::request_abort(uint32_t uid, const std::string& reaso
     return;
   }
   end_job(uid, ErrorCode::kAborted, reason);
-  Message m;
-  m.header.type = proto::kAbortRequest;
-  m.header.aux = uid;
-  m.payloads.push_back(Buffer::copy_of(reason));
+  Message m = proto::to_message(proto::AbortRequest{uid, reason});
   tp->send(cfg.cluster.coordinator, std::move(m), nullptr);
 }
 

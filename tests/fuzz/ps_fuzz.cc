@@ -7,6 +7,11 @@
 //   3 a reply: u16 header type, u32 aux, then the payload: reply_status
 //   0xB0 (only that value, so the other inputs keep their meaning):
 //     kBroadcast's BroadcastMeta: decode_broadcast_meta
+//   0x40 + i (i < the number of typed messages, proto::AllMessages): the
+//     i-th typed message's from_message(), the rest of the input being a
+//     whole transport message (typed_message() below: header fields, then
+//     payloads); an accepted one must survive to_message/from_message
+//     unchanged.
 // Push and pull payloads are compressed buffers (compress_fuzz) or raw fp32
 // whose length is checked against the partition; kSetStrategy's payload is
 // strategy YAML (strategy_fuzz). Error(kMalformed) is a correct rejection; a
@@ -36,11 +41,76 @@ void check_code(const Error& e) {
   if (e.code() != ErrorCode::kMalformed) bcfuzz::broken("ps", e.what());
 }
 
+// A transport message from fuzz bytes: u16 flags, u32 aux, u64 key, u64 arg,
+// u8 payload count (mod 4); each payload but the last as u32 length + bytes
+// (clipped to what is left), the last one the rest.
+bytecomp::transport::Message typed_message(bcfuzz::Bytes& in, uint16_t type) {
+  bytecomp::transport::Message m;
+  m.header.type = type;
+  m.header.flags = in.u16();
+  m.header.aux = in.u32();
+  m.header.key = in.u32() | (uint64_t{in.u32()} << 32);
+  m.header.arg = in.u32() | (uint64_t{in.u32()} << 32);
+  const unsigned n = in.u8() % 4;
+  for (unsigned i = 0; i < n; ++i) {
+    std::string p;
+    if (i + 1 < n) {
+      const auto bytes = in.take(in.u32());
+      p.assign(bytes.begin(), bytes.end());
+    } else {
+      const auto rest = in.rest();
+      p.assign(reinterpret_cast<const char*>(rest.data()), rest.size());
+    }
+    m.payloads.push_back(bytecomp::transport::Buffer::copy_of(p));
+  }
+  return m;
+}
+
+// Header and payload bytes: what the wire carries.
+std::string wire_of(const bytecomp::transport::Message& m) {
+  std::string s = std::to_string(m.header.type) + "/" + std::to_string(m.header.flags) + "/" +
+                  std::to_string(m.header.aux) + "/" + std::to_string(m.header.key) + "/" +
+                  std::to_string(m.header.arg);
+  for (const auto& b : m.payloads) s += "|" + std::to_string(b.size()) + ":" + std::string(b.view());
+  return s;
+}
+
+template <class M>
+void fuzz_typed(bcfuzz::Bytes& in) {
+  const bytecomp::transport::Message m = typed_message(in, M::kType);
+  M first;
+  try {
+    first = proto::from_message<M>(m);
+  } catch (const Error& e) {
+    check_code(e);
+    return;
+  }
+  const std::string once = wire_of(proto::to_message(first));
+  try {
+    if (wire_of(proto::to_message(proto::from_message<M>(proto::to_message(first)))) != once)
+      bcfuzz::broken("ps", "typed message not stable");
+  } catch (const Error& e) {
+    bcfuzz::broken("ps", std::string("re-encoded typed message does not decode: ") + e.what());
+  }
+}
+
+template <class... M>
+bool fuzz_nth(proto::MessageList<M...>, size_t i, bcfuzz::Bytes& in) {
+  size_t k = 0;
+  bool hit = false;
+  ((k++ == i ? (fuzz_typed<M>(in), hit = true) : false), ...);
+  return hit;
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const std::string payload(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] >= 0x40 && data[0] < 0x80) {
+    bcfuzz::Bytes in(data + 1, size - 1);
+    if (fuzz_nth(proto::AllMessages{}, data[0] - 0x40u, in)) return 0;
+  }
   if (data[0] == 0xB0) {
     proto::BroadcastMeta m;
     try {

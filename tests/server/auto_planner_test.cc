@@ -97,11 +97,13 @@ TEST_F(AutoPlannerTest, PlansOnceEveryNodeReportedWithTheSlowestNodesProfile) {
   EXPECT_EQ(calls.load(), 1);
   for (const Sent& s : sent) {
     EXPECT_EQ(s.m.header.type, proto::kAutoDecision);
-    EXPECT_EQ(s.m.header.flags, 0);
-    EXPECT_EQ(s.m.header.key, 0u);  // epoch
-    EXPECT_EQ(s.m.header.aux, 7u);
-    EXPECT_EQ(s.m.header.arg, 1234u);
-    EXPECT_EQ(s.m.payloads.size(), 4u);
+    const auto d = proto::from_message<proto::AutoDecision>(s.m);
+    EXPECT_FALSE(d.failed);
+    EXPECT_EQ(d.epoch, 0u);
+    EXPECT_EQ(d.uid, 7u);
+    EXPECT_EQ(d.predicted_us, 1234.0);
+    EXPECT_FALSE(d.strategy_yaml.empty());
+    EXPECT_FALSE(d.text.empty());
   }
   EXPECT_EQ(sent[0].to + sent[1].to, 201u);
   // merge: the latest ready time and the longest iteration of any node.
@@ -142,8 +144,9 @@ TEST_F(AutoPlannerTest, AFailingPlanTellsEveryNodeWhy) {
   auto sent = wait_sent(2);
   ASSERT_EQ(sent.size(), 2u);
   for (const Sent& s : sent) {
-    EXPECT_EQ(s.m.header.flags, proto::kAutoFailed);
-    EXPECT_NE(proto::joined(s.m).find("no option fits tensor 'big'"), std::string::npos);
+    const auto d = proto::from_message<proto::AutoDecision>(s.m);
+    EXPECT_TRUE(d.failed);
+    EXPECT_NE(d.text.find("no option fits tensor 'big'"), std::string::npos);
   }
   EXPECT_EQ(ap.snapshot(7)->failures, 1u);
 }
@@ -158,9 +161,9 @@ TEST_F(AutoPlannerTest, APlanPastItsDeadlineFailsOnceAndItsLateResultIsDropped) 
   ASSERT_TRUE(ap.on_profile(job(), 101, 0, profile(1, 1, 1), spec(50)).ok());
   auto sent = wait_sent(2);
   ASSERT_EQ(sent.size(), 2u);
-  EXPECT_EQ(sent[0].m.header.flags, proto::kAutoFailed);
-  EXPECT_NE(proto::joined(sent[0].m).find("plan_timeout_ms 50"), std::string::npos)
-      << proto::joined(sent[0].m);
+  const auto late = proto::from_message<proto::AutoDecision>(sent[0].m);
+  EXPECT_TRUE(late.failed);
+  EXPECT_NE(late.text.find("plan_timeout_ms 50"), std::string::npos) << late.text;
   release = true;
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(wait_sent(3, 50ms).size(), 2u) << "the late plan reached the nodes";
@@ -174,8 +177,9 @@ TEST_F(AutoPlannerTest, NodesWithDifferentSettingsAreRefusedAPlan) {
   ASSERT_TRUE(ap.on_profile(job(), 101, 0, profile(1, 1, 1), spec(2000, "topk:0.01")).ok());
   auto sent = wait_sent(2);
   ASSERT_EQ(sent.size(), 2u);
-  EXPECT_EQ(sent[0].m.header.flags, proto::kAutoFailed);
-  EXPECT_NE(proto::joined(sent[0].m).find("different auto settings"), std::string::npos);
+  const auto refused = proto::from_message<proto::AutoDecision>(sent[0].m);
+  EXPECT_TRUE(refused.failed);
+  EXPECT_NE(refused.text.find("different auto settings"), std::string::npos);
 }
 
 TEST_F(AutoPlannerTest, ReplanOpensTheNextEpochOnEveryNodeOneAtATime) {
@@ -196,9 +200,10 @@ TEST_F(AutoPlannerTest, ReplanOpensTheNextEpochOnEveryNodeOneAtATime) {
   ASSERT_EQ(sent.size(), 4u);
   for (size_t i = 2; i < 4; ++i) {
     EXPECT_EQ(sent[i].m.header.type, proto::kAutoProfileRequest);
-    EXPECT_EQ(sent[i].m.header.key, 1u);
-    EXPECT_EQ(sent[i].m.header.arg, 40u);
-    EXPECT_EQ(proto::joined(sent[i].m), "link slower");
+    const auto r = proto::from_message<proto::AutoProfileRequest>(sent[i].m);
+    EXPECT_EQ(r.epoch, 1u);
+    EXPECT_EQ(r.from_iteration, 40u);
+    EXPECT_EQ(r.reason, "link slower");
   }
   EXPECT_NE(ap.on_replan(job(), 101, 41, "again").message().find("epoch 1"), std::string::npos);
   EXPECT_NE(ap.on_profile(job(), 100, 0, profile(0, 1, 1), spec()).message().find("epoch 0 refused"),

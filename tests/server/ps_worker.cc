@@ -161,19 +161,13 @@ int raw_echo(const Options& o, const ClusterConfig& cluster) {
     std::mutex bmu;
     for (size_t i = 0; i < a.partitions.size(); ++i) {
       const Partition& p = a.partitions[i];
-      transport::Message push;
-      push.header.type = proto::kPush;
-      push.header.key = p.key;
-      push.header.arg = it;
-      push.payloads.push_back(transport::Buffer::wrap(data[i].data(), p.count * 4, nullptr));
+      const transport::Message push = proto::to_message(proto::Push{
+          0, p.key, it, transport::Buffer::wrap(data[i].data(), p.count * 4, nullptr)});
       bytes += p.count * 4;
-      tp->request(echo, std::move(push), std::chrono::milliseconds(o.timeout_ms),
+      tp->request(echo, push, std::chrono::milliseconds(o.timeout_ms),
                   [&w](transport::Response r) { w.done(r.status); });
-      transport::Message pull;
-      pull.header.type = proto::kPull;
-      pull.header.key = p.key;
-      pull.header.arg = it;
-      tp->request(echo, std::move(pull), std::chrono::milliseconds(o.timeout_ms),
+      tp->request(echo, proto::to_message(proto::Pull{0, p.key, it}),
+                  std::chrono::milliseconds(o.timeout_ms),
                   [&w, &bytes, &bmu](transport::Response r) {
                     {
                       std::lock_guard lk(bmu);

@@ -513,7 +513,10 @@ TEST(BroadcastRound, ReleaseAnswersWhatWaitsAndMalformedMetaIsRefused) {
   Bcast c(2);
   Incoming in;
   in.from = kFirstNode;
-  in.message.payloads.push_back(Buffer::copy_of(std::string("\x01\x00\x02", 3)));
+  // The current version, then one byte of a four-byte field.
+  std::string truncated(reinterpret_cast<const char*>(&proto::kVersion), 2);
+  truncated += '\x02';
+  in.message.payloads.push_back(Buffer::copy_of(truncated));
   BroadcastOutcome out = c.round.add(std::move(in), 0, false);
   ASSERT_EQ(out.answers.size(), 1u);
   EXPECT_EQ(out.answers[0].status.code(), ErrorCode::kMalformed);

@@ -573,12 +573,11 @@ TEST_P(ServerTest, NodeAbortReachesTheOtherNodesAtOnce) {
     auto tp = transport::make_transport(tc);
     tp->start();
     tp->add_peer(0, address_);
-    transport::Message m;
-    m.header.type = proto::kPush;
-    m.header.aux = jb->info().uid;
-    m.header.key = partition_key(0, 0);
-    m.payloads.push_back(transport::Buffer::copy_of(d.data(), d.size() * 4));
-    transport::Response r = tp->call(0, std::move(m), 5000ms);
+    transport::Response r = tp->call(
+        0,
+        proto::to_message(proto::Push{jb->info().uid, partition_key(0, 0), 0,
+                                      transport::Buffer::copy_of(d.data(), d.size() * 4)}),
+        5000ms);
     ASSERT_TRUE(r.status.ok()) << r.status.to_string();
     Status late = proto::reply_status(r.response);
     EXPECT_EQ(late.code(), ErrorCode::kAborted) << late.to_string();
