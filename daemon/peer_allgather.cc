@@ -6,6 +6,7 @@
 
 #include "common/log.h"
 #include "common/record.h"
+#include "planner/strategy/partition.h"
 
 namespace bytecomp::daemon {
 
@@ -160,7 +161,7 @@ void PeerJob::contribute(uint32_t tensor, uint32_t index, uint64_t iteration, Pe
   Message msg;
   msg.header.type = kPeerData;
   msg.header.aux = spec_.uid;
-  msg.header.key = (uint64_t{tensor} << 32) | index;
+  msg.header.key = strategy::partition_key(tensor, index);
   msg.header.arg = iteration;
   msg.payloads = {encode_peer_header(header), data};
   std::weak_ptr<PeerJob> weak = self_;
@@ -217,8 +218,8 @@ Status PeerJob::receive(NodeId from, uint64_t key, uint64_t iteration, PeerPaylo
                                              " of job '" + spec_.name + "', it is rank " +
                                              std::to_string(rank));
   }
-  const auto tensor = static_cast<uint32_t>(key >> 32);
-  const auto index = static_cast<uint32_t>(key & 0xFFFFFFFFu);
+  const uint32_t tensor = strategy::partition_tensor(key);
+  const uint32_t index = strategy::partition_index(key);
   bool ready = false;
   {
     std::lock_guard lock(mu_);

@@ -362,7 +362,8 @@ void ParameterServer::Impl::on_data(Incoming in) {
                       " is not part of job '" + job->name + "'");
   auto pit = job->parts.find(h.key);
   if (pit == job->parts.end()) {
-    uint64_t t = h.key >> 32, i = h.key & 0xFFFFFFFFu;
+    const uint64_t t = strategy::partition_tensor(h.key);
+    const uint32_t i = strategy::partition_index(h.key);
     std::string detail;
     if (t >= job->tensors.size())
       detail = "tensor index " + std::to_string(t) + " does not exist (job has " +

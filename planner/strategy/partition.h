@@ -23,10 +23,12 @@ struct Fnv1a {
   }
 };
 
-// Wire key of a tensor's partition: (tensor << 32) | index.
+// Wire key of a tensor's partition: (tensor << 32) | index, and back.
 inline uint64_t partition_key(uint32_t tensor, uint32_t index) {
   return (uint64_t{tensor} << 32) | index;
 }
+inline uint32_t partition_tensor(uint64_t key) { return static_cast<uint32_t>(key >> 32); }
+inline uint32_t partition_index(uint64_t key) { return static_cast<uint32_t>(key & 0xFFFFFFFFu); }
 
 // CompressContext::shared_seed of every compression of one partition
 // (randomk's indices): the same on every node and server of the job.
