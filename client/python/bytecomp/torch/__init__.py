@@ -41,19 +41,28 @@ run on autograd's thread (the caller's thread for CPU tensors).
 
 from bytecomp._lib import BytecompError
 from bytecomp.torch import _control
-from bytecomp.torch._broadcast import (allreduce, broadcast, broadcast_object,
-                                       broadcast_optimizer_state, broadcast_parameters)
+from bytecomp.torch._broadcast import (broadcast_object, broadcast_optimizer_state,
+                                       broadcast_parameters)
+from bytecomp.torch._collectives import (Adasum, Average, Compression, Compressor, Sum,
+                                         allgather, allgather_async, allreduce, allreduce_,
+                                         allreduce_async, allreduce_async_, broadcast, broadcast_,
+                                         broadcast_async, broadcast_async_, global_process_set,
+                                         poll, synchronize)
 # _SCRATCH_ELEMENTS: tests size their tensors by it (bytecomp.torch._SCRATCH_ELEMENTS).
-from bytecomp.torch._control import (_SCRATCH_ELEMENTS, NotInitializedError, barrier, init,  # noqa: F401
-                                     is_initialized, local_rank, local_size, node_rank,
-                                     num_nodes, rank, shutdown, size)
-from bytecomp.torch._optimizer import Average, DistributedOptimizer, Sum
+from bytecomp.torch._control import (_SCRATCH_ELEMENTS, MismatchError,  # noqa: F401
+                                     NotInitializedError, barrier, init, is_initialized,
+                                     local_rank, local_size, node_rank, num_nodes, rank,
+                                     shutdown, size)
+from bytecomp.torch._optimizer import DistributedOptimizer
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "node_rank", "num_nodes", "DistributedOptimizer", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "broadcast", "allreduce", "barrier",
-    "Average", "Sum", "NotInitializedError", "BytecompError",
+    "broadcast_optimizer_state", "broadcast_object", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "allgather", "allgather_async", "synchronize", "poll", "barrier",
+    "Average", "Sum", "Adasum", "Compression", "Compressor", "global_process_set",
+    "MismatchError", "NotInitializedError", "BytecompError",
 ]
 
 
