@@ -16,10 +16,12 @@
 How it maps onto the thin client (docs/torch.md):
 - `init()` joins a small *control job* ("<job>.ctl") with one scratch
   tensor (float64 on one node; float32 across nodes, the only dtype the
-  parameter servers sum); broadcasts, `allreduce()` and `barrier()` run
-  through it as sums. A broadcast is a sum in which every rank but the root
-  contributes zeros; its bytes travel as 16-bit digits (0..65535, exact in
-  either dtype), so every dtype arrives bit for bit.
+  parameter servers sum) and two broadcast tensors. allreduce() and the
+  agreement checks run through it as sums, exact in the input's dtype
+  (integers as 16-bit digits, float64 across nodes gathered and summed
+  locally); broadcasts copy raw bytes (the daemons' broadcast), so every
+  dtype arrives bit for bit. Every control-job call runs on one worker
+  thread in call order, so the *_async forms overlap the caller's work.
 - Each `DistributedOptimizer` joins its own job ("<job>.opt0", ".opt1", ...)
   declaring every parameter's gradient in parameter order (first declared =
   first needed by the next forward pass = highest priority). Gradients live
@@ -36,7 +38,9 @@ run on autograd's thread (the caller's thread for CPU tensors).
 # The implementation is split by job (the names below are the public API):
 #   _control.py    the control job: init/shutdown, rank/size, barrier, the
 #                  process's context and the exact sums the others run through
-#   _broadcast.py  broadcasts (tensors, objects, optimizer state), allreduce
+#   _broadcast.py  broadcasts (tensors, objects, optimizer state)
+#   _collectives.py Horovod's allreduce/allgather/broadcast (+ _ and _async
+#                  forms, handles, autograd), Average/Sum, Compression
 #   _optimizer.py  DistributedOptimizer
 
 from bytecomp._lib import BytecompError
