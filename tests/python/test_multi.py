@@ -50,7 +50,7 @@ class Multi(unittest.TestCase):
     def test_broadcast_of_different_tensors_raises_everywhere(self):
         rc, out = self.run_mode("mismatch", nproc=2, nodes=2)
         self.assertEqual(rc, 3, out)
-        msgs = re.findall(r"RAISED ValueError: (.*)", out)
+        msgs = re.findall(r"RAISED MismatchError: (.*)", out)
         self.assertEqual(len(msgs), 4, out)
         for m in msgs:
             self.assertIn("broadcast_parameters: the processes passed different tensors", m)

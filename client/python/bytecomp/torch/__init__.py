@@ -16,10 +16,12 @@
 How it maps onto the thin client (docs/torch.md):
 - `init()` joins a small *control job* ("<job>.ctl") with one scratch
   tensor (float64 on one node; float32 across nodes, the only dtype the
-  parameter servers sum); broadcasts, `allreduce()` and `barrier()` run
-  through it as sums. A broadcast is a sum in which every rank but the root
-  contributes zeros; its bytes travel as 16-bit digits (0..65535, exact in
-  either dtype), so every dtype arrives bit for bit.
+  parameter servers sum) and two broadcast tensors. allreduce() and the
+  agreement checks run through it as sums, exact in the input's dtype
+  (integers as 16-bit digits, float64 across nodes gathered and summed
+  locally); broadcasts copy raw bytes (the daemons' broadcast), so every
+  dtype arrives bit for bit. Every control-job call runs on one worker
+  thread in call order, so the *_async forms overlap the caller's work.
 - Each `DistributedOptimizer` joins its own job ("<job>.opt0", ".opt1", ...)
   declaring every parameter's gradient in parameter order (first declared =
   first needed by the next forward pass = highest priority). Gradients live
@@ -36,24 +38,35 @@ run on autograd's thread (the caller's thread for CPU tensors).
 # The implementation is split by job (the names below are the public API):
 #   _control.py    the control job: init/shutdown, rank/size, barrier, the
 #                  process's context and the exact sums the others run through
-#   _broadcast.py  broadcasts (tensors, objects, optimizer state), allreduce
+#   _broadcast.py  broadcasts (tensors, objects, optimizer state)
+#   _collectives.py Horovod's allreduce/allgather/broadcast (+ _ and _async
+#                  forms, handles, autograd), Average/Sum, Compression
 #   _optimizer.py  DistributedOptimizer
 
 from bytecomp._lib import BytecompError
 from bytecomp.torch import _control
-from bytecomp.torch._broadcast import (allreduce, broadcast, broadcast_object,
-                                       broadcast_optimizer_state, broadcast_parameters)
+from bytecomp.torch._broadcast import (broadcast_object, broadcast_optimizer_state,
+                                       broadcast_parameters)
+from bytecomp.torch._collectives import (Adasum, Average, Compression, Compressor, Sum,
+                                         allgather, allgather_async, allreduce, allreduce_,
+                                         allreduce_async, allreduce_async_, broadcast, broadcast_,
+                                         broadcast_async, broadcast_async_, global_process_set,
+                                         poll, synchronize)
 # _SCRATCH_ELEMENTS: tests size their tensors by it (bytecomp.torch._SCRATCH_ELEMENTS).
-from bytecomp.torch._control import (_SCRATCH_ELEMENTS, NotInitializedError, barrier, init,  # noqa: F401
-                                     is_initialized, local_rank, local_size, node_rank,
-                                     num_nodes, rank, shutdown, size)
-from bytecomp.torch._optimizer import Average, DistributedOptimizer, Sum
+from bytecomp.torch._control import (_SCRATCH_ELEMENTS, MismatchError,  # noqa: F401
+                                     NotInitializedError, barrier, init, is_initialized,
+                                     local_rank, local_size, node_rank, num_nodes, rank,
+                                     shutdown, size)
+from bytecomp.torch._optimizer import DistributedOptimizer
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "node_rank", "num_nodes", "DistributedOptimizer", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "broadcast", "allreduce", "barrier",
-    "Average", "Sum", "NotInitializedError", "BytecompError",
+    "broadcast_optimizer_state", "broadcast_object", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "allgather", "allgather_async", "synchronize", "poll", "barrier",
+    "Average", "Sum", "Adasum", "Compression", "Compressor", "global_process_set",
+    "MismatchError", "NotInitializedError", "BytecompError",
 ]
 
 

@@ -1,7 +1,7 @@
 """bytecomp.torch's broadcasts of tensors, objects and optimizer state (the
-daemons' broadcast operation: raw bytes from the root, no conversion) and
-allreduce of metrics (a sum through the control job). Internal: use them
-through bytecomp.torch."""
+daemons' broadcast operation: raw bytes from the root, no conversion).
+Internal: use them through bytecomp.torch (Horovod's tensor collectives are
+in _collectives.py)."""
 
 import pickle
 import struct
@@ -10,7 +10,7 @@ import zlib
 import torch
 
 from bytecomp import _lib
-from bytecomp.torch._control import _ctx_or_raise
+from bytecomp.torch._control import MismatchError, _ctx_or_raise
 
 _BROADCAST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                      torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -58,9 +58,7 @@ def _named_tensors(params, what):
 
 def _broadcast_tensors(c, named, root_rank, what):
     """Broadcasts the tensors in place from root_rank, bit for bit."""
-    if not isinstance(root_rank, int) or not 0 <= root_rank < c.settings.size:
-        raise ValueError("%s: root_rank=%r is not a rank (0..%d)" %
-                         (what, root_rank, c.settings.size - 1))
+    _check_root(c, root_rank, what)
     for name, t in named:
         if t.dtype not in _BROADCAST_DTYPES:
             raise TypeError("%s: cannot broadcast tensor %r of dtype %s" % (what, name, t.dtype))
@@ -72,13 +70,15 @@ def _broadcast_tensors(c, named, root_rank, what):
     is_root = c.settings.rank == root_rank
     data = torch.cat([_tensor_bytes(t) for _, t in named]) if is_root and named else \
         torch.empty(0, dtype=torch.uint8)
-    try:
-        data = c.broadcast_bytes(data, nbytes, root_rank, tag, what)
-    except ValueError as e:
-        raise ValueError(
-            "%s: the processes passed different tensors (names, shapes, dtypes or number of "
-            "elements differ; this rank passed %d elements): every rank must pass the same set "
-            "in the same order (%s)" % (what, count, e)) from None
+    # Compared through the exact sums first: the daemons would also refuse a
+    # disagreeing broadcast, but that breaks the control job, and Horovod's
+    # callers expect to go on after the error.
+    _check_broadcast(c, tag, nbytes, root_rank, what,
+                     "the processes passed different tensors (names, shapes, dtypes or number "
+                     "of elements differ, or another root rank; this rank passed %d elements "
+                     "from root rank %d): every rank must pass the same set in the same order" %
+                     (count, root_rank))
+    data = c.broadcast_bytes(data, nbytes, root_rank, tag, what)
     if not is_root:
         off = 0
         with torch.no_grad():
@@ -93,59 +93,55 @@ def _broadcast_tensors(c, named, root_rank, what):
                 off += k
 
 
+def _check_broadcast(c, tag, nbytes, root_rank, what, message):
+    try:
+        c.check_same(_tag(tag, root_rank), nbytes, what)
+    except MismatchError:
+        raise MismatchError("%s: %s" % (what, message)) from None
+
+
+def _check_root(c, root_rank, what):
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or \
+            not 0 <= root_rank < c.settings.size:
+        raise ValueError("%s: root_rank=%r is not a rank (0..%d)" %
+                         (what, root_rank, c.settings.size - 1))
+
+
 def broadcast_parameters(params, root_rank=0):
     """Copies root_rank's values into every process's tensors, in place.
     `params`: a state_dict (model.state_dict()), or an iterable of (name,
     tensor) pairs (model.named_parameters()) or of tensors. Every process
     must pass the same names, shapes and dtypes in the same order."""
     c = _ctx_or_raise("broadcast_parameters")
-    _broadcast_tensors(c, _named_tensors(params, "broadcast_parameters"), root_rank,
-                       "broadcast_parameters")
+    named = _named_tensors(params, "broadcast_parameters")
+    c.call(lambda: _broadcast_tensors(c, named, root_rank, "broadcast_parameters"))
 
 
-def broadcast(tensor, root_rank=0, name="tensor"):
-    """Broadcasts one tensor in place from root_rank and returns it."""
-    c = _ctx_or_raise("broadcast")
-    _broadcast_tensors(c, _named_tensors([(name, tensor)], "broadcast"), root_rank, "broadcast")
-    return tensor
-
-
-def allreduce(tensor, average=True, name="tensor"):
-    """Returns a new tensor holding the sum (average=True: mean) of `tensor`
-    over every process. Meant for metrics, not gradients (use
-    DistributedOptimizer for those); sums run in float64 on one node and in
-    float32 across nodes (the parameter servers sum float32)."""
-    c = _ctx_or_raise("allreduce")
-    named = _named_tensors([(name, tensor)], "allreduce")
-    if tensor.dtype not in _BROADCAST_DTYPES:
-        raise TypeError("allreduce: cannot sum a tensor of dtype %s" % tensor.dtype)
-    c.check_same(zlib.crc32(repr((tuple(tensor.shape), str(tensor.dtype))).encode()),
-                 tensor.numel(), "allreduce")
-    flat = tensor.detach().reshape(-1).to(c.dtype).clone()
-    c.sum_flat(flat, True, "allreduce")
-    if average:
-        flat /= c.settings.size
-    out_dtype = tensor.dtype if tensor.is_floating_point() else torch.float64
-    return flat.view(named[0][1].shape).to(out_dtype)
-
-
-def broadcast_object(obj, root_rank=0):
-    """Returns root_rank's `obj` (any picklable object) in every process."""
+def broadcast_object(obj, root_rank=0, name=None):
+    """Returns root_rank's `obj` (any picklable object) in every process.
+    `name` (Horovod's) must be the same on every rank; it names the call in
+    errors."""
     c = _ctx_or_raise("broadcast_object")
-    if not isinstance(root_rank, int) or not 0 <= root_rank < c.settings.size:
-        raise ValueError("broadcast_object: root_rank=%r is not a rank (0..%d)" %
-                         (root_rank, c.settings.size - 1))
+    what = "broadcast_object" if name is None else "broadcast_object(name=%r)" % (name,)
+    _check_root(c, root_rank, what)
+    return c.call(lambda: _broadcast_object(c, obj, root_rank, name, what))
+
+
+def _broadcast_object(c, obj, root_rank, name, what):
     is_root = c.settings.rank == root_rank
     data = pickle.dumps(obj) if is_root else b""
 
     def as_tensor(b):
         return torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else \
             torch.empty(0, dtype=torch.uint8)
+    _check_broadcast(c, _tag("broadcast_object", name), 8, root_rank, what,
+                     "the processes passed different names or root ranks (this rank: name=%r, "
+                     "root rank %d)" % (name, root_rank))
     length = c.broadcast_bytes(as_tensor(struct.pack("<Q", len(data))), 8, root_rank,
-                               _tag("broadcast_object"), "broadcast_object")
+                               _tag("broadcast_object", name), what)
     n = struct.unpack("<Q", length.numpy().tobytes())[0]
-    got = c.broadcast_bytes(as_tensor(data), n, root_rank, _tag("broadcast_object", n),
-                            "broadcast_object")
+    got = c.broadcast_bytes(as_tensor(data), n, root_rank, _tag("broadcast_object", name, n),
+                            what)
     if is_root:
         return obj
     return pickle.loads(got.numpy().tobytes())
@@ -206,7 +202,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
                                       torch.bfloat16, torch.int64, torch.int32, torch.int16,
                                       torch.int8, torch.uint8, torch.bool)}
         named = [("state[%d]" % s[1], torch.empty(s[2], dtype=dtypes[s[3]])) for s in specs]
-    _broadcast_tensors(c, named, root_rank, "broadcast_optimizer_state")
+    c.call(lambda: _broadcast_tensors(c, named, root_rank, "broadcast_optimizer_state"))
     if is_root:
         return
     by_index = {int(n[6:-1]): t for n, t in named}

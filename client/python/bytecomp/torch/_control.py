@@ -5,9 +5,12 @@ of metrics runs through, and the daemons' broadcast and barrier operations
 through. Internal: use it through bytecomp.torch."""
 
 import atexit
+import concurrent.futures
 import ctypes
 import threading
+import time
 
+import numpy as np
 import torch
 
 from bytecomp import _lib
@@ -43,12 +46,50 @@ class NotInitializedError(RuntimeError):
     """A bytecomp.torch call before init() or after shutdown()."""
 
 
+class MismatchError(_lib.InvalidArgumentError):
+    """The processes of the job passed different arguments to the same
+    collective call (names, shapes, dtypes, roots, ops). A RuntimeError, as
+    Horovod raises, and a ValueError, as this package raised before. Raised
+    on every rank; the job goes on (the next calls work)."""
+
+    def __init__(self, message):
+        super().__init__("BYTECOMP_ERR_INVALID_ARGUMENT", message)
+
+
+# The daemon's and the coordinator's refusal of a job id whose previous job
+# has not ended yet (daemon/daemon.cc, server/coordinator.cc).
+_STILL_RUNNING = "is already running"
+# Pauses between init()'s attempts to join while the previous job of the
+# same id is still ending: doubling from the first to the last (each refusal
+# is a warning in the daemon's log), bounded by BYTECOMP_START_TIMEOUT_MS.
+_REJOIN_PAUSE_S = (0.02, 0.32)
+
+
 def _shm_tensor(addr, nbytes, dtype, shape=None):
     """A torch tensor viewing shared memory at `addr` (no copy). The memory
     stays valid until the owning client is closed."""
     buf = (ctypes.c_char * nbytes).from_address(addr)
     t = torch.frombuffer(buf, dtype=dtype)
     return t.view(shape) if shape is not None else t
+
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _as_bytes(t):
+    """A tensor's bytes as a flat uint8 tensor (a copy)."""
+    return t.detach().contiguous().reshape(-1).clone().view(torch.uint8)
+
+
+def wait_future(fut):
+    """The result of a control-job Future. The call behind it is bounded
+    (each of its C waits by BYTECOMP_TIMEOUT_MS), so this ends; it waits in
+    slices so that Ctrl-C is seen."""
+    while True:
+        try:
+            return fut.result(timeout=_WAIT_SLICE_MS / 1000.0)
+        except concurrent.futures.TimeoutError:
+            continue
 
 
 def _wait(client, handle, timeout_ms, what, *what_args):
@@ -86,6 +127,11 @@ class _Context:
         self.optimizers = []
         self.next_optimizer = 0
         self.failed = False
+        # The worker thread every collective of the control job runs on (see
+        # submit()); created on first use.
+        self._executor = None
+        self._executor_lock = threading.Lock()
+        self._worker = None
         ctl = _lib.Client(settings.job_id + ".ctl", settings.local_rank, settings.local_size,
                           settings.node_rank, settings.num_nodes, settings.socket_path,
                           connect_timeout_ms=min(settings.timeout_ms, 60000))
@@ -199,9 +245,9 @@ class _Context:
         except BytecompError as e:
             self.failed = True  # no exit barrier: the job is broken
             if _DISAGREE in e.message:
-                raise ValueError("%s: the processes passed different arguments (this rank "
-                                 "passed %d bytes from root rank %d): %s" %
-                                 (what, count, root_rank, e.message)) from None
+                raise MismatchError("%s: the processes passed different arguments (this rank "
+                                    "passed %d bytes from root rank %d): %s" %
+                                    (what, count, root_rank, e.message)) from None
             raise
         return out
 
@@ -227,15 +273,129 @@ class _Context:
         self.sum_flat(flat, True, what)
         ok = torch.equal(flat, mine * self.settings.size)
         if not ok:
-            raise ValueError(
+            raise MismatchError(
                 "%s: the processes passed different tensors (names, shapes, dtypes or number "
                 "of elements differ; this rank passed %d elements): every rank must pass the "
                 "same set in the same order" % (what, count))
+
+    # -- order of the collectives ------------------------------------------
+    def submit(self, fn):
+        """Runs fn() on this context's one worker thread after every call
+        submitted before it and returns its Future. Every collective of the
+        control job runs there (the synchronous ones wait for it), so each
+        rank issues them in the order its program called them, also while
+        async calls are pending (ranks issuing them in different orders
+        would sum different tensors together). A call made on the worker
+        itself (a collective built from others) runs at once."""
+        if threading.current_thread() is self._worker:
+            f = concurrent.futures.Future()
+            try:
+                f.set_result(fn())
+            except BaseException as e:  # handed to the caller through the Future
+                f.set_exception(e)
+            return f
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="bytecomp-ctl", initializer=self._mark_worker)
+            return self._executor.submit(fn)
+
+    def _mark_worker(self):
+        self._worker = threading.current_thread()
+
+    def call(self, fn):
+        """submit(fn) and its result (or its exception)."""
+        return wait_future(self.submit(fn))
+
+    def stop_worker(self):
+        """Lets queued calls finish (each is bounded by BYTECOMP_TIMEOUT_MS
+        per wait) and ends the worker thread."""
+        with self._executor_lock:
+            ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True)
+
+    # -- exact sums in the tensor's own dtype --------------------------------
+    def sum_exact(self, flat, what):
+        """A new 1-D tensor of flat's dtype: the sum of `flat` over every
+        process, exact in that dtype (integers wrap as in their own type):
+        integers travel as digits whose sums are exact in the scratch dtype
+        (the parameter servers sum float32 only), float64 across nodes is
+        gathered and summed here in rank order (float32 would round it),
+        other floats are summed in the scratch dtype (at least their own
+        precision) and rounded once."""
+        dt = flat.dtype
+        if dt in _INT_DTYPES:
+            return self._sum_integers(flat, what).to(dt)
+        if dt == torch.float64 and self.dtype != torch.float64:
+            parts = self.gather_bytes(_as_bytes(flat), what)
+            out = parts[0].view(torch.float64).clone()
+            for p in parts[1:]:
+                out += p.view(torch.float64)
+            return out
+        work = flat.to(self.dtype, copy=True)
+        self.sum_flat(work, True, what)
+        return work.to(dt)
+
+    def _digit_bits(self, what):
+        n = self.settings.size
+        mantissa = 53 if self.dtype == torch.float64 else 24
+        for bits in (16, 8):
+            if n * ((1 << bits) - 1) < (1 << mantissa):
+                return bits
+        raise _lib.UnsupportedError(
+            "BYTECOMP_ERR_UNSUPPORTED",
+            "%s: an exact integer sum over %d processes needs sums of 8-bit digits above "
+            "2**%d, which the %s control tensor cannot hold" % (what, n, mantissa, self.dtype))
+
+    def _sum_integers(self, flat, what):
+        """The int64 sum (mod 2**64) of an integer tensor: its two's-complement
+        bits cut into digits of 16 (or 8) bits, each digit summed as a float
+        (exact: every partial sum is an integer below 2**24, in any order, on
+        any path), then recombined with carries in uint64 (numpy's unsigned
+        arithmetic wraps by definition, as int64 sums do in Horovod). Only
+        the digits that reach the dtype's width travel."""
+        bits = self._digit_bits(what)
+        width = torch.empty(0, dtype=flat.dtype).element_size() * 8
+        k = (width + bits - 1) // bits
+        n = flat.numel()
+        v = flat.to(torch.int64).contiguous().numpy().view(np.uint64)
+        mask = np.uint64((1 << bits) - 1)
+        digits = np.empty((k, n), dtype=np.float64)
+        for j in range(k):
+            digits[j] = (v >> np.uint64(bits * j)) & mask
+        work = torch.from_numpy(digits.reshape(-1)).to(self.dtype)
+        self.sum_flat(work, True, what)
+        sums = work.to(torch.float64).numpy().reshape(k, n).astype(np.uint64)
+        out = np.zeros(n, dtype=np.uint64)
+        for j in range(k):
+            out += sums[j] << np.uint64(bits * j)
+        return torch.from_numpy(out.view(np.int64))
+
+    def gather_bytes(self, data, what):
+        """Every rank's bytes (a flat uint8 tensor, any length per rank), as
+        a list in rank order, on every rank: the lengths through an exact
+        integer sum (each rank fills its own slot), then one broadcast from
+        each rank."""
+        n = self.settings.size
+        lengths = torch.zeros(n, dtype=torch.int64)
+        lengths[self.settings.rank] = data.numel()
+        lengths = self._sum_integers(lengths, what)
+        parts = []
+        for r in range(n):
+            count = int(lengths[r])
+            got = self.broadcast_bytes(data if r == self.settings.rank else None, count, r,
+                                       count, what)
+            parts.append(got.clone() if r == self.settings.rank else got)
+        return parts
 
 
 _ctx = None
 _ctx_lock = threading.Lock()
 _hooks_installed = []
+# Called by shutdown() once the control job is closed (async handles die
+# with it: _collectives registers its cleanup here).
+_on_shutdown = []
 
 
 def _ctx_or_raise(call):
@@ -255,10 +415,32 @@ def init():
         if _ctx is not None:
             return
         settings = Settings.from_environ()
-        _ctx = _Context(settings)
+        _ctx = _join(settings)
         if not _hooks_installed:
             _hooks_installed.append(True)
             atexit.register(shutdown)
+
+
+def _join(settings):
+    """The context of a new control job. After shutdown() on this rank, a
+    peer may still be leaving the previous job of the same id (its daemon,
+    or the coordinator, still lists it): Horovod's `shutdown(); init()`
+    works, so wait for it to end, within BYTECOMP_START_TIMEOUT_MS, instead
+    of failing at once."""
+    deadline = time.monotonic() + settings.start_timeout_ms / 1000.0
+    pause = _REJOIN_PAUSE_S[0]
+    while True:
+        try:
+            return _Context(settings)
+        except _lib.BytecompError as e:
+            if _STILL_RUNNING not in e.message or time.monotonic() >= deadline:
+                if _STILL_RUNNING in e.message:
+                    raise type(e)(e.status, "%s (init() waited BYTECOMP_START_TIMEOUT_MS=%d ms "
+                                  "for it to end)" % (e.message, settings.start_timeout_ms)) \
+                        from None
+                raise
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, _REJOIN_PAUSE_S[1])
 
 
 def is_initialized():
@@ -303,9 +485,10 @@ def shutdown(barrier=False):
         c = _ctx
         if c is None:
             return
+        c.stop_worker()
         if barrier and not c.failed:
             try:
-                _barrier(c)
+                c.barrier("shutdown")  # here, not on the worker: at exit it is gone
             except BytecompError:
                 pass  # the job already ended (a peer failed): just leave
         for opt in list(c.optimizers):
@@ -315,10 +498,12 @@ def shutdown(barrier=False):
         c.bcast = []
         c.ctl.close()
         _ctx = None
+        for fn in _on_shutdown:
+            fn()
 
 
 def _barrier(c):
-    c.barrier("barrier")
+    c.call(lambda: c.barrier("barrier"))
 
 
 def barrier():

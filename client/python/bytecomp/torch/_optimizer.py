@@ -2,23 +2,25 @@
 gradients live in shared memory and are pushed from autograd hooks.
 Internal: use it through bytecomp.torch."""
 
+import contextlib
+
 import torch
+import yaml
 
 from bytecomp import _lib
 from bytecomp._lib import BytecompError, StateError
 from bytecomp import strategy as _strategy
+from bytecomp.torch._collectives import (Average, Compression, Compressor, Sum,
+                                         _check_process_set, global_process_set)
 from bytecomp.torch._control import (_ELEMENT_BYTES, _TORCH_TO_C, NotInitializedError,
                                      _ctx_or_raise, _shm_tensor, _wait)
-
-Average = "average"
-Sum = "sum"
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's class by DistributedOptimizer()."""
 
     def __init__(self, params, named_parameters, strategy, backward_passes_per_step, op,
-                 original, compressors=None, exclude=None):
+                 original, compressors=None, exclude=None, predivide=1.0):
         super(self.__class__, self).__init__(params)
         if original.state:
             self.load_state_dict(original.state_dict())
@@ -29,8 +31,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError("DistributedOptimizer: backward_passes_per_step=%r must be an "
                              "integer >= 1" % (backward_passes_per_step,))
+        if predivide != 1.0 and op != Average:
+            raise ValueError("DistributedOptimizer: gradient_predivide_factor=%r goes with "
+                             "op=Average (op is %r)" % (predivide, op))
+        if not predivide > 0:
+            raise ValueError("DistributedOptimizer: gradient_predivide_factor=%r must be > 0" %
+                             (predivide,))
         self._bc_ctx = c
         self._bc_op = op
+        self._bc_predivide = float(predivide)
+        self._bc_skip_sync = False
         self._bc_passes = backward_passes_per_step
         self._bc_timeout_ms = c.settings.timeout_ms
         self._bc_params = self._bytecomp_names(named_parameters)
@@ -142,11 +152,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_client = client
         self._bc_hooks = []
         for slot in self._bc_slots:
-            # The gradient accumulator of a leaf runs after autograd has added
-            # this backward's gradient into p.grad: the moment it is ready.
+            hook = self._bytecomp_hook(slot)
+            if hasattr(slot.param, "register_post_accumulate_grad_hook"):
+                # PyTorch >= 2.1: the public hook, run once autograd has added
+                # this backward's gradient into p.grad.
+                self._bc_hooks.append(slot.param.register_post_accumulate_grad_hook(hook))
+                continue
+            # PyTorch 1.x: the gradient accumulator of a leaf runs at the same
+            # moment; reached through a view's grad_fn (Horovod's way).
             with torch.enable_grad():  # the optimizer may be built under no_grad()
                 acc = slot.param.expand_as(slot.param).grad_fn.next_functions[0][0]
-            acc.register_hook(self._bytecomp_hook(slot))
+            acc.register_hook(hook)
             self._bc_hooks.append(acc)  # keep the accumulator alive
 
     def _bytecomp_hook(self, slot):
@@ -176,6 +192,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     slot.buf.copy_(p.grad)
             p.grad = slot.buf
+        if self._bc_predivide != 1.0:
+            with torch.no_grad():
+                slot.buf.mul_(1.0 / self._bc_predivide)
         try:
             slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration)
         except BytecompError as e:
@@ -212,12 +231,38 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             slot.passes = 0
         self._bc_iteration += 1
         self._bc_synced = True
-        if self._bc_op == Average and self._bc_ctx.settings.size > 1:
-            bufs = [s.buf for s in self._bc_slots]
+        scale = 1.0
+        if self._bc_op == Average:
+            scale = self._bc_predivide / self._bc_ctx.settings.size
+        if scale != 1.0:
             with torch.no_grad():
-                torch._foreach_mul_(bufs, 1.0 / self._bc_ctx.settings.size)
+                for s in self._bc_slots:
+                    s.buf.mul_(scale)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's: step() inside this block does not synchronize; call
+        synchronize() before it (e.g. to clip the summed gradients):
+
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                opt.step()
+        """
+        self._bc_skip_sync = True
+        try:
+            yield
+        finally:
+            self._bc_skip_sync = False
 
     def step(self, closure=None):
+        if self._bc_skip_sync and not self._bc_synced and self._bc_client is not None:
+            # Stepping on this rank's own gradients would let the ranks'
+            # parameters drift apart silently.
+            raise StateError(
+                "BYTECOMP_ERR_STATE",
+                "step() inside skip_synchronize() without synchronize() since the last "
+                "step(): call optimizer.synchronize() first (the gradients are not summed)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -255,6 +300,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     s.param.grad = s.buf.clone()
                 s.buf = None
         self._bc_slots = []
+        for h in self._bc_hooks:
+            if hasattr(h, "remove"):  # post-accumulate hook handles (PyTorch >= 2.1)
+                h.remove()
         self._bc_hooks = []
         client.close()
 
@@ -271,8 +319,26 @@ class _Slot:
         self.passes = 0
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
-                         backward_passes_per_step=1, op=Average, compressors=None, exclude=None):
+def _compression_strategy(compression):
+    """Horovod's compression= as this job's own strategy: every gradient
+    through the daemons' compressor of the same kind."""
+    kind = getattr(compression, "strategy_compressor", None)
+    if kind is None:
+        raise ValueError("DistributedOptimizer: compression=%r: supported are "
+                         "bytecomp.torch.Compression.none and .fp16 (other compressors: "
+                         "strategy=FILE or strategy='auto', docs/strategy-format.md)" %
+                         (compression,))
+    if kind == "none":
+        return None
+    doc = {"version": 1, "default": {"compressor": kind}}
+    return _strategy.Strategy("<compression=%s>" % kind, yaml.safe_dump(doc), doc)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set, strategy=None, compressors=None,
+                         exclude=None):
     """Wraps `optimizer` so gradients are summed over every process of the
     job (and averaged, op=Average) before each step.
 
@@ -290,6 +356,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
         nothing; tensors matching an `exclude` glob (e.g. ["conv1.*",
         "fc.*"]) stay uncompressed.
     backward_passes_per_step: backward passes accumulated locally per step.
+    compression, op, gradient_predivide_factor: Horovod's (Compression.none
+        or .fp16, the daemons' fp16 compressor on every gradient; Average or
+        Sum). The third positional argument is Horovod's compression; a path
+        there (this package's older signature) is taken as strategy.
+    num_groups, groups, sparse_as_dense, process_set: Horovod's; only their
+        defaults (the daemons group and schedule tensors themselves).
 
     The result is an instance of the optimizer's own class (isinstance and LR
     schedulers keep working)."""
@@ -299,7 +371,29 @@ def DistributedOptimizer(optimizer, named_parameters=None, strategy=None,
                         type(optimizer).__name__)
     if hasattr(optimizer, "_bc_job"):
         raise ValueError("DistributedOptimizer: the optimizer is already distributed")
+    _check_process_set("DistributedOptimizer", process_set)
+    if num_groups or groups is not None or sparse_as_dense:
+        raise ValueError("DistributedOptimizer: num_groups, groups and sparse_as_dense are not "
+                         "supported (the daemons group and schedule tensors themselves; "
+                         "gradients are dense); leave them at their defaults")
+    if compression is None or isinstance(compression, (str, _strategy.Strategy)) or \
+            hasattr(compression, "__fspath__"):
+        # The older signature's third positional argument: strategy.
+        if strategy is not None and compression is not None:
+            raise ValueError("DistributedOptimizer: strategy given twice (%r and %r)" %
+                             (compression, strategy))
+        strategy, compression = compression if strategy is None else strategy, Compression.none
+    elif isinstance(compression, type) and issubclass(compression, Compressor) or \
+            isinstance(compression, Compressor):
+        from_compression = _compression_strategy(compression)
+        if from_compression is not None:
+            if strategy is not None:
+                raise ValueError("DistributedOptimizer: pass compression= or strategy=, not "
+                                 "both (compression=%r, strategy=%r)" % (compression, strategy))
+            strategy = from_compression
+    else:
+        _compression_strategy(compression)  # raises with the accepted values
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, strategy, backward_passes_per_step,
-               op, optimizer, compressors, exclude)
+               op, optimizer, compressors, exclude, gradient_predivide_factor)
