@@ -22,21 +22,6 @@ namespace {
 constexpr auto kIdleWait = std::chrono::milliseconds(200);
 }  // namespace
 
-namespace {
-
-// An arrival of the engine's own collectives names its tensor, iteration and
-// byte range like a path's partition.
-Task collective_task(uint32_t tensor, uint64_t iteration, uint64_t begin, uint64_t end) {
-  Task t;
-  t.tensor = tensor;
-  t.iteration = iteration;
-  t.begin = begin;
-  t.end = end;
-  return t;
-}
-
-}  // namespace
-
 void Inbox::ring() {
   if (doorbell_ == nullptr) return;
   try {
@@ -130,9 +115,12 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
         layout_.ring_capacity);
   }
   for (Round& r : rounds_) r.from.assign(layout_.local_size, false);
-  bcasts_.resize(tensors_.size());
-  for (CollRound& c : bcasts_) c.from.assign(layout_.local_size, false);
-  barrier_.from.assign(layout_.local_size, false);
+  collectives_ = std::make_unique<Collectives>(CollectiveContext{
+      &tensors_, layout_.local_size, node_rank_, inbox_, keep_mapped_,
+      [this](uint32_t t, std::vector<char*>& out) { buffers_of(t, out); },
+      [this](uint32_t t, uint64_t it) { return notify_ranks(t, it); },
+      [this](ErrorCode code, const std::string& why) { fail(code, why); },
+      [this](uint32_t t) { return rounds_[t].arrived > 0; }});
   phase_timestamps_ = tunables.phase_timestamps.load();
   if (!join_) {
     // Multi-node paths open on the engine thread, after the join.
@@ -390,6 +378,7 @@ bool Engine::open_paths() {
     path_of_[t] = peer_path_ && peer_path_->runs(t) ? static_cast<ExecutionPath*>(peer_path_.get())
                                                      : ps_path_.get();
   }
+  collectives_->joined(ps_, partition_bytes_);
   if (on_joined_) on_joined_(*this, ps_, partition_bytes_);
   return true;
 }
@@ -415,7 +404,7 @@ void Engine::loop() {
       }
       adopt_pending();
       release_held();
-      if (!drain() || !drain_collectives() || !check_left()) break;
+      if (!drain() || !collectives_->drain() || !check_left()) break;
       while (!stop_.load()) {
         if (ps_ && !process_arrivals()) return;
         if (sched_.empty()) break;
@@ -480,18 +469,7 @@ bool Engine::drain() {
 bool Engine::check_left() {
   for (uint32_t r = 0; r < layout_.local_size; ++r) {
     if (!left_[r].load()) continue;
-    for (size_t t = 0; t <= bcasts_.size(); ++t) {
-      const CollRound& c = t < bcasts_.size() ? bcasts_[t] : barrier_;
-      const std::string what =
-          t < bcasts_.size() ? "the broadcast of tensor '" + tensors_[t].name + "'" : "the barrier";
-      if (c.from[r] || (c.arrived > 0 && !c.running)) {
-        fail(ErrorCode::kAborted,
-             "local rank " + std::to_string(r) + " closed the job while " + what +
-                 " (iteration " + std::to_string(c.first.iteration) + ") " +
-                 (c.from[r] ? "it had entered was still in flight" : "still waited for it"));
-        return false;
-      }
-    }
+    if (!collectives_->check_left(r)) return false;
     for (size_t t = 0; t < rounds_.size(); ++t) {
       // Closing with its own push_pull unfinished: the caller abandoned work
       // the others share (its buffer would be summed after it let go of it).
@@ -515,6 +493,14 @@ bool Engine::check_left() {
     }
   }
   return true;
+}
+
+void Engine::submit_collective(uint32_t rank, const ipc::Collective& c) {
+  collectives_->submit(rank, c);
+  try {
+    header_->doorbell.post();
+  } catch (...) {
+  }
 }
 
 void Engine::buffers_of(uint32_t tensor, std::vector<char*>& out) const {
@@ -558,7 +544,7 @@ bool Engine::process_arrivals() {
   for (Inbox::Arrival& a : arrived) {
     if (a.kind == Inbox::Arrival::Kind::kPath) {
       paths.push_back(std::move(a));
-    } else if (!finish_collective(a)) {
+    } else if (!collectives_->finish(a)) {
       return false;
     }
   }
@@ -600,208 +586,6 @@ bool Engine::process_arrivals() {
   return true;
 }
 
-void Engine::submit_collective(uint32_t rank, const ipc::Collective& c) {
-  {
-    std::lock_guard lock(pending_mu_);
-    pending_coll_.emplace_back(rank, c);
-  }
-  try {
-    header_->doorbell.post();
-  } catch (...) {
-  }
-}
-
-namespace {
-
-std::string describe(const ipc::Collective& c) {
-  char tag[24];
-  std::snprintf(tag, sizeof tag, "0x%llx", static_cast<unsigned long long>(c.tag));
-  return "root rank " + std::to_string(c.root) + ", " + std::to_string(c.nbytes) + " bytes, tag " +
-         tag + ", iteration " + std::to_string(c.iteration);
-}
-
-}  // namespace
-
-bool Engine::drain_collectives() {
-  std::vector<std::pair<uint32_t, ipc::Collective>> got;
-  {
-    std::lock_guard lock(pending_mu_);
-    got.swap(pending_coll_);
-  }
-  const uint64_t size = uint64_t{layout_.local_size} * (ps_ ? ps_->info().nodes.size() : 1);
-  for (auto& [r, op] : got) {
-    const std::string who = "local rank " + std::to_string(r);
-    const bool barrier = op.op == ipc::CollectiveOp::kBarrier;
-    std::string what = "the barrier";
-    if (!barrier) {
-      if (op.tensor >= tensors_.size()) {
-        fail(ErrorCode::kInvalidArgument, who + " broadcast tensor id " + std::to_string(op.tensor) +
-                                              " but only " + std::to_string(tensors_.size()) +
-                                              " were declared");
-        return false;
-      }
-      what = "the broadcast of tensor '" + tensors_[op.tensor].name + "'";
-      if (op.nbytes > tensors_[op.tensor].bytes) {
-        fail(ErrorCode::kInvalidArgument,
-             who + ": " + what + " of " + std::to_string(op.nbytes) +
-                 " bytes exceeds the tensor's " + std::to_string(tensors_[op.tensor].bytes));
-        return false;
-      }
-      if (op.root >= size) {
-        fail(ErrorCode::kInvalidArgument, who + ": " + what + " names root rank " +
-                                              std::to_string(op.root) + ", the job has ranks 0.." +
-                                              std::to_string(size - 1));
-        return false;
-      }
-      if (rounds_[op.tensor].arrived > 0) {
-        fail(ErrorCode::kInvalidArgument,
-             who + ": " + what + " while a push_pull of it is in flight");
-        return false;
-      }
-    }
-    CollRound& c = coll_of(op.tensor);
-    if (c.running || c.from[r]) {
-      fail(ErrorCode::kInvalidArgument, who + " entered " + what + " (iteration " +
-                                            std::to_string(op.iteration) +
-                                            ") again before its previous one finished");
-      return false;
-    }
-    if (static_cast<int64_t>(op.iteration) <= c.last_done) {
-      fail(ErrorCode::kInvalidArgument, who + ": " + what + " of iteration " +
-                                            std::to_string(op.iteration) +
-                                            ", not after the last finished one (" +
-                                            std::to_string(c.last_done) + ")");
-      return false;
-    }
-    if (c.arrived == 0) {
-      c.first = op;
-      c.first_rank = r;
-    } else if (op.iteration != c.first.iteration || op.root != c.first.root ||
-               op.nbytes != c.first.nbytes || op.tag != c.first.tag) {
-      fail(ErrorCode::kInvalidArgument,
-           "the ranks disagree on " + what + ": " + who + " passed " + describe(op) +
-               ", local rank " + std::to_string(c.first_rank) + " passed " + describe(c.first) +
-               " (every rank must make the same call)");
-      return false;
-    }
-    c.from[r] = true;
-    if (++c.arrived == layout_.local_size) {
-      c.running = true;
-      if (!begin_collective(c)) return false;
-    }
-  }
-  return true;
-}
-
-bool Engine::begin_collective(CollRound& c) {
-  const ipc::Collective& op = c.first;
-  std::weak_ptr<Inbox> inbox = inbox_;
-  if (op.op == ipc::CollectiveOp::kBarrier) {
-    if (!ps_) {
-      complete_collective(c);
-      return true;
-    }
-    c.parts_left = 1;
-    const uint64_t it = op.iteration;
-    ps_->barrier(
-        [inbox, it](const Status& s) {
-          if (auto i = inbox.lock())
-            i->deliver({collective_task(ipc::kBarrierTensor, it, 0, 0), s, {}, 0,
-                        Inbox::Arrival::Kind::kBarrier});
-        },
-        server::Millis{0});
-    return true;
-  }
-  const uint32_t t = op.tensor;
-  std::vector<char*> bufs;
-  buffers_of(t, bufs);
-  const uint32_t root_node = op.root / layout_.local_size;
-  const uint32_t root_local = op.root % layout_.local_size;
-  const bool here = root_node == node_rank_;
-  if (!ps_) {
-    for (uint32_t r = 0; r < layout_.local_size; ++r)
-      if (r != root_local && op.nbytes > 0) std::memcpy(bufs[r], bufs[root_local], op.nbytes);
-    complete_collective(c);
-    return true;
-  }
-  // Cut at the tensor's partitions, each to the server that owns it, so the
-  // bytes fan out through every server at once; partition 0 always goes
-  // (also for 0 bytes): every node's agreement is checked there.
-  const uint64_t pb = partition_bytes_;
-  const uint64_t parts = std::max<uint64_t>(1, (op.nbytes + pb - 1) / pb);
-  c.parts_left = parts;
-  for (uint64_t p = 0; p < parts; ++p) {
-    const uint64_t key = strategy::partition_key(t, static_cast<uint32_t>(p));
-    if (ps_->info().assignment.find(key) == nullptr) {
-      fail(ErrorCode::kInvalidArgument,
-           "the broadcast of tensor '" + tensors_[t].name + "' needs its partitions on the "
-           "parameter servers, but its strategy places it elsewhere (give it placement ps)");
-      return false;
-    }
-    const uint64_t begin = p * pb;
-    const uint64_t end = std::min(op.nbytes, begin + pb);
-    transport::Buffer data;
-    if (here && end > begin) {
-      const char* src = bufs[root_local] + begin;
-      // Zero-copy as PsPath's pushes: the root's buffer is next written by
-      // its client after this broadcast completed, which waits for the
-      // server's answer, i.e. for every byte to have left.
-      data = keep_mapped_ ? transport::Buffer::wrap(src, end - begin, [keep = keep_mapped_] {})
-                          : transport::Buffer::copy_of(src, end - begin);
-    }
-    const uint64_t it = op.iteration;
-    ps_->broadcast(key, it, op.root, op.nbytes, op.tag, here, std::move(data),
-                   [inbox, t, it, begin, end](const Status& s, transport::Buffer result) {
-                     if (auto i = inbox.lock())
-                       i->deliver({collective_task(t, it, begin, end), s, std::move(result), 0,
-                                   Inbox::Arrival::Kind::kBroadcast});
-                   });
-  }
-  return true;
-}
-
-bool Engine::finish_collective(const Inbox::Arrival& a) {
-  const bool barrier = a.kind == Inbox::Arrival::Kind::kBarrier;
-  if (!barrier && a.task.tensor >= bcasts_.size()) {
-    fail(ErrorCode::kInternal, "broadcast answer for unknown tensor " + std::to_string(a.task.tensor));
-    return false;
-  }
-  CollRound& c = coll_of(barrier ? ipc::kBarrierTensor : a.task.tensor);
-  const std::string what =
-      barrier ? "the barrier" : "the broadcast of tensor '" + tensors_[a.task.tensor].name + "'";
-  if (!c.running || c.first.iteration != a.task.iteration || c.parts_left == 0) {
-    fail(ErrorCode::kInternal, "an answer for " + what + " (iteration " +
-                                   std::to_string(a.task.iteration) + ") that is not running");
-    return false;
-  }
-  if (!a.status.ok()) {
-    fail(a.status.code() == ErrorCode::kOk ? ErrorCode::kAborted : a.status.code(),
-         what + " (iteration " + std::to_string(a.task.iteration) + ") failed: " + a.status.message());
-    return false;
-  }
-  if (!barrier && a.task.end > a.task.begin) {
-    std::vector<char*> bufs;
-    buffers_of(a.task.tensor, bufs);
-    const uint32_t root_node = c.first.root / layout_.local_size;
-    const uint32_t root_local = c.first.root % layout_.local_size;
-    const uint64_t n = a.task.end - a.task.begin;
-    const char* src = nullptr;
-    if (root_node == node_rank_) {
-      src = bufs[root_local] + a.task.begin;
-    } else if (a.result.size() != n) {
-      fail(ErrorCode::kMalformed, what + ": a server answered " + std::to_string(a.result.size()) +
-                                      " bytes for a partition of " + std::to_string(n));
-      return false;
-    } else {
-      src = reinterpret_cast<const char*>(a.result.data());
-    }
-    for (uint32_t r = 0; r < layout_.local_size; ++r)
-      if (bufs[r] + a.task.begin != src) std::memcpy(bufs[r] + a.task.begin, src, n);
-  }
-  if (--c.parts_left == 0) complete_collective(c);
-  return true;
-}
-
 bool Engine::notify_ranks(uint32_t tensor, uint64_t iteration) {
   for (uint32_t r = 0; r < layout_.local_size; ++r) {
     if (!complete_[r].push({tensor, 0, iteration})) {
@@ -818,15 +602,6 @@ bool Engine::notify_ranks(uint32_t tensor, uint64_t iteration) {
     }
   }
   return true;
-}
-
-void Engine::complete_collective(CollRound& c) {
-  if (!notify_ranks(c.first.tensor, c.first.iteration)) return;
-  c.last_done = static_cast<int64_t>(c.first.iteration);
-  c.arrived = 0;
-  c.running = false;
-  c.parts_left = 0;
-  std::fill(c.from.begin(), c.from.end(), false);
 }
 
 void Engine::complete(uint32_t tensor) {

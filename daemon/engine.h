@@ -69,6 +69,7 @@
 #include "common/error.h"
 #include "common/thread_pool.h"
 #include "daemon/config.h"
+#include "daemon/engine_collectives.h"
 #include "daemon/engine_path.h"
 #include "daemon/engine_peer.h"
 #include "daemon/engine_phases.h"
@@ -182,27 +183,7 @@ class Engine {
     size_t partitions_left = 0;
   };
 
-  // A broadcast (per tensor) or the barrier, as the local ranks join it.
-  struct CollRound {
-    ipc::Collective first;  // the first rank's, which the others must equal
-    uint32_t first_rank = 0;
-    uint32_t arrived = 0;
-    bool running = false;
-    int64_t last_done = -1;
-    std::vector<bool> from;
-    size_t parts_left = 0;
-  };
-
   void loop();
-  // The queued collectives; false after failing the job.
-  bool drain_collectives();
-  // Every local rank joined: copies, or sends to the servers/coordinator.
-  bool begin_collective(CollRound& c);
-  bool finish_collective(const Inbox::Arrival& a);
-  void complete_collective(CollRound& c);
-  CollRound& coll_of(uint32_t tensor) {
-    return tensor == ipc::kBarrierTensor ? barrier_ : bcasts_[tensor];
-  }
   // Multi-node: the join and the ps/peer paths; false after failing the job.
   bool open_paths();
   void adopt_pending();
@@ -240,10 +221,6 @@ class Engine {
   std::vector<ipc::Ring> submit_;
   std::vector<ipc::Ring> complete_;
   std::vector<Round> rounds_;
-  std::vector<CollRound> bcasts_;  // per tensor
-  CollRound barrier_;
-  // From submit_collective(), guarded by pending_mu_.
-  std::vector<std::pair<uint32_t, ipc::Collective>> pending_coll_;
   std::unique_ptr<std::atomic<bool>[]> left_;
   uint32_t node_rank_;
   uint64_t partition_bytes_;
@@ -286,6 +263,8 @@ class Engine {
   std::unique_ptr<LocalPath> local_;
   std::unique_ptr<PsPath> ps_path_;
   std::unique_ptr<PeerPath> peer_path_;
+  // Broadcast and barrier, beside the paths.
+  std::unique_ptr<Collectives> collectives_;
   std::vector<ExecutionPath*> path_of_;
   // gauges(): written by the engine thread.
   std::atomic<uint64_t> queued_pub_{0};
