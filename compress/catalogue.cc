@@ -24,6 +24,14 @@ std::unique_ptr<Compressor> with_ef(CompressorSpec s, std::unique_ptr<Base> inne
   if (v["ef"] != 0) return detail::make_feedback(std::move(s), std::move(inner), v["ef_beta"]);
   return inner;
 }
+// A server's recompressor: error feedback by the server's own setting, not
+// by the nodes' "ef"; ef_beta as the nodes have it where there is one.
+std::unique_ptr<Compressor> with_server_ef(CompressorSpec s, std::unique_ptr<Base> inner,
+                                           const ParamValues& v, bool ef) {
+  if (!ef) return inner;
+  const double beta = v.v.count("ef_beta") ? v["ef_beta"] : 1.0;
+  return detail::make_feedback(std::move(s), std::move(inner), beta);
+}
 
 // Wire-size models (compress/internal.h has the layout: a 32-byte header,
 // parameters padded to 8 bytes, the payload).
@@ -76,23 +84,37 @@ const ParamDef* CatalogueEntry::find_param(std::string_view param) const {
 
 const std::vector<CatalogueEntry>& catalogue() {
   //  name, help, params, additive, builtin_feedback, deterministic_size,
-  //  cpu, cuda, wire_bytes, bytes_per_element, build
+  //  cpu, cuda, wire_bytes, bytes_per_element, build, build_for_sum
+  //  (dgc's builtin_feedback: its local accumulation v is what error
+  //  feedback keeps, the residual of what was not sent)
   static const std::vector<CatalogueEntry> c = {
       {"fp16", "cast to IEEE half precision (round to nearest even)", {kEfOff, kEfBeta}, true,
        false, true, true, true, half_bytes, half_slope,
-       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_fp16(s), v); }},
+       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_fp16(s), v); },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_fp16(s), v, ef);
+       }},
       {"bf16", "cast to bfloat16 (round to nearest even)", {kEfOff, kEfBeta}, true, false, true,
        true, true, half_bytes, half_slope,
-       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_bf16(s), v); }},
+       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_bf16(s), v); },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_bf16(s), v, ef);
+       }},
       {"randomk", "k random elements, indices from a seed shared by all workers (none sent)",
        {kRatio, kEfOn, kEfBeta}, true, false, true, true, true, randomk_bytes, randomk_slope,
        [](CompressorSpec s, const ParamValues& v) {
          return with_ef(s, detail::make_randomk(s, v["ratio"]), v);
+       },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_randomk(s, v["ratio"]), v, ef);
        }},
       {"topk", "exactly the k largest magnitudes (ties: lower index first)",
        {kRatio, kEfOn, kEfBeta}, false, false, true, true, true, topk_bytes, sparse_slope,
        [](CompressorSpec s, const ParamValues& v) {
          return with_ef(s, detail::make_topk(s, v["ratio"]), v);
+       },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_topk(s, v["ratio"]), v, ef);
        }},
       {"dgc", "Deep Gradient Compression: sampled threshold, momentum correction and masking",
        {kRatio,
@@ -104,30 +126,47 @@ const std::vector<CatalogueEntry>& catalogue() {
          false, true},
         {"refine", ParamKind::kInt, 0, 8, "2",
          "threshold refinement passes when too few are selected", false}},
-       false, false, false, true, true, dgc_bytes, sparse_slope,
+       false, true, false, true, true, dgc_bytes, sparse_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_dgc(s, v["ratio"], v["momentum"], v["sample_ratio"],
                                  static_cast<uint64_t>(v["warmup_iters"]),
                                  static_cast<unsigned>(v["refine"]));
+       },
+       [](CompressorSpec s, const ParamValues& v, bool ef) -> std::unique_ptr<Compressor> {
+         return detail::make_dgc_for_sum(s, v["ratio"], v["sample_ratio"],
+                                         static_cast<uint64_t>(v["warmup_iters"]),
+                                         static_cast<unsigned>(v["refine"]), ef);
        }},
       {"signsgd", "sign of each element (majority vote: decompress-sum, then compress again)",
        {kEfOff, kEfBeta}, false, false, true, true, true, sign_bytes<0>, sign_slope,
-       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_signsgd(s), v); }},
+       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_signsgd(s), v); },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_signsgd(s), v, ef);
+       }},
       {"signum", "sign of the momentum",
        {{"momentum", ParamKind::kUnit, 0, 0.999, "0.9", "momentum", true}}, false, false, true,
        true, true, sign_bytes<0>, sign_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_signum(s, v["momentum"]);
+       },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_signum_for_sum(s), v, ef);
        }},
       {"efsignsgd", "scaled sign (mean magnitude) with error feedback", {kEfBeta}, false, true,
        true, true, true, sign_bytes<4>, sign_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_feedback(s, detail::make_scaledsign(s), v["ef_beta"]);
+       },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_scaledsign(s), v, ef);
        }},
       {"onebit", "1-bit SGD: sign plus the means of the positive and negative parts, error feedback",
        {kEfBeta}, false, true, true, true, true, sign_bytes<8>, sign_slope,
        [](CompressorSpec s, const ParamValues& v) -> std::unique_ptr<Compressor> {
          return detail::make_feedback(s, detail::make_onebit(s), v["ef_beta"]);
+       },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_onebit(s), v, ef);
        }},
       {"qsgd", "stochastic rounding to s levels of the L2 norm, bit-packed",
        {{"levels", ParamKind::kInt, 1, 127, "16", "quantisation levels s", true, true}, kEfOff,
@@ -135,10 +174,16 @@ const std::vector<CatalogueEntry>& catalogue() {
        false, false, true, true, true, qsgd_bytes, qsgd_slope,
        [](CompressorSpec s, const ParamValues& v) {
          return with_ef(s, detail::make_qsgd(s, static_cast<unsigned>(v["levels"])), v);
+       },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_qsgd(s, static_cast<unsigned>(v["levels"])), v, ef);
        }},
       {"terngrad", "stochastic ternary {-s,0,s} after 2.5-sigma clipping, 2 bits per element",
        {kEfOff, kEfBeta}, false, false, true, true, true, terngrad_bytes, terngrad_slope,
-       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_terngrad(s), v); }},
+       [](CompressorSpec s, const ParamValues& v) { return with_ef(s, detail::make_terngrad(s), v); },
+       [](CompressorSpec s, const ParamValues& v, bool ef) {
+         return with_server_ef(s, detail::make_terngrad(s), v, ef);
+       }},
   };
   return c;
 }

@@ -6,7 +6,8 @@
 // Each entry declares its name, parameters (with accepted ranges and
 // defaults), whether it is additive, whether error feedback is built in,
 // whether its size depends only on n, its wire-size model, the devices it
-// runs on, and how to build it.
+// runs on, how to build it for a node and how a server recompresses a sum
+// with it.
 //
 // Thread-safety: the catalogue is immutable (built on first use).
 #pragma once
@@ -71,6 +72,12 @@ struct CatalogueEntry {
   double (*bytes_per_element)(const ParamValues& p);
   // Builds it from the canonical spec and its validated values.
   std::unique_ptr<Compressor> (*build)(CompressorSpec spec, const ParamValues& p);
+  // Builds what a parameter server recompresses the sum of the nodes'
+  // pushes with (make_sum_recompressor): the same wire format, none of the
+  // nodes' state (momentum: the nodes applied it), and a residual of its own
+  // exactly when `error_feedback`.
+  std::unique_ptr<Compressor> (*build_for_sum)(CompressorSpec spec, const ParamValues& p,
+                                               bool error_feedback);
 
   bool supports(bytecomp::Device d) const { return d == bytecomp::Device::kCuda ? cuda : cpu; }
   bool has_param(std::string_view param) const;

@@ -212,6 +212,15 @@ class Compressor {
 // Builds a compressor; throws Error(kInvalidArgument) naming the unknown
 // compressor or parameter, or the bad value, with what is accepted.
 std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec);
+// What a parameter server recompresses the sum of the nodes' pushes of
+// `spec` with (docs/compress.md, "At the server"): its buffers decode with
+// `spec`'s compressor (same name and wire format; spec() is `spec`'s
+// canonical form), it keeps none of the nodes' per-tensor state (DGC's and
+// signum's momentum: the nodes applied it to their own gradients already;
+// applying it again to the sum compounds it), and its state carries a
+// residual of its own exactly when `error_feedback` (whatever `spec`'s "ef"
+// says: that is the nodes' setting). Throws like make_compressor().
+std::unique_ptr<Compressor> make_sum_recompressor(const CompressorSpec& spec, bool error_feedback);
 // The implementation for tensors on `device`: the CPU library, or the CUDA
 // kernels (compress/cuda/cuda.h; same wire format). Throws
 // Error(kInvalidArgument) for a device this build has no kernels for.

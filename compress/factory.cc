@@ -233,6 +233,15 @@ std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec) {
   return d.build(std::move(canon), v);
 }
 
+std::unique_ptr<Compressor> make_sum_recompressor(const CompressorSpec& spec, bool error_feedback) {
+  ParamValues v;
+  const CatalogueEntry& d = validate(spec, v);
+  CompressorSpec canon;
+  canon.name = d.name;
+  for (const auto& p : d.params) canon.params[p.name] = canonical(p, v[p.name]);
+  return d.build_for_sum(std::move(canon), v, error_feedback);
+}
+
 // --- device dispatch (issue 15: CUDA compressors) ---
 std::unique_ptr<Compressor> make_compressor(const CompressorSpec& spec, Device device) {
   if (device == Device::kCpu) return make_compressor(spec);

@@ -279,8 +279,15 @@ std::unique_ptr<Base> make_randomk(CompressorSpec s, double ratio);
 std::unique_ptr<Base> make_topk(CompressorSpec s, double ratio);
 std::unique_ptr<Base> make_dgc(CompressorSpec s, double ratio, double momentum,
                                double sample_ratio, uint64_t warmup_iters, unsigned refine);
+// DGC's selection on a server's sum: no momentum; with `residual` what it
+// does not send is accumulated for the next round (its error feedback).
+std::unique_ptr<Base> make_dgc_for_sum(CompressorSpec s, double ratio, double sample_ratio,
+                                       uint64_t warmup_iters, unsigned refine, bool residual);
 std::unique_ptr<Base> make_signsgd(CompressorSpec s);
 std::unique_ptr<Base> make_signum(CompressorSpec s, double momentum);
+// signum's wire format carrying the sign of the value itself (a server's
+// sum: the majority vote of the nodes' signs, no momentum of its own).
+std::unique_ptr<Base> make_signum_for_sum(CompressorSpec s);
 std::unique_ptr<Base> make_scaledsign(CompressorSpec s);  // efsignsgd's core
 std::unique_ptr<Base> make_onebit(CompressorSpec s);
 std::unique_ptr<Base> make_qsgd(CompressorSpec s, unsigned levels);

@@ -197,6 +197,9 @@ std::unique_ptr<Base> make_signum(CompressorSpec s, double momentum) {
   return std::make_unique<Sign>(std::move(s), Algo::kSignum, Variant::kSignum,
                                 static_cast<float>(momentum));
 }
+std::unique_ptr<Base> make_signum_for_sum(CompressorSpec s) {
+  return std::make_unique<Sign>(std::move(s), Algo::kSignum, Variant::kSign, 0.0f);
+}
 std::unique_ptr<Base> make_scaledsign(CompressorSpec s) {
   return std::make_unique<Sign>(std::move(s), Algo::kEfSignSgd, Variant::kScaled, 0.0f);
 }

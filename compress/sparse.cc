@@ -376,11 +376,18 @@ BC_CLONES void k_dgc_update(const float* __restrict g, float* __restrict u, floa
   }
 }
 
+// What a DGC instance keeps between calls: a node keeps its momentum u and
+// accumulation v (the DGC paper's momentum correction and local gradient
+// accumulation); a server recompressing a sum keeps no momentum (the nodes
+// applied it), only v when it has error feedback, or nothing.
+enum class DgcState { kMomentumAndResidual, kResidual, kNone };
+
 class Dgc final : public Base {
  public:
   Dgc(CompressorSpec s, double ratio, double momentum, double sample_ratio, uint64_t warmup,
-      unsigned refine)
+      unsigned refine, DgcState state)
       : Base(std::move(s), Algo::kDgc),
+        state_(state),
         ratio_(ratio),
         momentum_(static_cast<float>(momentum)),
         stride_(std::max<size_t>(1, static_cast<size_t>(std::llround(1.0 / sample_ratio)))),
@@ -396,29 +403,45 @@ class Dgc final : public Base {
   bool deterministic_size() const override { return false; }
 
   std::unique_ptr<TensorState> new_state(size_t n) const override {
-    return std::make_unique<VectorState>(n, 2, true, algo());  // u (momentum), v (accumulated)
+    switch (state_) {
+      case DgcState::kMomentumAndResidual:
+        return std::make_unique<VectorState>(n, 2, true, algo());  // u (momentum), v (accumulated)
+      case DgcState::kResidual: return std::make_unique<VectorState>(n, 1, true, algo());  // v
+      case DgcState::kNone: break;
+    }
+    return std::make_unique<EmptyState>(n);
   }
 
   size_t encode(const float* g, size_t n, std::byte* out, TensorState& st,
                 const CompressContext& ctx) const override {
     check_indexed(name(), n);
-    auto& vs = state_as<VectorState>(st, name());
-    float* u = vs.data(0);
-    float* v = vs.data(1);
+    float* u = nullptr;
+    // Without a residual the selection reads g itself and clears nothing.
+    float* v = const_cast<float*>(g);
+    if (state_ != DgcState::kNone) {
+      auto& vs = state_as<VectorState>(st, name());
+      if (state_ == DgcState::kMomentumAndResidual) {
+        u = vs.data(0);
+        v = vs.data(1);
+      } else {
+        v = vs.data(0);
+      }
+    }
     size_t k = k_of(n, ratio_at(ctx.iteration));
     // Pass 1: momentum correction, accumulation and strided sampling of |v|.
     std::vector<float> sample((n + stride_ - 1) / stride_);
     for_chunks(ctx.pool, n, [&](size_t, size_t cb, size_t ce) {
       for (size_t b = cb; b < ce; b += kSub) {
         size_t e = std::min(ce, b + kSub);
-        k_dgc_update(g + b, u + b, v + b, momentum_, e - b);
+        if (u != nullptr) k_dgc_update(g + b, u + b, v + b, momentum_, e - b);
+        else if (state_ == DgcState::kResidual) add_scaled(g, 1.0f, v, b, e);
         for (size_t i = (b + stride_ - 1) / stride_ * stride_; i < e; i += stride_)
           sample[i / stride_] = std::fabs(v[i]);
       }
     });
     std::vector<uint32_t> idx;
     if (k > 0) idx = select(v, n, k, sample, ctx.pool);
-    return write_sparse(out, algo(), n, idx, v, u, true, ctx.pool);
+    return write_sparse(out, algo(), n, idx, v, u, state_ != DgcState::kNone, ctx.pool);
   }
 
   void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const override {
@@ -475,6 +498,7 @@ class Dgc final : public Base {
     return idx;
   }
 
+  DgcState state_;
   double ratio_;
   float momentum_;
   size_t stride_;
@@ -492,7 +516,13 @@ std::unique_ptr<Base> make_topk(CompressorSpec s, double ratio) {
 }
 std::unique_ptr<Base> make_dgc(CompressorSpec s, double ratio, double momentum, double sample_ratio,
                                uint64_t warmup_iters, unsigned refine) {
-  return std::make_unique<Dgc>(std::move(s), ratio, momentum, sample_ratio, warmup_iters, refine);
+  return std::make_unique<Dgc>(std::move(s), ratio, momentum, sample_ratio, warmup_iters, refine,
+                               DgcState::kMomentumAndResidual);
+}
+std::unique_ptr<Base> make_dgc_for_sum(CompressorSpec s, double ratio, double sample_ratio,
+                                       uint64_t warmup_iters, unsigned refine, bool residual) {
+  return std::make_unique<Dgc>(std::move(s), ratio, 0.0, sample_ratio, warmup_iters, refine,
+                               residual ? DgcState::kResidual : DgcState::kNone);
 }
 
 }  // namespace bytecomp::compress::detail

@@ -64,7 +64,7 @@ uint64_t round_reservation(const TensorPlan& plan, uint64_t count, size_t nodes,
   if (plan.sum == SumMode::kCompressed || deterministic)
     r += nodes * push_bytes_bound(plan, count);
   if (plan.pull != PullFormat::kFp32) r += 2 * pull_bytes_bound(plan, count);
-  if (plan.compressed_push() && plan.sum == SumMode::kDense) r += count * 4;  // EF state
+  if (plan.server_error_feedback) r += count * 4;  // the server's residual
   return r;
 }
 
@@ -96,7 +96,10 @@ void PartitionRound::fix_plan() {
   plan_ = std::move(plan);
   plan_ready_ = true;
   if (plan_.compressed_push()) {
-    comp_ = compress::make_compressor(plan_.spec());
+    // It decodes the pushes and, under a gathering collective, recompresses
+    // their sum: with the server's own error feedback, and never with the
+    // nodes' momentum (they applied it; again on the sum it compounds).
+    comp_ = compress::make_sum_recompressor(plan_.spec(), plan_.server_error_feedback);
     state_ = comp_->make_state(setup_.part.count);
   } else {
     comp_.reset();

@@ -128,6 +128,8 @@ class PartitionRound {
   uint64_t collecting_ = 0;
   TensorPlan plan_;
   bool plan_ready_ = false;
+  // compress::make_sum_recompressor of the plan: decodes pushes, recompresses
+  // the sum; state_ holds its residual (server error feedback) if any.
   std::unique_ptr<compress::Compressor> comp_;
   std::unique_ptr<compress::TensorState> state_;
   std::shared_ptr<BlockPool> pool_;

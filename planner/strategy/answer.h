@@ -5,9 +5,10 @@
 //                servers send the sum's own memory (no encoding step), so
 //                encode_answer() is for the other formats.
 //   kFp16        count * 2 bytes: the sum rounded to IEEE half (raw words).
-//   kCompressed  the sum compressed with the plan's compressor (its
-//                self-describing wire format; servers keep a TensorState for
-//                server-side error feedback).
+//   kCompressed  the sum compressed in the plan's compressor's wire format
+//                (self-describing) by the server's recompressor
+//                (compress::make_sum_recompressor: no momentum; a residual
+//                in its TensorState when the plan says server_error_feedback).
 //
 // Thread-safety: pure functions; `state` is used by one caller at a time.
 #pragma once

@@ -117,7 +117,9 @@ TensorPlan map_option(const planner::Option& o, Scope scope) {
     plan.pull = PullFormat::kFp16;
   } else {
     plan.pull = PullFormat::kCompressed;
-    plan.server_error_feedback = o.error_feedback;
+    // The server's residual: as asked, and always where error feedback is
+    // part of the algorithm (as it is on the nodes).
+    plan.server_error_feedback = o.error_feedback || builtin_feedback(o.compressor);
   }
   return plan;
 }

@@ -12,7 +12,9 @@
 //                                         -> dense sum, pull fp16 (raw words)
 //   any other compressor under alltoall_allgather / gather_broadcast
 //                                         -> dense sum, pull recompressed, with
-//                                            server EF = option.error_feedback
+//                                            server EF = option.error_feedback,
+//                                            or always for built-in feedback
+//                                            (dgc, efsignsgd, onebit)
 // inter reduce_broadcast / gather_broadcast place the tensor on one server
 // (ps_single); the others shard it over every server (ps).
 //

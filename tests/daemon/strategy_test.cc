@@ -197,7 +197,7 @@ TEST(Strategy, MismatchesAreRefusedNamingTheTensor) {
        {{"ids", 100, BYTECOMP_INT64}}, "take float32 tensors, this one is int64"},
       {"version: 1\ndefault: {compressor: none, scheme: flat, inter: allreduce, intra: allreduce}\n",
        {{"w", 10}}, "hierarchical"},
-      {"version: 1\ndefault: {compressor: dgc, error_feedback: true, inter: allgather}\n",
+      {"version: 1\ndefault: {compressor: signum, error_feedback: true, inter: allgather}\n",
        {{"w", 1000}}, "has no error feedback"},
   };
   for (size_t k = 0; k < cases.size(); ++k) {

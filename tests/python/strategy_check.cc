@@ -6,6 +6,8 @@
 //   strategy_check FILE NAME:BYTES...
 //   -> one line per tensor: "NAME compressed|uncompressed MODE DESCRIPTION"
 //   exit 0, or 1 with the loader's message on stderr.
+//   strategy_check --compressors
+//   -> every compressor a strategy may name, one a line ("none" first).
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -14,6 +16,10 @@
 #include "planner/strategy/strategy.h"
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "--compressors") {
+    for (const auto& name : bytecomp::planner::compressor_names()) std::printf("%s\n", name.c_str());
+    return 0;
+  }
   if (argc < 3) {
     std::fprintf(stderr, "usage: strategy_check FILE NAME:BYTES...\n");
     return 2;

@@ -364,8 +364,8 @@ TEST_P(ServerTest, TwoJobsAtOnceDoNotSeeEachOthersData) {
 // One job with a tensor per compressor (and per server-side treatment): what
 // the workers pull equals, byte for byte, the reference computed here from
 // the same compressors: decompress-and-sum in rank order then recompress
-// with server-side error feedback (or cast to fp16), or aggregate() in the
-// compressed domain for the additive ones.
+// with the server's recompressor (make_sum_recompressor; or cast to fp16),
+// or aggregate() in the compressed domain for the additive ones.
 TEST_P(ServerTest, CompressedPushesMatchReferenceDecompressAndSum) {
   start_server();
   std::string entries;
@@ -409,7 +409,10 @@ TEST_P(ServerTest, CompressedPushesMatchReferenceDecompressAndSum) {
     auto comp = compress::make_compressor(plan.spec());
     std::vector<std::unique_ptr<compress::TensorState>> wstate;
     for (size_t r = 0; r < nodes.size(); ++r) wstate.push_back(comp->make_state(p.count));
-    auto sstate = comp->make_state(p.count);
+    // The server recompresses with its own compressor: no momentum, its own
+    // residual as the plan says (test_semantics checks what that means).
+    auto scomp = compress::make_sum_recompressor(plan.spec(), plan.server_error_feedback);
+    auto sstate = scomp->make_state(p.count);
     for (uint64_t it = 0; it < iters; ++it) {
       std::vector<std::vector<std::byte>> pushed;
       for (uint32_t r = 0; r < nodes.size(); ++r) {
@@ -445,9 +448,9 @@ TEST_P(ServerTest, CompressedPushesMatchReferenceDecompressAndSum) {
           expected.assign(reinterpret_cast<const char*>(h.data()), h.size() * 2);
         } else {
           ASSERT_EQ(plan.pull, PullFormat::kCompressed);
-          std::vector<std::byte> out(comp->max_compressed_bytes(p.count));
-          out.resize(comp->compress(compress::ConstTensorView::cpu(sum.data(), p.count), out,
-                                    *sstate, sctx));
+          std::vector<std::byte> out(scomp->max_compressed_bytes(p.count));
+          out.resize(scomp->compress(compress::ConstTensorView::cpu(sum.data(), p.count), out,
+                                     *sstate, sctx));
           expected.assign(reinterpret_cast<const char*>(out.data()), out.size());
         }
       }

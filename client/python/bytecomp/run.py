@@ -350,9 +350,13 @@ class Cluster:
             cfg = os.path.join(d, "daemon.yaml")
             internode = ""
             if cluster_file:
+                # peer_listen: strategies with inter: allgather run between
+                # the daemons themselves (docs/daemon.md, "Peer allgather").
                 internode = ("internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n"
+                             "  peer_listen: \"ipc://%s\"\n"
                              % (cluster_file, _DAEMON_ID_BASE + n,
-                                ", ".join(str(_DAEMON_ID_BASE + k) for k in range(nodes))))
+                                ", ".join(str(_DAEMON_ID_BASE + k) for k in range(nodes)),
+                                os.path.join(d, "peer.sock")))
             with open(cfg, "w") as f:
                 f.write("version: 1\n"
                         "control:\n  socket: %s\n  socket_mode: 384\n"
