@@ -252,7 +252,7 @@ void Engine::setup_phases() {
   std::vector<uint32_t> parts;
   for (const TensorSpec& t : tensors_) {
     parts.push_back(static_cast<uint32_t>(
-        std::max<uint64_t>(1, (t.bytes + partition_bytes_ - 1) / partition_bytes_)));
+        std::max<uint64_t>(1, (t.bytes() + partition_bytes_ - 1) / partition_bytes_)));
   }
   phases_.setup(parts, phase_timestamps_);
 }
@@ -286,7 +286,7 @@ void Engine::begin_round(uint32_t tensor) {
   const strategy::Timeline::Entry in_force = timeline_->at(round.iteration);
   if (local_) local_->follow(tensor, in_force);
   round.partitions_left = sched_.add(
-      tensor, round.iteration, tensors_[tensor].bytes, partition_bytes_,
+      tensor, round.iteration, tensors_[tensor].bytes(), partition_bytes_,
       static_cast<uint32_t>(ipc::dtype_size(tensors_[tensor].dtype)),
       std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[tensor]));
   if (phases_.enabled()) {

@@ -82,10 +82,10 @@ bool Collectives::drain() {
         return false;
       }
       what = "the broadcast of tensor '" + (*ctx_.tensors)[op.tensor].name + "'";
-      if (op.nbytes > (*ctx_.tensors)[op.tensor].bytes) {
+      if (op.nbytes > (*ctx_.tensors)[op.tensor].bytes()) {
         ctx_.fail(ErrorCode::kInvalidArgument,
              who + ": " + what + " of " + std::to_string(op.nbytes) +
-                 " bytes exceeds the tensor's " + std::to_string((*ctx_.tensors)[op.tensor].bytes));
+                 " bytes exceeds the tensor's " + std::to_string((*ctx_.tensors)[op.tensor].bytes()));
         return false;
       }
       if (op.root >= size) {

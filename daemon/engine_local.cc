@@ -23,7 +23,7 @@ void LocalPath::follow(uint32_t t, const strategy::Timeline::Entry& in_force) {
   run.states.clear();
   run.scratch.clear();
   if (plan.compressor) {
-    const uint64_t bytes = (*ctx_.tensors)[t].bytes;
+    const uint64_t bytes = (*ctx_.tensors)[t].bytes();
     const uint64_t pb = ctx_.partition_bytes;
     for (uint64_t b = 0; b < bytes; b += pb) {
       const size_t n = static_cast<size_t>((std::min(bytes, b + pb) - b) / 4);

@@ -62,9 +62,9 @@ std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
   path->peer_parts_.resize(tensors.size());
   for (uint32_t t = 0; t < tensors.size(); ++t) {
     spec.tensor_names.push_back(tensors[t].name);
-    bytes.push_back(tensors[t].bytes);
+    bytes.push_back(tensors[t].bytes());
     const auto parts = path->peer_tensor_[t]
-                           ? static_cast<uint32_t>((tensors[t].bytes + pb - 1) / pb)
+                           ? static_cast<uint32_t>((tensors[t].bytes() + pb - 1) / pb)
                            : 0u;
     spec.partitions.push_back(parts);
     path->peer_parts_[t].resize(parts);

@@ -15,7 +15,7 @@ PsPath::PsPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
   const uint64_t pb = ctx_.partition_bytes;
   ps_parts_.resize(ctx_.tensors->size());
   for (size_t t = 0; t < ps_parts_.size(); ++t) {
-    ps_parts_[t].resize(static_cast<size_t>(((*ctx_.tensors)[t].bytes + pb - 1) / pb));
+    ps_parts_[t].resize(static_cast<size_t>(((*ctx_.tensors)[t].bytes() + pb - 1) / pb));
   }
 }
 

@@ -5,14 +5,12 @@
 #include <string>
 
 #include "client/ipc/protocol.h"
+#include "planner/strategy/plan.h"
 
 namespace bytecomp::daemon {
 
-struct TensorSpec {
-  std::string name;
-  uint64_t count = 0;
-  ipc::DType dtype = ipc::DType::kFloat32;
-  uint64_t bytes = 0;
-};
+// A job's tensor: the strategy library's one description (name, count,
+// dtype; bytes()).
+using TensorSpec = strategy::PlanTensor;
 
 }  // namespace bytecomp::daemon

@@ -100,7 +100,7 @@ void Daemon::maybe_start(Job& j) {
   for (const auto& d : j.reference) {
     const uint64_t b = d.count * ipc::dtype_size(d.dtype);
     sizes.push_back(b);
-    specs.push_back({d.name, d.count, d.dtype, b});
+    specs.push_back({d.name, d.count, d.dtype});
     j.specs.push_back(specs.back());
     total += b;
   }

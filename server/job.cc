@@ -10,13 +10,7 @@ namespace bytecomp::server {
 
 std::vector<TensorPlan> plan_job(const std::vector<TensorSpec>& tensors,
                                  std::string_view strategy_yaml) {
-  std::vector<strategy::PlanTensor> in;
-  in.reserve(tensors.size());
-  for (const TensorSpec& t : tensors)
-    in.push_back({t.name, t.count * 4,
-                  t.dtype == compress::DType::kFloat32 ? std::string()
-                                                       : std::string(compress::to_string(t.dtype))});
-  return strategy::plans_for(strategy::Scope::kCluster, in, strategy_yaml, "strategy");
+  return strategy::plans_for(strategy::Scope::kCluster, tensors, strategy_yaml, "strategy");
 }
 
 const Partition* Assignment::find(uint64_t key) const {

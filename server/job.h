@@ -24,14 +24,10 @@ namespace bytecomp::server {
 
 using transport::NodeId;
 
-// One declared tensor. The PS sums fp32 gradients only: dtype must be
-// kFloat32 (half-precision traffic is expressed as an fp16/bf16 compressor).
-struct TensorSpec {
-  std::string name;
-  uint64_t count = 0;  // elements
-  compress::DType dtype = compress::DType::kFloat32;
-  bool operator==(const TensorSpec&) const = default;
-};
+// One declared tensor (the strategy library's description). The PS sums
+// fp32 gradients only: dtype must be kFloat32 (half-precision traffic is
+// expressed as an fp16/bf16 compressor).
+using TensorSpec = strategy::PlanTensor;
 
 // What a node declares when it registers a job. Every node of a job must
 // declare the same name, nodes, tensors (names, counts, dtypes, order),

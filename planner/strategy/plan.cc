@@ -138,7 +138,7 @@ std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std:
                                    std::span<const PlanTensor> tensors) {
   std::vector<planner::TensorDecl> decls;
   decls.reserve(tensors.size());
-  for (const auto& t : tensors) decls.push_back({t.name, t.bytes});
+  for (const auto& t : tensors) decls.push_back({t.name, t.bytes()});
   try {
     strategy.check_cpu_runtime(decls);
   } catch (const Error& e) {
@@ -147,13 +147,14 @@ std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std:
   std::vector<TensorPlan> plans;
   plans.reserve(tensors.size());
   for (const auto& t : tensors) {
-    const planner::Option& o = strategy.resolve(t.name, t.bytes);
+    const planner::Option& o = strategy.resolve(t.name, t.bytes());
     auto fail = [&](const std::string& why) {
       throw Error(ErrorCode::kInvalidArgument, "strategy " + source + ": tensor '" + t.name +
                                                    "' resolves to [" + o.describe() + "]: " + why);
     };
-    if (o.compressed() && !t.dtype_name.empty())
-      fail("the CPU compressors take float32 tensors, this one is " + t.dtype_name +
+    if (o.compressed() && t.dtype != DType::kFloat32)
+      fail("the CPU compressors take float32 tensors, this one is " +
+           std::string(dtype_name(t.dtype)) +
            " (use compressor: none for it)");
     try {
       plans.push_back(map_option(o, Scope::kNode));

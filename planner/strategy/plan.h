@@ -40,6 +40,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/types.h"
 #include "compress/compressor.h"
 #include "planner/strategy/strategy.h"
 
@@ -103,12 +104,16 @@ struct TensorPlan {
 TensorPlan plan_for_option(const planner::Option& option, std::string_view tensor,
                            Scope scope = Scope::kCluster);
 
-// One tensor as make_plans() sees it. dtype_name empty = float32 (the only
-// type the compressors take).
+// One declared tensor of a job: the one description the daemon, the PS
+// protocol (server::TensorSpec), the engine (daemon::TensorSpec) and the
+// plan mapping share. The compressors take float32 only.
 struct PlanTensor {
   std::string name;
-  uint64_t bytes = 0;
-  std::string dtype_name;
+  uint64_t count = 0;  // elements
+  DType dtype = DType::kFloat32;
+
+  uint64_t bytes() const { return count * dtype_size(dtype); }
+  bool operator==(const PlanTensor&) const = default;
 };
 
 // Scope::kNode plans for a daemon's job: checks the strategy against the

@@ -12,12 +12,12 @@ std::vector<TensorPlan> plans_for(Scope scope, std::span<const PlanTensor> tenso
   std::vector<TensorPlan> plans;
   plans.reserve(tensors.size());
   for (const PlanTensor& t : tensors) {
-    if (!t.dtype_name.empty())
+    if (t.dtype != DType::kFloat32)
       throw Error(ErrorCode::kInvalidArgument,
-                  "tensor '" + t.name + "': dtype " + t.dtype_name +
+                  "tensor '" + t.name + "': dtype " + std::string(dtype_name(t.dtype)) +
                       " is not summed by the servers (accepted: float32; express half "
                       "precision as an fp16/bf16 compressor)");
-    plans.push_back(plan_for_option(strategy.resolve(t.name, t.bytes), t.name, scope));
+    plans.push_back(plan_for_option(strategy.resolve(t.name, t.bytes()), t.name, scope));
   }
   return plans;
 }

@@ -165,7 +165,8 @@ TEST(PlanMapping, MakePlansChecksTheJob) {
       "  - {tensor: a, option: {compressor: randomk, params: {ratio: '0.5'}, error_feedback: false}}\n"
       "  - {tensor: b, option: {compressor: none}}\n",
       "s.yaml");
-  std::vector<st::PlanTensor> tensors = {{"a", 400, ""}, {"b", 40, "int64"}};
+  std::vector<st::PlanTensor> tensors = {{"a", 100, bytecomp::DType::kFloat32},
+                                          {"b", 5, bytecomp::DType::kInt64}};
   auto plans = st::make_plans(s, "s.yaml", tensors);
   ASSERT_EQ(plans.size(), 2u);
   // The daemon's rule: ef = the option's error_feedback, also under a
@@ -173,7 +174,8 @@ TEST(PlanMapping, MakePlansChecksTheJob) {
   EXPECT_EQ(plans[0].spec().params.at("ef"), "false");
   EXPECT_EQ(st::plan_for_option(*plans[0].option, "a").spec().params.at("ef"), "true");
   EXPECT_FALSE(plans[1].compressed_push());
-  tensors[0].dtype_name = "float16";
+  tensors[0].dtype = bytecomp::DType::kFloat16;
+  tensors[0].count = 200;  // the same 400 bytes
   try {
     st::make_plans(s, "s.yaml", tensors);
     FAIL() << "compressed a float16 tensor";
@@ -182,7 +184,7 @@ TEST(PlanMapping, MakePlansChecksTheJob) {
     EXPECT_NE(w.find("strategy s.yaml: tensor 'a'"), std::string::npos) << w;
     EXPECT_NE(w.find("float16"), std::string::npos) << w;
   }
-  std::vector<st::PlanTensor> other = {{"c", 40, ""}};
+  std::vector<st::PlanTensor> other = {{"c", 10, bytecomp::DType::kFloat32}};
   EXPECT_THROW(st::make_plans(s, "s.yaml", other), Error);  // entries name undeclared tensors
   EXPECT_EQ(st::uncompressed_plans(3).size(), 3u);
   EXPECT_FALSE(st::uncompressed_plans(1)[0].compressed_push());

@@ -15,7 +15,7 @@ const std::string kFp16 =
     "version: 1\nentries:\n"
     "  - {tensor: g, option: {compressor: fp16, inter: reduce_scatter_allgather}}\n";
 
-std::vector<st::PlanTensor> job() { return {{"g", 4000, ""}, {"h", 400, ""}}; }
+std::vector<st::PlanTensor> job() { return {{"g", 1000, bytecomp::DType::kFloat32}, {"h", 100, bytecomp::DType::kFloat32}}; }
 
 std::vector<st::TensorPlan> cluster(const std::string& yaml) {
   auto t = job();
@@ -109,7 +109,7 @@ TEST(Timeline, ConcurrentReadersAndOneWriterSeeWholeEntries) {
 }
 
 TEST(PlansFor, ClusterScopeRefusesNonFloatTensorsAndNamesTheTensor) {
-  std::vector<st::PlanTensor> t{{"ids", 800, "int64"}};
+  std::vector<st::PlanTensor> t{{"ids", 100, bytecomp::DType::kInt64}};
   try {
     (void)st::plans_for(st::Scope::kCluster, t, "", "test");
     FAIL() << "expected a refusal";
