@@ -22,6 +22,7 @@
 #include "daemon/daemon.h"
 #include "daemon/engine.h"
 #include "daemon/shm_segment.h"
+#include "planner/strategy/timeline.h"
 
 namespace bytecomp::daemon {
 

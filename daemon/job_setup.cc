@@ -73,7 +73,8 @@ void Daemon::maybe_start(Job& j) {
     if (strategy) spec.strategy_yaml = strategy_text;
     if (problem.empty()) {
       try {
-        for (const auto& plan : server::plan_job(spec.tensors, spec.strategy_yaml)) {
+        for (const auto& plan : strategy::plans_for(strategy::Scope::kCluster, spec.tensors,
+                                                     spec.strategy_yaml, "strategy")) {
           if (plan.placement == strategy::Placement::kPeer && !peer_hub_) {
             problem = "a tensor's strategy uses inter: allgather between daemons, but this "
                       "bytecompd has no peer endpoint (set internode.peer_listen)";

@@ -59,8 +59,9 @@ using strategy::push_bytes_bound;
 using strategy::partition_key;
 using strategy::partition_seed;
 
-// Resolves every tensor's option in `strategy_yaml` (empty = default
-// Strategy) and maps it (Scope::kCluster). Throws Error(kInvalidArgument) /
+// The servers' and the coordinator's name for strategy::plans_for in
+// Scope::kCluster: resolves every tensor's option in `strategy_yaml` (empty =
+// default Strategy) and maps it. Throws Error(kInvalidArgument) /
 // config::ConfigError naming the tensor or YAML location.
 std::vector<TensorPlan> plan_job(const std::vector<TensorSpec>& tensors,
                                  std::string_view strategy_yaml);
