@@ -368,18 +368,6 @@ Reader open(const transport::Message& m, MsgType t, bool uses_uid) {
   return Reader(m.payloads[0].view(), name_of(t));
 }
 
-void put_double(Writer& w, double v) {
-  uint64_t bits;
-  std::memcpy(&bits, &v, 8);
-  w.u64(bits);
-}
-double get_double(Reader& r, const char* field) {
-  const uint64_t bits = r.u64(field);
-  double v;
-  std::memcpy(&v, &bits, 8);
-  return v;
-}
-
 // Messages whose payload is one record with a codec of its own.
 template <class M, class Decode>
 M from_record(const transport::Message& m, Decode decode) {
@@ -387,7 +375,78 @@ M from_record(const transport::Message& m, Decode decode) {
   return decode(m.payloads[0].view());
 }
 
+void put(Writer& w, uint64_t v) { w.u64(v); }
+void put(Writer& w, bool v) { w.u8(v ? 1 : 0); }
+void put(Writer& w, double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, 8);
+  w.u64(bits);
+}
+void put(Writer& w, const std::string& v) { w.str(v); }
+
+void get(Reader& r, MsgType, const char* name, uint64_t& v) { v = r.u64(name); }
+void get(Reader& r, MsgType t, const char* name, bool& v) {
+  const uint8_t b = r.u8(name);
+  if (b > 1) malformed(t, std::string(name) + " " + std::to_string(b) + " (accepted: 0, 1)");
+  v = b == 1;
+}
+void get(Reader& r, MsgType t, const char* name, double& v) {
+  const uint64_t bits = r.u64(name);
+  std::memcpy(&v, &bits, 8);
+  if (!(v >= 0) || v > 1e15)
+    malformed(t, std::string(name) + " " + std::to_string(v) + " (accepted: 0..1e15)");
+}
+void get(Reader& r, MsgType, const char* name, std::string& v) { v = r.str(name); }
+
+// A control message: header type and (job-scoped ones) uid, payload 0 from
+// its field list.
+template <class M>
+transport::Message encode_fields(const M& m) {
+  Writer w;
+  std::apply([&](const auto&... f) { (put(w, f.value), ...); }, M::fields(m));
+  uint32_t uid = 0;
+  if constexpr (requires { m.uid; }) uid = m.uid;
+  return control(M::kType, uid, w);
+}
+
+template <class M>
+M decode_fields(const transport::Message& in) {
+  constexpr bool job = requires(M m) { m.uid; };
+  Reader r = open(in, M::kType, job);
+  M m{};
+  std::apply([&](const auto&... f) { (get(r, M::kType, f.name, f.value), ...); }, M::fields(m));
+  r.end();
+  if constexpr (job) m.uid = in.header.aux;
+  return m;
+}
+
 }  // namespace
+
+// The control messages: one codec over their field lists.
+#define BC_CONTROL_MESSAGE(M)                                                          \
+  template <>                                                                          \
+  transport::Message to_message(const M& m) {                                          \
+    return encode_fields(m);                                                           \
+  }                                                                                    \
+  template <>                                                                          \
+  M from_message(const transport::Message& m) {                                        \
+    return decode_fields<M>(m);                                                        \
+  }
+BC_CONTROL_MESSAGE(Barrier)
+BC_CONTROL_MESSAGE(SetStrategy)
+BC_CONTROL_MESSAGE(Leave)
+BC_CONTROL_MESSAGE(AutoProfile)
+BC_CONTROL_MESSAGE(AutoReplan)
+BC_CONTROL_MESSAGE(AbortRequest)
+BC_CONTROL_MESSAGE(JobEnd)
+BC_CONTROL_MESSAGE(StrategyPrepare)
+BC_CONTROL_MESSAGE(StrategyUpdate)
+BC_CONTROL_MESSAGE(JobAborted)
+BC_CONTROL_MESSAGE(AutoProfileRequest)
+BC_CONTROL_MESSAGE(AutoDecision)
+BC_CONTROL_MESSAGE(StatsRequest)
+BC_CONTROL_MESSAGE(MetricsRequest)
+#undef BC_CONTROL_MESSAGE
 
 template <>
 transport::Message to_message(const Register& m) {
@@ -399,96 +458,6 @@ template <>
 Register from_message(const transport::Message& m) {
   Reader r = open(m, kRegister, false);
   Register out{read_spec(r)};
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const Barrier& m) {
-  Writer w;
-  w.u64(m.seq);
-  return control(kBarrier, m.uid, w);
-}
-template <>
-Barrier from_message(const transport::Message& m) {
-  Reader r = open(m, kBarrier, true);
-  Barrier out{m.header.aux, r.u64("seq")};
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const SetStrategy& m) {
-  Writer w;
-  w.u64(m.iteration);
-  w.str(m.yaml);
-  return control(kSetStrategy, m.uid, w);
-}
-template <>
-SetStrategy from_message(const transport::Message& m) {
-  Reader r = open(m, kSetStrategy, true);
-  SetStrategy out;
-  out.uid = m.header.aux;
-  out.iteration = r.u64("iteration");
-  out.yaml = r.str("strategy");
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const Leave& m) {
-  Writer w;
-  w.u8(m.abort ? 1 : 0);
-  w.str(m.reason);
-  return control(kLeave, m.uid, w);
-}
-template <>
-Leave from_message(const transport::Message& m) {
-  Reader r = open(m, kLeave, true);
-  Leave out;
-  out.uid = m.header.aux;
-  const uint8_t abort = r.u8("abort");
-  if (abort > 1) malformed(kLeave, "abort " + std::to_string(abort) + " (accepted: 0, 1)");
-  out.abort = abort == 1;
-  out.reason = r.str("reason", 1u << 20);
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const AutoProfile& m) {
-  Writer w;
-  w.u64(m.epoch);
-  w.str(m.profile_yaml);
-  w.str(m.spec_yaml);
-  return control(kAutoProfile, m.uid, w);
-}
-template <>
-AutoProfile from_message(const transport::Message& m) {
-  Reader r = open(m, kAutoProfile, true);
-  AutoProfile out;
-  out.uid = m.header.aux;
-  out.epoch = r.u64("epoch");
-  out.profile_yaml = r.str("profile");
-  out.spec_yaml = r.str("auto spec");
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const AutoReplan& m) {
-  Writer w;
-  w.u64(m.from_iteration);
-  w.str(m.reason);
-  return control(kAutoReplan, m.uid, w);
-}
-template <>
-AutoReplan from_message(const transport::Message& m) {
-  Reader r = open(m, kAutoReplan, true);
-  AutoReplan out;
-  out.uid = m.header.aux;
-  out.from_iteration = r.u64("from_iteration");
-  out.reason = r.str("reason", 1u << 20);
   r.end();
   return out;
 }
@@ -506,20 +475,6 @@ ServerHello from_message(const transport::Message& m) {
 }
 
 template <>
-transport::Message to_message(const AbortRequest& m) {
-  Writer w;
-  w.str(m.reason);
-  return control(kAbortRequest, m.uid, w);
-}
-template <>
-AbortRequest from_message(const transport::Message& m) {
-  Reader r = open(m, kAbortRequest, true);
-  AbortRequest out{m.header.aux, r.str("reason", 1u << 20)};
-  r.end();
-  return out;
-}
-
-template <>
 transport::Message to_message(const JobSetup& m) {
   transport::Message out;
   out.header.type = kJobSetup;
@@ -529,127 +484,6 @@ transport::Message to_message(const JobSetup& m) {
 template <>
 JobSetup from_message(const transport::Message& m) {
   return from_record<JobSetup>(m, [](std::string_view b) { return JobSetup{decode_admission(b)}; });
-}
-
-template <>
-transport::Message to_message(const JobEnd& m) {
-  Writer w;
-  w.str(m.reason);
-  return control(kJobEnd, m.uid, w);
-}
-template <>
-JobEnd from_message(const transport::Message& m) {
-  Reader r = open(m, kJobEnd, true);
-  JobEnd out{m.header.aux, r.str("reason", 1u << 20)};
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const StrategyPrepare& m) {
-  Writer w;
-  w.u64(m.iteration);
-  w.u8(m.cancel ? 1 : 0);
-  w.str(m.yaml);
-  return control(kStrategyPrepare, m.uid, w);
-}
-template <>
-StrategyPrepare from_message(const transport::Message& m) {
-  Reader r = open(m, kStrategyPrepare, true);
-  StrategyPrepare out;
-  out.uid = m.header.aux;
-  out.iteration = r.u64("iteration");
-  const uint8_t cancel = r.u8("cancel");
-  if (cancel > 1) malformed(kStrategyPrepare, "cancel " + std::to_string(cancel) + " (accepted: 0, 1)");
-  out.cancel = cancel == 1;
-  out.yaml = r.str("strategy");
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const StrategyUpdate& m) {
-  Writer w;
-  w.u64(m.iteration);
-  w.str(m.yaml);
-  return control(kStrategyUpdate, m.uid, w);
-}
-template <>
-StrategyUpdate from_message(const transport::Message& m) {
-  Reader r = open(m, kStrategyUpdate, true);
-  StrategyUpdate out;
-  out.uid = m.header.aux;
-  out.iteration = r.u64("iteration");
-  out.yaml = r.str("strategy");
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const JobAborted& m) {
-  Writer w;
-  w.str(m.reason);
-  return control(kJobAborted, m.uid, w);
-}
-template <>
-JobAborted from_message(const transport::Message& m) {
-  Reader r = open(m, kJobAborted, true);
-  JobAborted out{m.header.aux, r.str("reason", 1u << 20)};
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const AutoProfileRequest& m) {
-  Writer w;
-  w.u64(m.epoch);
-  w.u64(m.from_iteration);
-  w.str(m.reason);
-  return control(kAutoProfileRequest, m.uid, w);
-}
-template <>
-AutoProfileRequest from_message(const transport::Message& m) {
-  Reader r = open(m, kAutoProfileRequest, true);
-  AutoProfileRequest out;
-  out.uid = m.header.aux;
-  out.epoch = r.u64("epoch");
-  out.from_iteration = r.u64("from_iteration");
-  out.reason = r.str("reason", 1u << 20);
-  r.end();
-  return out;
-}
-
-template <>
-transport::Message to_message(const AutoDecision& m) {
-  Writer w;
-  w.u64(m.epoch);
-  w.u8(m.failed ? 1 : 0);
-  put_double(w, m.predicted_us);
-  w.str(m.strategy_yaml);
-  w.str(m.decision_yaml);
-  w.str(m.text);
-  w.str(m.timeline_json);
-  return control(kAutoDecision, m.uid, w);
-}
-template <>
-AutoDecision from_message(const transport::Message& m) {
-  Reader r = open(m, kAutoDecision, true);
-  AutoDecision out;
-  out.uid = m.header.aux;
-  out.epoch = r.u64("epoch");
-  const uint8_t failed = r.u8("failed");
-  if (failed > 1) malformed(kAutoDecision, "failed " + std::to_string(failed) + " (accepted: 0, 1)");
-  out.failed = failed == 1;
-  out.predicted_us = get_double(r, "predicted_us");
-  if (!(out.predicted_us >= 0) || out.predicted_us > 1e15)
-    malformed(kAutoDecision, "predicted_us " + std::to_string(out.predicted_us) +
-                                 " (accepted: 0..1e15)");
-  out.strategy_yaml = r.str("strategy");
-  out.decision_yaml = r.str("decision");
-  out.text = r.str("text");
-  out.timeline_json = r.str("timeline");
-  r.end();
-  return out;
 }
 
 template <>
@@ -707,28 +541,6 @@ Broadcast from_message(const transport::Message& m) {
   out.is_root = root;
   if (root) out.data = m.payloads[1];
   return out;
-}
-
-template <>
-transport::Message to_message(const StatsRequest&) {
-  Writer w;
-  return control(kStats, 0, w);
-}
-template <>
-StatsRequest from_message(const transport::Message& m) {
-  open(m, kStats, false).end();
-  return {};
-}
-
-template <>
-transport::Message to_message(const MetricsRequest&) {
-  Writer w;
-  return control(kMetrics, 0, w);
-}
-template <>
-MetricsRequest from_message(const transport::Message& m) {
-  open(m, kMetrics, false).end();
-  return {};
 }
 
 template <>

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "common/error.h"
@@ -176,6 +177,22 @@ transport::Message probe_answer(const transport::Message& request);
 // ---------------------------------------------------------------------------
 // The typed messages. `uid` fields travel in header.aux; data messages' `key`
 // and `iteration` in header.key and header.arg; everything else in payload 0.
+//
+// A control message lists its payload fields once, in wire order, with the
+// names its refusals use (`fields(m)`); one codec writes and reads every such
+// list (u64, bool as a 0/1 byte, double as its IEEE bits, string as u32
+// length + bytes). Messages whose payload is a record with a codec of its own
+// (Register, ServerHello, JobSetup) and the data messages have their own pair.
+
+template <class T>
+struct Field {
+  const char* name;
+  T& value;
+};
+template <class T>
+Field<T> field(const char* name, T& value) {
+  return {name, value};
+}
 
 struct Register {  // node -> coordinator; the node's declaration
   static constexpr MsgType kType = kRegister;
@@ -185,30 +202,47 @@ struct Barrier {
   static constexpr MsgType kType = kBarrier;
   uint32_t uid = 0;
   uint64_t seq = 0;  // the node's barrier count in the job
+  template <class Self>
+  static auto fields(Self& m) { return std::tuple{field("seq", m.seq)}; }
 };
 struct SetStrategy {  // a node asks to switch every party from `iteration` on
   static constexpr MsgType kType = kSetStrategy;
   uint32_t uid = 0;
   uint64_t iteration = 0;
   std::string yaml;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("iteration", m.iteration), field("strategy", m.yaml)};
+  }
 };
 struct Leave {  // this node is done; `abort`: its part failed (reason says why)
   static constexpr MsgType kType = kLeave;
   uint32_t uid = 0;
   bool abort = false;
   std::string reason;
+  template <class Self>
+  static auto fields(Self& m) { return std::tuple{field("abort", m.abort), field("reason", m.reason)}; }
 };
 struct AutoProfile {  // planner::online::NodeProfile and strategy::AutoSpec YAML
   static constexpr MsgType kType = kAutoProfile;
   uint32_t uid = 0;
   uint64_t epoch = 0;
   std::string profile_yaml, spec_yaml;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("epoch", m.epoch), field("profile", m.profile_yaml),
+                      field("auto spec", m.spec_yaml)};
+  }
 };
 struct AutoReplan {
   static constexpr MsgType kType = kAutoReplan;
   uint32_t uid = 0;
   uint64_t from_iteration = 0;  // first iteration every node should profile
   std::string reason;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("from_iteration", m.from_iteration), field("reason", m.reason)};
+  }
 };
 struct ServerHello {
   static constexpr MsgType kType = kServerHello;
@@ -218,6 +252,8 @@ struct AbortRequest {
   static constexpr MsgType kType = kAbortRequest;
   uint32_t uid = 0;
   std::string reason;
+  template <class Self>
+  static auto fields(Self& m) { return std::tuple{field("reason", m.reason)}; }
 };
 struct JobSetup {  // the admission (its rank is ignored by servers)
   static constexpr MsgType kType = kJobSetup;
@@ -227,6 +263,8 @@ struct JobEnd {
   static constexpr MsgType kType = kJobEnd;
   uint32_t uid = 0;
   std::string reason;  // "" = the job ended normally
+  template <class Self>
+  static auto fields(Self& m) { return std::tuple{field("reason", m.reason)}; }
 };
 struct StrategyPrepare {  // `cancel`: drop the change prepared for `iteration`
   static constexpr MsgType kType = kStrategyPrepare;
@@ -234,17 +272,28 @@ struct StrategyPrepare {  // `cancel`: drop the change prepared for `iteration`
   uint64_t iteration = 0;
   bool cancel = false;
   std::string yaml;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("iteration", m.iteration), field("cancel", m.cancel),
+                      field("strategy", m.yaml)};
+  }
 };
 struct StrategyUpdate {  // every node applies the change, then answers
   static constexpr MsgType kType = kStrategyUpdate;
   uint32_t uid = 0;
   uint64_t iteration = 0;
   std::string yaml;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("iteration", m.iteration), field("strategy", m.yaml)};
+  }
 };
 struct JobAborted {
   static constexpr MsgType kType = kJobAborted;
   uint32_t uid = 0;
   std::string reason;
+  template <class Self>
+  static auto fields(Self& m) { return std::tuple{field("reason", m.reason)}; }
 };
 struct AutoProfileRequest {  // a re-plan: profile again
   static constexpr MsgType kType = kAutoProfileRequest;
@@ -252,6 +301,11 @@ struct AutoProfileRequest {  // a re-plan: profile again
   uint64_t epoch = 0;
   uint64_t from_iteration = 0;
   std::string reason;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("epoch", m.epoch), field("from_iteration", m.from_iteration),
+                      field("reason", m.reason)};
+  }
 };
 struct AutoDecision {  // `failed`: no plan (text says why), the strategy stays
   static constexpr MsgType kType = kAutoDecision;
@@ -262,6 +316,13 @@ struct AutoDecision {  // `failed`: no plan (text says why), the strategy stays
   // strategy YAML, decision YAML (planner/online.h), the explanation (or the
   // failure's reason) and the predicted timeline (Chrome trace JSON).
   std::string strategy_yaml, decision_yaml, text, timeline_json;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("epoch", m.epoch), field("failed", m.failed),
+                      field("predicted_us", m.predicted_us), field("strategy", m.strategy_yaml),
+                      field("decision", m.decision_yaml), field("text", m.text),
+                      field("timeline", m.timeline_json)};
+  }
 };
 struct Push {  // payload 0: the partition's bytes (raw fp32 or compressed)
   static constexpr MsgType kType = kPush;
@@ -291,9 +352,13 @@ struct Broadcast {
 };
 struct StatsRequest {
   static constexpr MsgType kType = kStats;
+  template <class Self>
+  static auto fields(Self&) { return std::tuple{}; }
 };
 struct MetricsRequest {
   static constexpr MsgType kType = kMetrics;
+  template <class Self>
+  static auto fields(Self&) { return std::tuple{}; }
 };
 struct Probe {  // a link probe: `upload_bytes` sent, `answer_bytes` asked back
   static constexpr MsgType kType = kProbe;
