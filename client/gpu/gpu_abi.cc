@@ -46,6 +46,11 @@ bytecomp_status guarded(F&& f) {
 
 }  // namespace
 
+namespace bytecomp::client_gpu {
+// For nccl_group.cc: the same thread's last error.
+bytecomp_status set_error(bytecomp_status s, std::string msg) { return fail(s, std::move(msg)); }
+}  // namespace bytecomp::client_gpu
+
 struct bytecomp_gpu_compressor {
   std::unique_ptr<bytecomp::compress::Compressor> impl;
   std::unique_ptr<bytecomp::compress::TensorState> state;

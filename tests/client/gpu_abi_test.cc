@@ -60,6 +60,54 @@ TEST(GpuAbi, WithoutAGpuCreateSaysWhy) {
   EXPECT_NE(msg.find(built ? "no CUDA device" : "built without CUDA"), std::string::npos) << msg;
 }
 
+TEST(GpuAbiNccl, ArgumentsAndAbsenceAreReported) {
+  EXPECT_EQ(bytecomp_gpu_nccl_built(), BYTECOMP_HAVE_NCCL);
+  bytecomp_gpu_nccl* c = reinterpret_cast<bytecomp_gpu_nccl*>(1);
+  uint8_t id[BYTECOMP_GPU_NCCL_ID_BYTES] = {};
+  const bytecomp_status bad = bytecomp_gpu_nccl_create(id, 2, 5, 0, 100, &c);
+  EXPECT_EQ(bad, BYTECOMP_HAVE_NCCL ? BYTECOMP_ERR_INVALID_ARGUMENT : BYTECOMP_ERR_UNSUPPORTED);
+  EXPECT_EQ(c, nullptr);
+  EXPECT_NE(bytecomp_gpu_nccl_sum(nullptr, nullptr, 4, 0, nullptr), BYTECOMP_OK);
+  EXPECT_NE(bytecomp_gpu_nccl_wait(nullptr, nullptr, 1), BYTECOMP_OK);
+  bytecomp_gpu_nccl_abort(nullptr);
+  bytecomp_gpu_nccl_destroy(nullptr);
+  int devices = 0;
+  bytecomp_gpu_built(&devices);
+  if (BYTECOMP_HAVE_NCCL && devices == 0) {
+    c = reinterpret_cast<bytecomp_gpu_nccl*>(1);
+    EXPECT_EQ(bytecomp_gpu_nccl_create(id, 1, 0, 0, 100, &c), BYTECOMP_ERR_UNSUPPORTED);
+    EXPECT_EQ(c, nullptr);
+    EXPECT_NE(std::string(bytecomp_gpu_last_error()).find("not present"), std::string::npos)
+        << bytecomp_gpu_last_error();
+  }
+}
+
+#if BYTECOMP_HAVE_NCCL
+// On a GPU: a one-rank communicator sums in place, then abort makes every
+// later call fail instead of hanging.
+TEST(GpuAbiNccl, OneRankSumThenAbort) {
+  int devices = 0;
+  if (!bytecomp_gpu_built(&devices) || devices == 0)
+    GTEST_SKIP() << "no CUDA device (run scripts/gpu-check on a GPU machine)";
+  uint8_t id[BYTECOMP_GPU_NCCL_ID_BYTES];
+  ASSERT_EQ(bytecomp_gpu_nccl_unique_id(id), BYTECOMP_OK) << bytecomp_gpu_last_error();
+  bytecomp_gpu_nccl* c = nullptr;
+  ASSERT_EQ(bytecomp_gpu_nccl_create(id, 1, 0, 0, 20000, &c), BYTECOMP_OK) << bytecomp_gpu_last_error();
+  float* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 64 * sizeof(float)), cudaSuccess);
+  std::vector<float> h(64, 1.5f);
+  ASSERT_EQ(cudaMemcpy(d, h.data(), 64 * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(bytecomp_gpu_nccl_sum(c, d, 64, 0, nullptr), BYTECOMP_OK) << bytecomp_gpu_last_error();
+  ASSERT_EQ(bytecomp_gpu_nccl_wait(c, nullptr, 20000), BYTECOMP_OK) << bytecomp_gpu_last_error();
+  ASSERT_EQ(cudaMemcpy(h.data(), d, 64 * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(h[63], 1.5f);
+  bytecomp_gpu_nccl_abort(c);
+  EXPECT_EQ(bytecomp_gpu_nccl_sum(c, d, 64, 0, nullptr), BYTECOMP_ERR_ABORTED);
+  bytecomp_gpu_nccl_destroy(c);
+  cudaFree(d);
+}
+#endif
+
 #if BYTECOMP_HAVE_CUDA
 class GpuAbiDevice : public ::testing::TestWithParam<const char*> {
  protected:

@@ -81,6 +81,45 @@ BYTECOMP_API void bytecomp_gpu_compressor_destroy(bytecomp_gpu_compressor* c);
 
 BYTECOMP_API const char* bytecomp_gpu_last_error(void);
 
+/* --- NCCL among the local ranks (docs/daemon.md, "Intra-node on GPUs") -------
+ * One communicator per job among the local ranks of a node, created at start:
+ * local rank 0 makes the id, the job's broadcast (bytecomp_broadcast) carries
+ * its 128 bytes to the others, each creates its communicator. Every wait is
+ * bounded: on any NCCL error or timeout the communicator is aborted
+ * (ncclCommAbort), so a dead local rank never hangs the others, and the call
+ * fails with BYTECOMP_ERR_PEER_LOST (NCCL error) or BYTECOMP_ERR_TIMEOUT.
+ * An aborted communicator only accepts destroy. Built without NCCL, every
+ * call fails with BYTECOMP_ERR_UNSUPPORTED. */
+#define BYTECOMP_GPU_NCCL_ID_BYTES 128
+typedef struct bytecomp_gpu_nccl bytecomp_gpu_nccl; /* opaque */
+
+/* 1 when built with NCCL. */
+BYTECOMP_API int bytecomp_gpu_nccl_built(void);
+BYTECOMP_API bytecomp_status bytecomp_gpu_nccl_unique_id(uint8_t out_id[BYTECOMP_GPU_NCCL_ID_BYTES]);
+/* Joins the communicator of `id` as `rank` of `nranks` on CUDA device
+ * `device`, waiting at most timeout_ms for every rank. */
+BYTECOMP_API bytecomp_status bytecomp_gpu_nccl_create(const uint8_t id[BYTECOMP_GPU_NCCL_ID_BYTES],
+                                                      int nranks, int rank, int device,
+                                                      uint32_t timeout_ms,
+                                                      bytecomp_gpu_nccl** out);
+/* Enqueues an in-place float32 sum of `count` elements on `stream`; with
+ * shard != 0 a reduce-scatter instead: rank r's sum of elements
+ * [r*count/nranks, (r+1)*count/nranks) lands at that offset (count must be
+ * a multiple of nranks). Does not wait. */
+BYTECOMP_API bytecomp_status bytecomp_gpu_nccl_sum(bytecomp_gpu_nccl* c, float* device_buf,
+                                                   uint64_t count, int shard, void* stream);
+/* In-place allgather of the shards of a reduce-scatter (the way back). */
+BYTECOMP_API bytecomp_status bytecomp_gpu_nccl_allgather(bytecomp_gpu_nccl* c, float* device_buf,
+                                                         uint64_t count, void* stream);
+/* Waits (at most timeout_ms) until `stream` has finished, watching the
+ * communicator's asynchronous errors; aborts it on error or timeout. */
+BYTECOMP_API bytecomp_status bytecomp_gpu_nccl_wait(bytecomp_gpu_nccl* c, void* stream,
+                                                    uint32_t timeout_ms);
+/* Aborts now (another rank failed: the caller learnt it from the daemon). */
+BYTECOMP_API void bytecomp_gpu_nccl_abort(bytecomp_gpu_nccl* c);
+/* Finalizes (or, after an abort, just frees) the communicator. NULL ok. */
+BYTECOMP_API void bytecomp_gpu_nccl_destroy(bytecomp_gpu_nccl* c);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
