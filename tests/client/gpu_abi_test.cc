@@ -52,7 +52,7 @@ TEST(GpuAbi, BuildAndSupportAreReported) {
 TEST(GpuAbi, WithoutAGpuCreateSaysWhy) {
   int devices = 0;
   const int built = bytecomp_gpu_built(&devices);
-  if (built && devices > 0) GTEST_SKIP() << "a GPU is present (the GPU cases run instead)";
+  if (built && devices > 0) return;  // a GPU is present: the device cases run instead
   bytecomp_gpu_compressor* c = reinterpret_cast<bytecomp_gpu_compressor*>(1);
   EXPECT_EQ(bytecomp_gpu_compressor_create("efsignsgd", 1000, &c), BYTECOMP_ERR_UNSUPPORTED);
   EXPECT_EQ(c, nullptr);
