@@ -27,8 +27,21 @@ expect 2 "repository root" "outside the repository" bash -c "cd '$tmp' && '$root
 mkdir -p "$tmp/bin"
 printf '#!/bin/sh\necho "NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver"\nexit 9\n' >"$tmp/bin/nvidia-smi"
 chmod +x "$tmp/bin/nvidia-smi"
-expect 3 "no GPU found" "no GPU" env PATH="$tmp/bin:$PATH" scripts/gpu-check "$tmp/nogpu/deep"
-if ! grep -q '"gpu": false' "$tmp/nogpu/deep/figures.json"; then
+# No GPU: exit 0, every GPU step named as skipped, the JSON line last.
+expect 0 "no GPU found" "no GPU" env PATH="$tmp/bin:$PATH" scripts/gpu-check --no-build \
+  --build-dir "$tmp/nobuild" "$tmp/nogpu/deep"
+if ! grep -q '"gpu": false' "$tmp/nogpu/deep/figures.json" ||
+   ! python3 - "$tmp/nogpu/deep/figures.json" "$tmp/out" <<'EOF'
+import json, sys
+fig = json.load(open(sys.argv[1]))
+last = open(sys.argv[2]).read().strip().splitlines()[-1]
+assert json.loads(last) == fig, "the output does not end with the JSON line"
+for s in ("cuda_tests", "bench", "torch", "staging_figures"):
+    assert s in fig["skipped"], (s, fig["skipped"])
+    assert fig["steps"][s].startswith("skipped"), fig["steps"][s]
+assert "awaits_gpu" in fig
+EOF
+then
   echo "FAIL: figures.json of the no-GPU run:"; cat "$tmp/nogpu/deep/figures.json" || true; fails=$((fails + 1))
 fi
 [ $fails -eq 0 ] || { echo "$fails check(s) failed"; exit 1; }

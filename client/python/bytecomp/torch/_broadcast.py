@@ -20,7 +20,7 @@ def _tensor_bytes(t):
     """The tensor's bytes (a flat uint8 tensor, a copy)."""
     if t.dtype not in _BROADCAST_DTYPES:
         raise TypeError("bytecomp.torch: cannot broadcast a tensor of dtype %s" % t.dtype)
-    flat = t.detach().reshape(-1).clone()
+    flat = t.detach().reshape(-1).to("cpu", copy=True)  # CUDA tensors: staged on the host
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     return flat.view(torch.uint8)
@@ -47,10 +47,10 @@ def _named_tensors(params, what):
                             "or tensors; item %d is a %s" % (what, i, type(item).__name__))
         if not isinstance(t, torch.Tensor):
             raise TypeError("%s: entry %r is a %s, not a tensor" % (what, name, type(t).__name__))
-        if t.device.type != "cpu":
+        if t.device.type not in ("cpu", "cuda"):
             raise _lib.UnsupportedError(
                 "BYTECOMP_ERR_UNSUPPORTED",
-                "%s: tensor %r is on %s; this release handles CPU tensors only" %
+                "%s: tensor %r is on %s; supported are CPU and CUDA tensors" %
                 (what, name, t.device))
         out.append((str(name), t))
     return out

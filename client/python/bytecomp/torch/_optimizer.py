@@ -14,6 +14,7 @@ from bytecomp.torch._collectives import (Average, Compression, Compressor, Sum,
                                          _check_process_set, global_process_set)
 from bytecomp.torch._control import (_ELEMENT_BYTES, _TORCH_TO_C, NotInitializedError,
                                      _ctx_or_raise, _shm_tensor, _wait)
+from bytecomp.torch import _staging
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -97,16 +98,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     k += 1
         # Forward order is parameter order for nn.Modules; declare that way
         # so the daemon serves the tensors needed first with priority.
-        out, seen = [], set()
+        out, seen, cuda_device = [], set(), None
         for p in in_groups:
             if id(p) in seen or not p.requires_grad:
                 continue
             seen.add(id(p))
-            if p.device.type != "cpu":
+            if p.device.type == "cuda":
+                # Staged through pinned shared memory (_staging.py): one
+                # device per process, as every launcher places ranks.
+                if cuda_device is None:
+                    cuda_device = p.device
+                elif p.device != cuda_device:
+                    raise _lib.UnsupportedError(
+                        "BYTECOMP_ERR_UNSUPPORTED",
+                        "DistributedOptimizer: parameter %r is on %s and another on %s: one "
+                        "CUDA device per process (set CUDA_VISIBLE_DEVICES or "
+                        "torch.cuda.set_device(LOCAL_RANK))" %
+                        (name_of[id(p)], p.device, cuda_device))
+            elif p.device.type != "cpu":
                 raise _lib.UnsupportedError(
                     "BYTECOMP_ERR_UNSUPPORTED",
-                    "DistributedOptimizer: parameter %r is on %s; this release handles CPU "
-                    "tensors only" % (name_of[id(p)], p.device))
+                    "DistributedOptimizer: parameter %r is on %s; supported are CPU and CUDA "
+                    "tensors" % (name_of[id(p)], p.device))
             if p.dtype not in _TORCH_TO_C:
                 raise TypeError("DistributedOptimizer: parameter %r has dtype %s; supported: "
                                 "float32, float64, int32, int64" % (name_of[id(p)], p.dtype))
@@ -117,6 +130,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not out:
             raise ValueError("DistributedOptimizer: the optimizer has no parameter that "
                              "requires a gradient")
+        self._bc_cuda_device = cuda_device
         return out
 
     def _bytecomp_start(self):
@@ -136,17 +150,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 _strategy.apply(self._bc_strategy, client, s.strategy)
             client.start(s.start_timeout_ms)
             self._bc_slots = []
+            self._bc_staging = None
+            self._bc_pinned = None
+            staged = []
             for tid, (name, p) in zip(ids, self._bc_params):
                 addr, nbytes = client.buffer(tid)
                 buf = _shm_tensor(addr, nbytes, p.dtype, p.shape)
-                with torch.no_grad():
-                    if p.grad is not None:
-                        buf.copy_(p.grad)
-                    else:
-                        buf.zero_()
-                p.grad = buf
-                self._bc_slots.append(_Slot(name, p, tid, buf))
+                slot = _Slot(name, p, tid, buf)
+                if p.device.type == "cuda":
+                    # The gradient stays on the device; buf is its staging.
+                    staged.append((addr, nbytes))
+                else:
+                    with torch.no_grad():
+                        if p.grad is not None:
+                            buf.copy_(p.grad)
+                        else:
+                            buf.zero_()
+                    p.grad = buf
+                self._bc_slots.append(slot)
+            if staged:
+                self._bc_pinned = _staging.register_host_range(staged)
+                by_tid = {sl.tid: sl for sl in self._bc_slots}
+                self._bc_staging = _staging.StagingPipeline(
+                    _staging.TorchCudaOps(self._bc_cuda_device),
+                    lambda tid: self._bc_client.push_pull(tid, self._bc_iteration),
+                    lambda tid, h: _wait(self._bc_client, h, self._bc_timeout_ms,
+                                         "push_pull of gradient %r (step %d)",
+                                         by_tid[tid].name, self._bc_iteration + 1))
+                for slot in self._bc_slots:
+                    if slot.param.device.type == "cuda":
+                        slot.staged = self._bc_staging.new_slot(slot.tid, slot.buf)
         except BaseException:
+            if getattr(self, "_bc_pinned", None) is not None:
+                _staging.unregister_host_range(self._bc_pinned)
+                self._bc_pinned = None
             client.close()
             raise
         self._bc_client = client
@@ -183,6 +220,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _bytecomp_push(self, slot):
         p = slot.param
+        if slot.staged is not None:
+            with torch.no_grad():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if self._bc_predivide != 1.0:
+                    p.grad.mul_(1.0 / self._bc_predivide)
+            slot.handle = True  # staged: the pipeline holds the daemon's handle
+            try:
+                self._bc_staging.grad_ready(slot.staged, p.grad)
+            except BytecompError as e:
+                self._bc_failed = e
+                self._bc_ctx.failed = True
+                raise
+            return
         if p.grad is None or p.grad.data_ptr() != slot.buf.data_ptr():
             # Someone replaced p.grad (e.g. zero_grad(set_to_none=True) on the
             # wrapped optimizer): bring it back into shared memory.
@@ -219,13 +270,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for slot in self._bc_slots:
                 if slot.handle is None:
                     self._bytecomp_push(slot)
+            if self._bc_staging is not None:
+                self._bc_staging.drain()
             for slot in self._bc_slots:
                 h, slot.handle = slot.handle, None
+                if slot.staged is not None:
+                    self._bc_staging.copy_back(slot.staged, slot.param.grad)
+                    continue
                 _wait(self._bc_client, h, self._bc_timeout_ms,
                       "push_pull of gradient %r (step %d)", slot.name, self._bc_iteration + 1)
+            if self._bc_staging is not None:
+                self._bc_staging.finish([sl.staged for sl in self._bc_slots
+                                         if sl.staged is not None])
         except BytecompError as e:
             self._bc_failed = e
             self._bc_ctx.failed = True  # no exit barrier: the job is broken
+            if self._bc_staging is not None:
+                self._bc_staging.abandon()
             raise
         for slot in self._bc_slots:
             slot.passes = 0
@@ -237,7 +298,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if scale != 1.0:
             with torch.no_grad():
                 for s in self._bc_slots:
-                    s.buf.mul_(scale)
+                    # Staged gradients: on the device, after the copy back
+                    # (the compute stream waits for it in finish()).
+                    (s.param.grad if s.staged is not None else s.buf).mul_(scale)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -284,8 +347,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "step()): call optimizer.step() or optimizer.synchronize() first")
         with torch.no_grad():
             for s in self._bc_slots:
-                s.buf.zero_()
                 s.passes = 0
+                if s.staged is not None:
+                    if s.param.grad is None:
+                        s.param.grad = torch.zeros_like(s.param)
+                    else:
+                        s.param.grad.zero_()
+                    continue
+                s.buf.zero_()
                 if s.param.grad is None or s.param.grad.data_ptr() != s.buf.data_ptr():
                     s.param.grad = s.buf
 
@@ -300,6 +369,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     s.param.grad = s.buf.clone()
                 s.buf = None
         self._bc_slots = []
+        if self._bc_pinned is not None:
+            # No copy may still read or write the shared memory.
+            torch.cuda.synchronize(self._bc_cuda_device)
+            _staging.unregister_host_range(self._bc_pinned)
+            self._bc_pinned = None
+        self._bc_staging = None
         for h in self._bc_hooks:
             if hasattr(h, "remove"):  # post-accumulate hook handles (PyTorch >= 2.1)
                 h.remove()
@@ -308,15 +383,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 class _Slot:
-    __slots__ = ("name", "param", "tid", "buf", "handle", "passes")
+    __slots__ = ("name", "param", "tid", "buf", "handle", "passes", "staged")
 
     def __init__(self, name, param, tid, buf):
         self.name = name
         self.param = param
         self.tid = tid
-        self.buf = buf
+        self.buf = buf  # shared memory: the gradient (CPU) or its staging (CUDA)
         self.handle = None
         self.passes = 0
+        self.staged = None  # _staging.StagedSlot of a CUDA parameter
 
 
 def _compression_strategy(compression):
