@@ -1,6 +1,9 @@
 // The online planner: from what the nodes measured during a window of
 // iterations to one per-tensor strategy for the whole job (issue 13; the
 // coordinator links this library, docs/planner.md "Online planning").
+// online.cc: merge, calibration, decide(); online_record.cc: the decision
+// record; its search is refine_groups() (search.h, refine.cc); the
+// profile's YAML is planner/strategy/profile.cc.
 //
 // The model is the planner's timeline simulator (planner/evaluator.h) on
 // CPU-only nodes (Cluster::cpu_nodes): no GPU, no intra-node link; the
