@@ -23,9 +23,9 @@ namespace bytecomp::daemon {
 BC_LOG_CATEGORY(LogAuto, "daemon.auto");
 
 using Clock = std::chrono::steady_clock;
-using planner::online::CompressorMeasure;
-using planner::online::LinearFit;
-using planner::online::NodeProfile;
+using strategy::CompressorMeasure;
+using strategy::LinearFit;
+using strategy::NodeProfile;
 
 namespace {
 
@@ -173,7 +173,7 @@ LinearFit reduce_fit(const std::vector<PhaseRecord>& records, const std::vector<
         r.partition + 1 == partitions[r.tensor] ? last_elements[r.tensor] : elements[r.tensor];
     pts.emplace_back(static_cast<double>(n), static_cast<double>(b - a) / 1e3);
   }
-  return planner::online::fit_linear(pts);
+  return strategy::fit_linear(pts);
 }
 
 NodeProfile profile_of(const std::vector<IterationSample>& samples,
@@ -227,9 +227,9 @@ CompressorMeasure measure_compressor(const std::string& spec, const std::vector<
     dp.emplace_back(static_cast<double>(n), median(dt));
     wire.emplace_back(static_cast<double>(n), static_cast<double>(len));
   }
-  m.compress = planner::online::fit_linear(cp);
-  m.decompress = planner::online::fit_linear(dp);
-  const LinearFit w = planner::online::fit_linear(wire);
+  m.compress = strategy::fit_linear(cp);
+  m.decompress = strategy::fit_linear(dp);
+  const LinearFit w = strategy::fit_linear(wire);
   m.bytes_per_element = std::max(0.0, w.b_us_per_melem / 1048576.0);
   m.fixed_bytes = std::max(0.0, w.a_us);
   return m;

@@ -42,8 +42,8 @@
 #include <vector>
 
 #include "daemon/engine_phases.h"
-#include "planner/online.h"
 #include "planner/strategy/auto_spec.h"
+#include "planner/strategy/profile.h"
 #include "server/ps_client.h"
 
 namespace bytecomp::daemon {
@@ -66,24 +66,24 @@ std::vector<IterationSample> iteration_samples(const std::vector<PhaseRecord>& r
 // Least squares of the intra-node reduce time (kStart -> kReduced) against
 // partition elements; `elements[t]` is each of tensor t's partitions' size
 // (the last may be shorter: `last_elements[t]`).
-planner::online::LinearFit reduce_fit(const std::vector<PhaseRecord>& records,
-                                      const std::vector<uint64_t>& elements,
-                                      const std::vector<uint64_t>& last_elements,
-                                      const std::vector<uint32_t>& partitions);
+strategy::LinearFit reduce_fit(const std::vector<PhaseRecord>& records,
+                             const std::vector<uint64_t>& elements,
+                             const std::vector<uint64_t>& last_elements,
+                             const std::vector<uint32_t>& partitions);
 
 // Medians over `samples` (at least one) of the iteration time and of each
 // tensor's ready time.
-planner::online::NodeProfile profile_of(const std::vector<IterationSample>& samples,
-                                        const std::vector<std::string>& names,
-                                        const std::vector<uint64_t>& elements);
+strategy::NodeProfile profile_of(const std::vector<IterationSample>& samples,
+                               const std::vector<std::string>& names,
+                               const std::vector<uint64_t>& elements);
 
 // Real calls of `spec` on this thread for each size (elements) `reps`
 // times; the fits of compress and decompress (this thread's CPU time, so
 // that a busy host's preemptions do not count as cost: the planner models
 // how the host's cores are shared), and the wire size.
-planner::online::CompressorMeasure measure_compressor(const std::string& spec,
-                                                      const std::vector<uint64_t>& sizes,
-                                                      int reps);
+strategy::CompressorMeasure measure_compressor(const std::string& spec,
+                                             const std::vector<uint64_t>& sizes,
+                                             int reps);
 
 // Whether a server endpoint ("tcp://HOST:PORT", "ipc://...") is on this
 // host: a numeric HOST that is one of this host's interface addresses (or
@@ -196,7 +196,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   // Per sampled iteration: the local ranks' CPU time (us) when it was seen.
   std::map<uint64_t, double> cpu_marks_;
   std::map<uint64_t, double> self_marks_;  // the daemon's own CPU time
-  std::vector<planner::online::CompressorMeasure> measures_;
+  std::vector<strategy::CompressorMeasure> measures_;
   double link_gbps_ = 0, link_latency_us_ = 0;
   std::string current_yaml_;
   double predicted_us_ = 0;

@@ -1,7 +1,6 @@
 #include "planner/online.h"
 
 #include <fnmatch.h>
-#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,33 +10,19 @@
 #include <map>
 #include <numeric>
 #include <set>
-#include <sstream>
 
-#include "common/config.h"
 #include "common/error.h"
 #include "compress/catalogue.h"
 #include "compress/compressor.h"
 #include "planner/chains.h"
 #include "planner/evaluator.h"
+#include "planner/search.h"
 #include "planner/strategy/plan.h"
 
 namespace bytecomp::planner::online {
 
-using config::Document;
-using config::Range;
-using config::Reader;
-
 namespace {
 
-constexpr double kMelem = 1048576.0;
-
-// A change of strategy is kept only when it shortens the predicted
-// iteration by more than the model's resolution: the fits and the
-// calibration are not better than this, and a "gain" below it (a
-// 64-element vector compressed on a saturated link) is noise that costs
-// accuracy and server work for nothing.
-constexpr double kMinGainFraction = 1e-3;
-constexpr double kMinGainUs = 5.0;
 // Bounds of the effective link rate calibration derives: without a probe,
 // anything plausible; with one, within a factor of 4 of it (beyond that the
 // probe is not what is wrong: something unmodelled is, and it goes into the
@@ -47,7 +32,6 @@ constexpr double kProbeFactor = 4.0;
 // The compute stretch of a shared host is a correction of the window's
 // contention, not a new measurement: bounded.
 constexpr double kMinStretch = 0.25, kMaxStretch = 4.0;
-constexpr int kRefineRounds = 3;
 constexpr double kCalibrationTolerance = 1e-4;
 
 std::string canonical_spec(std::string_view text) {
@@ -60,187 +44,7 @@ std::string fmt(double v, int prec = 6) {
   return buf;
 }
 
-std::string fmt_fixed(double v, int decimals) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
-  return buf;
-}
-
-void emit_fit(YAML::Emitter& out, const char* key, const LinearFit& f) {
-  out << YAML::Key << key << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key << "a_us"
-      << YAML::Value << f.a_us << YAML::Key << "b_us_per_melem" << YAML::Value
-      << f.b_us_per_melem << YAML::Key << "samples" << YAML::Value << f.samples
-      << YAML::EndMap;
-}
-
-LinearFit read_fit(Reader& parent, const char* key) {
-  LinearFit f;
-  Reader r = parent.section(key);
-  r.get("a_us", f.a_us, Range<double>{0, 1e12})
-      .get("b_us_per_melem", f.b_us_per_melem, Range<double>{0, 1e12})
-      .get("samples", f.samples);
-  r.finish();
-  return f;
-}
-
-void emit_text(YAML::Emitter& out, const char* key, const std::string& text) {
-  out << YAML::Key << key << YAML::Value;
-  // A literal block keeps the text readable and exact when it ends with one
-  // newline; anything else is quoted.
-  const bool literal = !text.empty() && text.back() == '\n' &&
-                       (text.size() < 2 || text[text.size() - 2] != '\n') &&
-                       text.find('\t') == std::string::npos && text.front() != ' ';
-  if (literal) out << YAML::Literal << text;
-  else out << YAML::DoubleQuoted << text;
-}
-
 }  // namespace
-
-// ---------------------------------------------------------------- fits
-
-double LinearFit::at(double elements) const {
-  return std::max(0.0, a_us + b_us_per_melem * elements / kMelem);
-}
-
-LinearFit fit_linear(const std::vector<std::pair<double, double>>& points) {
-  LinearFit f;
-  f.samples = static_cast<uint32_t>(points.size());
-  if (points.empty()) return f;
-  const double n = static_cast<double>(points.size());
-  double sx = 0, sy = 0;
-  for (const auto& [x, y] : points) {
-    sx += x;
-    sy += y;
-  }
-  const double mx = sx / n, my = sy / n;
-  double sxx = 0, sxy = 0;
-  for (const auto& [x, y] : points) {
-    sxx += (x - mx) * (x - mx);
-    sxy += (x - mx) * (y - my);
-  }
-  // Fewer than two distinct x: no slope to fit. The threshold is relative
-  // so that x values differing only by rounding count as one.
-  if (!(sxx > 1e-12 * std::max(1.0, mx * mx) * n)) {
-    f.a_us = my;
-    return f;
-  }
-  const double b = sxy / sxx;  // microseconds per element
-  // A cost is never negative: noisy timings (a loaded machine) can tilt the
-  // free fit below zero, so fall back to the closest non-negative line.
-  if (b < 0) {
-    f.a_us = std::max(0.0, my);
-    return f;
-  }
-  if (my - b * mx < 0) {
-    double sxx0 = 0, sxy0 = 0;
-    for (const auto& [x, y] : points) {
-      sxx0 += x * x;
-      sxy0 += x * y;
-    }
-    f.b_us_per_melem = std::max(0.0, sxy0 / sxx0) * kMelem;
-    return f;
-  }
-  f.b_us_per_melem = b * kMelem;
-  f.a_us = my - b * mx;
-  return f;
-}
-
-// ---------------------------------------------------------------- profile
-
-std::string NodeProfile::to_yaml() const {
-  YAML::Emitter out;
-  out.SetDoublePrecision(17);
-  out << YAML::BeginMap;
-  out << YAML::Key << "version" << YAML::Value << 1;
-  out << YAML::Key << "node_rank" << YAML::Value << node_rank;
-  out << YAML::Key << "local_ranks" << YAML::Value << local_ranks;
-  out << YAML::Key << "pool_threads" << YAML::Value << pool_threads;
-  out << YAML::Key << "cpu_cores" << YAML::Value << cpu_cores;
-  out << YAML::Key << "first_iteration" << YAML::Value << first_iteration;
-  out << YAML::Key << "iterations" << YAML::Value << iterations;
-  out << YAML::Key << "iteration_us" << YAML::Value << iteration_us;
-  out << YAML::Key << "link_gbps" << YAML::Value << link_gbps;
-  out << YAML::Key << "link_latency_us" << YAML::Value << link_latency_us;
-  emit_fit(out, "reduce", reduce);
-  out << YAML::Key << "tensors" << YAML::Value << YAML::BeginSeq;
-  for (const TensorMeasure& t : tensors) {
-    out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value
-        << YAML::DoubleQuoted << t.name << YAML::Key << "elements" << YAML::Value << t.elements
-        << YAML::Key << "ready_us" << YAML::Value << t.ready_us << YAML::EndMap;
-  }
-  out << YAML::EndSeq;
-  out << YAML::Key << "compressors" << YAML::Value << YAML::BeginSeq;
-  for (const CompressorMeasure& c : compressors) {
-    out << YAML::BeginMap << YAML::Key << "spec" << YAML::Value << YAML::DoubleQuoted << c.spec;
-    emit_fit(out, "compress", c.compress);
-    emit_fit(out, "decompress", c.decompress);
-    out << YAML::Key << "bytes_per_element" << YAML::Value << c.bytes_per_element;
-    out << YAML::Key << "fixed_bytes" << YAML::Value << c.fixed_bytes;
-    out << YAML::EndMap;
-  }
-  out << YAML::EndSeq;
-  emit_text(out, "current_strategy", current_strategy_yaml);
-  out << YAML::Key << "train_cpu_us" << YAML::Value << train_cpu_us;
-  out << YAML::Key << "daemon_cpu_us" << YAML::Value << daemon_cpu_us;
-  out << YAML::Key << "host" << YAML::Value << YAML::DoubleQuoted << host;
-  out << YAML::Key << "nodes_on_host" << YAML::Value << nodes_on_host;
-  out << YAML::EndMap;
-  return std::string(out.c_str()) + "\n";
-}
-
-NodeProfile NodeProfile::parse(std::string_view text, std::string name) {
-  Document doc = Document::parse(text, std::move(name));
-  Reader root = doc.root("");
-  NodeProfile p;
-  root.require("iteration_us").require("tensors");
-  root.get("node_rank", p.node_rank)
-      .get("local_ranks", p.local_ranks, Range<uint32_t>{1, 4096})
-      .get("pool_threads", p.pool_threads, Range<uint32_t>{1, 4096})
-      .get("cpu_cores", p.cpu_cores, Range<uint32_t>{1, 65536})
-      .get("first_iteration", p.first_iteration)
-      .get("iterations", p.iterations)
-      .get("iteration_us", p.iteration_us, Range<double>{0, 1e12})
-      .get("link_gbps", p.link_gbps, Range<double>{0, 1e6})
-      .get("link_latency_us", p.link_latency_us, Range<double>{0, 1e9})
-      .get("current_strategy", p.current_strategy_yaml)
-      .get("train_cpu_us", p.train_cpu_us, Range<double>{0, 1e12})
-      .get("daemon_cpu_us", p.daemon_cpu_us, Range<double>{0, 1e12})
-      .get("host", p.host)
-      .get("nodes_on_host", p.nodes_on_host, Range<uint32_t>{1, 65536});
-  if (!(p.iteration_us > 0)) root.fail("iteration_us", "must be positive", "> 0");
-  p.reduce = read_fit(root, "reduce");
-  std::set<std::string> names;
-  for (Reader& r : root.list("tensors")) {
-    TensorMeasure t;
-    r.require("name").require("elements").require("ready_us");
-    r.get("name", t.name)
-        .get("elements", t.elements, Range<uint64_t>{1, 1ull << 40})
-        .get("ready_us", t.ready_us, Range<double>{0, 1e12});
-    if (t.name.empty()) r.fail("name", "empty tensor name");
-    if (!names.insert(t.name).second) r.fail("name", "tensor '" + t.name + "' is listed twice");
-    r.finish();
-    p.tensors.push_back(std::move(t));
-  }
-  if (p.tensors.empty()) root.fail("tensors", "a profile needs at least one tensor");
-  for (Reader& r : root.list("compressors")) {
-    CompressorMeasure c;
-    r.require("spec");
-    r.get("spec", c.spec);
-    try {
-      (void)canonical_spec(c.spec);
-    } catch (const Error& e) {
-      r.fail("spec", e.what());
-    }
-    c.compress = read_fit(r, "compress");
-    c.decompress = read_fit(r, "decompress");
-    r.get("bytes_per_element", c.bytes_per_element, Range<double>{0, 64})
-        .get("fixed_bytes", c.fixed_bytes, Range<double>{0, 1e9});
-    r.finish();
-    p.compressors.push_back(std::move(c));
-  }
-  root.finish();
-  return p;
-}
 
 // ---------------------------------------------------------------- merge
 
@@ -485,206 +289,6 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
   return c;
 }
 
-// Coordinate descent over the candidate options from `start`: first whole
-// groups of equal-sized tensors (what Algorithm 2 moves together; a tensor
-// of a size of its own is a group of one), largest first, then runs of a
-// group's members from either end in ready order and single tensors of a
-// size of their own, keeping only changes that beat the gain threshold. From a hand
-// strategy (`cleanup`: uniform, so what it can improve on is whole groups)
-// the group moves only, then tensors whose compression gains less than the
-// resolution go back to none.
-std::pair<Assignment, double> refine(Problem& p, const std::vector<std::vector<int>>& cands,
-                                     const std::vector<int>& by_size, Assignment start,
-                                     bool cleanup, bool shortcuts) {
-  Evaluator ev(p);
-  ev.set_shortcuts(shortcuts);
-  ev.set_base(start);
-  double best = ev.base_value();
-  auto threshold = [&](double v) { return std::max(kMinGainUs, kMinGainFraction * v); };
-  // What changing tensor i's option can gain at most: the work it takes
-  // off the link and off the CPU (a change never speeds up the backward
-  // pass). Tensors whose bound is below the threshold are not tried: most
-  // of a Transformer's tensors are biases and norms.
-  const int n = p.tensors();
-  std::vector<double> bound(n, 0);
-  {
-    std::vector<Op> ops;
-    for (int i = 0; i < n; ++i) {
-      std::vector<std::pair<double, double>> work;  // (link, cpu) per candidate
-      for (int o : cands[i]) {
-        double link = 0, cpu = 0;
-        for (int c = p.first_chunk(i); c < p.first_chunk(i + 1); ++c) {
-          p.chain_into(p.chunks()[c].elements, o, ops);
-          for (const Op& op : ops) {
-            if (op.fork()) continue;
-            (op.resource == Resource::kCpu ? cpu : link) += op.duration_us;
-          }
-        }
-        work.push_back({link, cpu});
-      }
-      for (const auto& a : work)
-        for (const auto& b : work)
-          bound[i] = std::max(bound[i], std::max(0.0, a.first - b.first) +
-                                            std::max(0.0, a.second - b.second));
-    }
-  }
-  // Groups of equal element count among tensors that have a choice.
-  std::map<uint64_t, std::vector<int>, std::greater<>> groups;
-  for (int i : by_size)
-    if (cands[i].size() > 1) groups[p.profile().tensors[i].elements].push_back(i);
-  std::vector<std::pair<int, int>> changes;
-  auto group_pass = [&] {
-    bool moved = false;
-    for (auto& [size, members] : groups) {
-      std::sort(members.begin(), members.end());
-      double group_bound = 0;
-      for (int i : members) group_bound += bound[i];
-      if (group_bound < threshold(best)) continue;
-      // One move, one threshold: a group of small tensors that together
-      // shorten a saturated link's queue pays even where each alone is
-      // below the resolution. The group takes its best option.
-      double need = best - threshold(best);
-      int pick = -1;
-      for (int o : cands[members.front()]) {
-        changes.clear();
-        for (int i : members)
-          if (ev.base()[i] != o) changes.push_back({i, o});
-        if (changes.empty()) continue;
-        const double v = ev.try_changes(changes, need);
-        if (v < need) {
-          need = v;
-          pick = o;
-        }
-      }
-      if (pick >= 0) {
-        for (int i : members)
-          if (ev.base()[i] != pick) ev.commit(i, pick);
-        best = need;
-        moved = true;
-      }
-    }
-    return moved;
-  };
-  // Tensor i takes its best other option if that beats the threshold.
-  auto single = [&](int i) {
-    if (cands[i].size() < 2 || bound[i] < threshold(best)) return false;
-    int pick = -1;
-    double need = best - threshold(best);
-    for (int o : cands[i]) {
-      if (o == ev.base()[i]) continue;
-      const double v = ev.try_option(i, o, need);
-      if (v < need) {
-        need = v;
-        pick = o;
-      }
-    }
-    if (pick < 0) return false;
-    // try_option's value below the cutoff is exact: no re-simulation.
-    ev.commit(i, pick);
-    best = need;
-    return true;
-  };
-  // The members of a group (in ready order) differ only in when their
-  // gradients are ready, and what choosing per tensor finds among them is
-  // a run from one end: the earliest have the whole backward pass left to
-  // hide a transfer in, the latest have none. Runs of 1, 2, 4, ... members
-  // from either end try each other option, growing while they pay (two
-  // misses in a row end a run); the best run is taken.
-  // (Members too small to matter one by one move with their whole group
-  // only: all members of a group have the same bound.)
-  auto runs = [&](const std::vector<int>& members) {
-    const size_t m = members.size();
-    if (bound[members.front()] < threshold(best)) return false;
-    double need = best - threshold(best);
-    std::vector<std::pair<int, int>> pick;
-    for (int o : cands[members.front()]) {
-      for (int from_end = 0; from_end < 2; ++from_end) {
-        auto member = [&](size_t q) { return members[from_end ? m - 1 - q : q]; };
-        int misses = 0;
-        for (size_t k = 1; k < m && misses < 2; k *= 2) {
-          changes.clear();
-          for (size_t q = 0; q < k; ++q)
-            if (ev.base()[member(q)] != o) changes.push_back({member(q), o});
-          if (changes.empty()) continue;
-          std::sort(changes.begin(), changes.end());
-          const double v = changes.size() == 1 ? ev.try_option(changes[0].first, o, need)
-                                               : ev.try_changes(changes, need);
-          if (v < need) {
-            need = v;
-            pick = changes;
-            misses = 0;
-          } else {
-            ++misses;
-          }
-        }
-      }
-    }
-    if (pick.empty()) return false;
-    for (auto [i, o] : pick) ev.commit(i, o);
-    best = need;
-    return true;
-  };
-  // Round after round over the groups (at most kRefineRounds), until every
-  // group has been tried against the current base without a change: a
-  // group tried since the last change would only repeat its answers.
-  std::vector<const std::vector<int>*> order;
-  for (const auto& [size, members] : groups) order.push_back(&members);
-  auto local_rounds = [&] {
-    const size_t g = order.size();
-    size_t quiet = 0;
-    for (size_t step = 0; step < kRefineRounds * g && quiet < g; ++step) {
-      const std::vector<int>& members = *order[step % g];
-      const bool moved = members.size() == 1 ? single(members.front()) : runs(members);
-      quiet = moved ? 0 : quiet + 1;
-    }
-  };
-  group_pass();
-  if (!cleanup) {
-    local_rounds();
-    // Local changes move the link's queue; a group that did not pay before
-    // may pay now (and then the local moves once more).
-    if (group_pass()) local_rounds();
-  }
-  // Uncompressed is preferred where compression gains less than the
-  // resolution (smallest tensors first): together these reverts cost at
-  // most one threshold, so what stays compressed is what pays.
-  // (Only from a hand strategy: from nothing compressed, no tensor was
-  // compressed for less than the threshold.) The first tensors that do not
-  // fit the budget mean the rest will not either: it stops after a few.
-  const double budget = best + threshold(best);
-  int misses = 0;
-  // Smallest groups first; a whole group of equal-sized tensors is tried at
-  // once (most of a Transformer's are 110 vectors of one size), then its
-  // members one by one.
-  for (auto g = groups.rbegin(); cleanup && g != groups.rend() && misses < 8; ++g) {
-    changes.clear();
-    for (int i : g->second)
-      if (ev.base()[i] != 0) changes.push_back({i, 0});
-    if (changes.empty()) continue;
-    if (changes.size() > 1) {
-      const double v = ev.try_changes(changes, budget);
-      if (v < budget) {
-        for (auto [i, opt] : changes) ev.commit(i, opt);
-        best = v;
-        misses = 0;
-        continue;
-      }
-    }
-    for (auto [i, opt] : changes) {
-      if (misses >= 8) break;
-      const double v = ev.try_option(i, 0, budget);
-      if (v < budget) {
-        ev.commit(i, 0);
-        best = v;
-        misses = 0;
-      } else {
-        ++misses;
-      }
-    }
-  }
-  return {ev.base(), ev.base_value()};
-}
-
 // decide() and its reference: `shortcuts` off, every candidate the search
 // tries is simulated to its end (Evaluator::set_shortcuts).
 Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortcuts,
@@ -909,14 +513,14 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
     }
   }
 
-  auto [plan_a, plan_v] = refine(p, choice, by_size, Assignment(n, 0), false, shortcuts);
-  if (plan_v > best_alt_us + std::max(kMinGainUs, kMinGainFraction * best_alt_us)) {
+  auto [plan_a, plan_v] = refine_groups(p, choice, by_size, Assignment(n, 0), false, shortcuts);
+  if (plan_v > best_alt_us + resolution_us(best_alt_us)) {
     // Coordinate descent from nothing compressed can stall where only many
     // tensors changing together pay; the best hand strategy is the other
     // start. From there the tiny tensors keep what it gave them, so take it
     // only when it is genuinely better.
-    auto [alt_a, alt_v] = refine(p, choice, by_size, *best_alt, true, shortcuts);
-    if (alt_v < plan_v - std::max(kMinGainUs, kMinGainFraction * plan_v)) {
+    auto [alt_a, alt_v] = refine_groups(p, choice, by_size, *best_alt, true, shortcuts);
+    if (alt_v < plan_v - resolution_us(plan_v)) {
       plan_a = alt_a;
       plan_v = alt_v;
     }
@@ -1014,127 +618,6 @@ double detail::best_single_move_gain(const NodeProfile& merged, const AutoConfig
   double gain = 0;
   decide_with(merged, cfg, true, &gain);
   return gain;
-}
-
-// ---------------------------------------------------------------- record
-
-std::string Decision::to_yaml() const {
-  YAML::Emitter out;
-  out.SetDoublePrecision(17);
-  out << YAML::BeginMap;
-  out << YAML::Key << "version" << YAML::Value << 1;
-  out << YAML::Key << "predicted_us" << YAML::Value << predicted_us;
-  out << YAML::Key << "measured_us" << YAML::Value << measured_us;
-  out << YAML::Key << "decision_ms" << YAML::Value << decision_ms;
-  out << YAML::Key << "tensors" << YAML::Value << YAML::BeginSeq;
-  for (const TensorChoice& t : tensors) {
-    out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value
-        << YAML::DoubleQuoted << t.name << YAML::Key << "bytes" << YAML::Value << t.bytes
-        << YAML::Key << "option" << YAML::Value << YAML::DoubleQuoted << t.option << YAML::Key
-        << "excluded" << YAML::Value << t.excluded << YAML::EndMap;
-  }
-  out << YAML::EndSeq;
-  out << YAML::Key << "alternatives" << YAML::Value << YAML::BeginSeq;
-  for (const Alternative& a : alternatives) {
-    out << YAML::BeginMap << YAML::Key << "name" << YAML::Value << YAML::DoubleQuoted << a.name
-        << YAML::Key << "predicted_us" << YAML::Value << a.predicted_us;
-    emit_text(out, "strategy", a.strategy_yaml);
-    out << YAML::EndMap;
-  }
-  out << YAML::EndSeq;
-  emit_text(out, "strategy", strategy.to_yaml());
-  emit_text(out, "timeline_json", timeline_json);
-  out << YAML::EndMap;
-  return std::string(out.c_str()) + "\n";
-}
-
-Decision Decision::parse(std::string_view text, std::string name) {
-  Document doc = Document::parse(text, name);
-  Reader root = doc.root("");
-  Decision d;
-  root.require("predicted_us").require("strategy").require("tensors");
-  std::string strategy_text;
-  root.get("predicted_us", d.predicted_us, Range<double>{0, 1e15})
-      .get("measured_us", d.measured_us, Range<double>{0, 1e15})
-      .get("decision_ms", d.decision_ms, Range<double>{0, 1e12})
-      .get("strategy", strategy_text)
-      .get("timeline_json", d.timeline_json);
-  for (Reader& r : root.list("tensors")) {
-    TensorChoice t;
-    r.require("name").require("option");
-    r.get("name", t.name).get("bytes", t.bytes).get("option", t.option).get("excluded", t.excluded);
-    if (t.name.empty()) r.fail("name", "empty tensor name");
-    r.finish();
-    d.tensors.push_back(std::move(t));
-  }
-  for (Reader& r : root.list("alternatives")) {
-    Alternative a;
-    r.require("name").require("predicted_us");
-    r.get("name", a.name)
-        .get("predicted_us", a.predicted_us, Range<double>{0, 1e15})
-        .get("strategy", a.strategy_yaml);
-    if (!a.strategy_yaml.empty()) {
-      try {
-        (void)Strategy::parse(a.strategy_yaml, name + ": alternative '" + a.name + "' strategy");
-      } catch (const std::exception& e) {
-        r.fail("strategy", e.what());
-      }
-    }
-    r.finish();
-    d.alternatives.push_back(std::move(a));
-  }
-  root.finish();
-  d.strategy = Strategy::parse(strategy_text, name + ": strategy");
-  return d;
-}
-
-std::string Decision::explain() const {
-  std::ostringstream os;
-  size_t w = 6;
-  for (const TensorChoice& t : tensors) w = std::max(w, t.name.size());
-  int compressed = 0;
-  uint64_t total = 0, squeezed = 0;
-  for (const TensorChoice& t : tensors) {
-    total += t.bytes;
-    if (t.option.rfind("none", 0) != 0) {
-      ++compressed;
-      squeezed += t.bytes;
-    }
-  }
-  os << "Decision: " << compressed << " of " << tensors.size() << " tensors compressed ("
-     << fmt_fixed(total ? 100.0 * static_cast<double>(squeezed) / static_cast<double>(total) : 0, 1)
-     << "% of the bytes)\n";
-  auto meta_of = [&](const char* k) {
-    auto it = strategy.meta.find(k);
-    return it == strategy.meta.end() ? std::string() : it->second;
-  };
-  if (std::string link = meta_of("calibration.link_gbps"); !link.empty())
-    os << "model: link " << link << " Gbit/s, " << meta_of("calibration.link_source")
-       << "; residual " << meta_of("calibration.residual_us") << " us, scale "
-       << meta_of("calibration.scale") << "\n";
-  // The option's first word is the compressor and its parameters; the rest
-  // (scheme, collectives) is the same sharded shape for every tensor and is
-  // in plan.yaml.
-  os << "\n" << "tensor" << std::string(w - 6 + 2, ' ') << "      bytes  choice\n";
-  for (const TensorChoice& t : tensors) {
-    const std::string b = std::to_string(t.bytes);
-    std::string what = t.option.substr(0, t.option.find(' '));
-    if (t.option.find(" ef ") != std::string::npos) what += " +ef";
-    os << t.name << std::string(w - t.name.size() + 2, ' ')
-       << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << what
-       << (t.excluded ? "  (excluded)" : "") << "\n";
-  }
-  os << "\npredicted iteration: " << fmt_fixed(predicted_us / 1e3, 2) << " ms\n";
-  os << "measured before the decision: " << fmt_fixed(measured_us / 1e3, 2) << " ms\n";
-  if (!alternatives.empty()) {
-    os << "\nalternatives (predicted):\n";
-    size_t aw = 4;
-    for (const Alternative& a : alternatives) aw = std::max(aw, a.name.size());
-    for (const Alternative& a : alternatives)
-      os << "  " << a.name << std::string(aw - a.name.size() + 2, ' ')
-         << fmt_fixed(a.predicted_us / 1e3, 2) << " ms\n";
-  }
-  return os.str();
 }
 
 }  // namespace bytecomp::planner::online

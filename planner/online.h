@@ -1,6 +1,9 @@
 // The online planner: from what the nodes measured during a window of
 // iterations to one per-tensor strategy for the whole job (issue 13; the
 // coordinator links this library, docs/planner.md "Online planning").
+// online.cc: merge, calibration, decide(); online_record.cc: the decision
+// record; its search is refine_groups() (search.h, refine.cc); the
+// profile's YAML is planner/strategy/profile.cc.
 //
 // The model is the planner's timeline simulator (planner/evaluator.h) on
 // CPU-only nodes (Cluster::cpu_nodes): no GPU, no intra-node link; the
@@ -31,74 +34,19 @@
 #include <utility>
 #include <vector>
 
+#include "planner/strategy/profile.h"
 #include "planner/strategy/strategy.h"
 
 namespace bytecomp::planner::online {
 
-// cost(n) = a_us + b_us_per_melem * n / 2^20 microseconds, never below 0.
-struct LinearFit {
-  double a_us = 0;
-  double b_us_per_melem = 0;
-  uint32_t samples = 0;  // points the fit was made from
-  double at(double elements) const;
-};
-
-// Least squares of (elements, microseconds) points. With fewer than two
-// distinct x values: a = mean of the times, b = 0. Empty: all zero. Never
-// negative: a negative slope gives a = mean, b = 0; a negative intercept the
-// least-squares line through the origin.
-LinearFit fit_linear(const std::vector<std::pair<double, double>>& points);
-
-struct TensorMeasure {
-  std::string name;
-  uint64_t elements = 0;  // fp32 elements
-  // Median over the window of the time since iteration start at which every
-  // local rank had submitted this gradient (push arrival at the daemon).
-  double ready_us = 0;
-};
-
-struct CompressorMeasure {
-  std::string spec;  // as the user wrote it: "efsignsgd", "topk:0.01"
-  // One compress / decompress call of n elements on one pool thread of this
-  // node.
-  LinearFit compress, decompress;
-  // Measured wire size: fixed_bytes + bytes_per_element * n.
-  double bytes_per_element = 4, fixed_bytes = 0;
-};
-
-struct NodeProfile {
-  uint32_t node_rank = 0, local_ranks = 1, pool_threads = 1, cpu_cores = 1;
-  uint64_t first_iteration = 0, iterations = 0;  // the measured window
-  double iteration_us = 0;                       // median measured iteration time
-  std::vector<TensorMeasure> tensors;            // the job's declaration order (NOT ready order)
-  LinearFit reduce;                              // intra-node sum of one partition, this node
-  std::vector<CompressorMeasure> compressors;
-  double link_gbps = 0, link_latency_us = 0;     // node<->servers probe; 0 = unknown
-  std::string current_strategy_yaml;             // what ran during the window ("" = uncompressed)
-  // CPU time (user + system) one local rank's process spent per iteration
-  // of the window (mean over the ranks); 0 = unknown.
-  double train_cpu_us = 0;
-  // CPU time the daemon's process spent per iteration of the window (its
-  // engine, pool and transport threads); 0 = unknown.
-  double daemon_cpu_us = 0;
-  // The host's identity (its boot id): nodes with the same one share its
-  // cores (an emulated cluster, or several daemons on one machine); "" =
-  // unknown, counted as a host of its own.
-  std::string host;
-  // Set by merge(): the most nodes of the job on one host (1 for profiles
-  // that were not merged).
-  uint32_t nodes_on_host = 1;
-
-  // Versioned YAML (version: 1): the keys are the field names, except
-  // current_strategy (for current_strategy_yaml, a string); fits are
-  // {a_us, b_us_per_melem, samples}; tensors and compressors are lists of
-  // mappings (planner/profiles/online/resnet18.yaml is an example).
-  // parse(to_yaml()) gives back an equal profile.
-  std::string to_yaml() const;
-  // Throws config::ConfigError located at file:line:col with the key path
-  // for malformed or out-of-range items (`name` stands for the file).
-  static NodeProfile parse(std::string_view text, std::string name);
-};
+// The nodes' measurements are the profile contract of the strategy
+// library (planner/strategy/profile.h: the daemon links it without the
+// planner); the planner names them as its inputs.
+using strategy::CompressorMeasure;
+using strategy::fit_linear;
+using strategy::LinearFit;
+using strategy::NodeProfile;
+using strategy::TensorMeasure;
 
 // The job's view of several nodes' profiles: per tensor the latest ready
 // time of any node, the longest iteration, the narrowest link (smallest

@@ -5,8 +5,10 @@
 // concurrently on the same Problem (its chain cache).
 #pragma once
 
+#include <algorithm>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "planner/simulator.h"
@@ -87,5 +89,32 @@ Problem random_small_problem(std::mt19937& rng, const CostTable& costs, int tens
 
 // Strategy file for a plan: one exact entry per tensor.
 Strategy to_strategy(const Problem& p, const Assignment& a);
+
+// ---- the online planner's search (planner/online.h decide(); refine.cc)
+
+// A change of strategy is kept only when it shortens the predicted
+// iteration by more than the model's resolution: the fits and the
+// calibration are not better than this, and a "gain" below it (a
+// 64-element vector compressed on a saturated link) is noise that costs
+// accuracy and server work for nothing.
+constexpr double kMinGainFraction = 1e-3;
+constexpr double kMinGainUs = 5.0;
+// The resolution at a predicted iteration of `us` microseconds.
+constexpr double resolution_us(double us) { return std::max(kMinGainUs, kMinGainFraction * us); }
+
+// Coordinate descent over the candidate options from `start`: first whole
+// groups of equal-sized tensors (what Algorithm 2 moves together; a tensor
+// of a size of its own is a group of one), largest first, then runs of a
+// group's members from either end in ready order and single tensors of a
+// size of their own, keeping only changes that beat the resolution. From a
+// hand strategy (`cleanup`: uniform, so what it can improve on is whole
+// groups) the group moves only, then tensors whose compression gains less
+// than the resolution go back to none (option 0).
+// `cands[i]`: tensor i's candidate option indices (problem order);
+// `by_size`: the tensors by element count, largest first; `shortcuts`:
+// Evaluator::set_shortcuts. Returns the assignment and its value.
+std::pair<Assignment, double> refine_groups(Problem& p, const std::vector<std::vector<int>>& cands,
+                                            const std::vector<int>& by_size, Assignment start,
+                                            bool cleanup, bool shortcuts);
 
 }  // namespace bytecomp::planner
