@@ -26,7 +26,7 @@ struct TensorView {
   std::string dtype;
   uint64_t count = 0;
   uint64_t bytes = 0;
-  std::string option;      // planner::Option::describe() of the strategy in force
+  std::string option;      // strategy::Option::describe() of the strategy in force
   std::string compressor;  // "none" when uncompressed
 };
 

@@ -91,13 +91,13 @@ class Daemon {
   void sample(Job& j);
   void write_metrics();
   // Loads config_.strategy_file (nullptr when none); throws Error.
-  std::shared_ptr<const planner::Strategy> load_strategy() const;
+  std::shared_ptr<const strategy::Strategy> load_strategy() const;
 
   DaemonConfig config_;
   std::optional<std::string> config_path_;
   std::string instance_;
   Tunables tunables_;
-  std::shared_ptr<const planner::Strategy> strategy_;
+  std::shared_ptr<const strategy::Strategy> strategy_;
   std::string strategy_text_;  // the file's text, sent to the coordinator
   std::unique_ptr<server::PsClient> ps_client_;  // null: single-node only
   std::unique_ptr<PeerHub> peer_hub_;  // null: no internode.peer_listen

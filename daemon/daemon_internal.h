@@ -64,7 +64,7 @@ struct Daemon::Job {
   // The job's own strategy (every local rank passed the same text), null:
   // the daemon's default; reference_rank is the rank that started first.
   std::optional<ipc::StrategyMsg> strategy;
-  std::shared_ptr<const planner::Strategy> own_strategy;
+  std::shared_ptr<const strategy::Strategy> own_strategy;
   uint32_t reference_rank = 0;
   uint32_t started = 0;
   Clock::time_point setup_deadline;
@@ -84,7 +84,7 @@ struct Daemon::Job {
   Clock::time_point created = Clock::now();
   ipc::Layout layout;
   std::shared_ptr<JobByteCounters> bytes = std::make_shared<JobByteCounters>();
-  std::shared_ptr<const planner::Strategy> active_strategy;  // null: uncompressed
+  std::shared_ptr<const strategy::Strategy> active_strategy;  // null: uncompressed
   std::string strategy_mode = "none";
   std::string strategy_source;
   uint64_t pushpulls = 0;

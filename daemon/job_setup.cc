@@ -9,10 +9,10 @@
 
 namespace bytecomp::daemon {
 
-std::shared_ptr<const planner::Strategy> Daemon::load_strategy() const {
+std::shared_ptr<const strategy::Strategy> Daemon::load_strategy() const {
   if (config_.strategy_file.empty()) return nullptr;
-  return std::make_shared<const planner::Strategy>(
-      planner::Strategy::load_file(config_.strategy_file));
+  return std::make_shared<const strategy::Strategy>(
+      strategy::Strategy::load_file(config_.strategy_file));
 }
 
 
@@ -24,8 +24,8 @@ void Daemon::maybe_start(Job& j) {
     try {
       auto_spec = strategy::AutoSpec::parse_job_text(j.strategy->text, j.strategy->source);
       if (!auto_spec)
-        j.own_strategy = std::make_shared<const planner::Strategy>(
-            planner::Strategy::parse(j.strategy->text, j.strategy->source));
+        j.own_strategy = std::make_shared<const strategy::Strategy>(
+            strategy::Strategy::parse(j.strategy->text, j.strategy->source));
     } catch (const Error& e) {
       abort_job(j, ErrorCode::kInvalidArgument,
                 "cannot start the job: the job's strategy '" + j.strategy->source +
@@ -41,7 +41,7 @@ void Daemon::maybe_start(Job& j) {
   const bool auto_job = auto_spec && j.num_nodes > 1;
   // The job's own strategy overrides the daemon's default for this job only;
   // an auto job starts uncompressed (its warm-up is the profile).
-  const std::shared_ptr<const planner::Strategy> strategy =
+  const std::shared_ptr<const strategy::Strategy> strategy =
       auto_spec ? nullptr : j.own_strategy ? j.own_strategy : strategy_;
   const std::string strategy_source =
       j.own_strategy ? j.strategy->source : config_.strategy_file;
@@ -292,10 +292,10 @@ std::pair<bool, std::string> Daemon::reload() {
     // Everything is read and checked before anything is applied, so a bad
     // file leaves the daemon exactly as it was.
     DaemonConfig next = DaemonConfig::parse(config::Document::locate(config_path_, "daemon.yaml"));
-    std::shared_ptr<const planner::Strategy> strategy;
+    std::shared_ptr<const strategy::Strategy> strategy;
     if (!next.strategy_file.empty()) {
-      strategy = std::make_shared<const planner::Strategy>(
-          planner::Strategy::load_file(next.strategy_file));
+      strategy = std::make_shared<const strategy::Strategy>(
+          strategy::Strategy::load_file(next.strategy_file));
     }
     std::string kept;
     for (auto [changed, key] : {std::pair{next.socket_path != config_.socket_path, "control.socket"},

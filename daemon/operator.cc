@@ -233,15 +233,15 @@ JobView Daemon::job_view(Job& j, bool with_tensors) {
   v.compress_counted = j.engine != nullptr;
   v.compress_input_bytes = j.bytes->input_bytes.load();
   v.compress_output_bytes = j.bytes->output_bytes.load();
-  std::shared_ptr<const planner::Strategy> in_force = j.active_strategy;
+  std::shared_ptr<const strategy::Strategy> in_force = j.active_strategy;
   if (j.tuner) {
     const AutoTuner::View t = j.tuner->view();
     v.auto_view = AutoView{t.state, t.epoch, t.predicted_us / 1e6, t.link_gbps,
                            t.link_latency_us, t.decisions, t.replans, t.last_message, t.run_dir};
     if (!t.strategy_yaml.empty()) {
       try {
-        in_force = std::make_shared<const planner::Strategy>(
-            planner::Strategy::parse(t.strategy_yaml, "auto decision"));
+        in_force = std::make_shared<const strategy::Strategy>(
+            strategy::Strategy::parse(t.strategy_yaml, "auto decision"));
       } catch (const Error&) {
         // The coordinator checked it; a strategy that does not parse here
         // shows as uncompressed rather than failing the operator's request.
@@ -249,10 +249,10 @@ JobView Daemon::job_view(Job& j, bool with_tensors) {
     }
   }
   if (with_tensors) {
-    const planner::Option none;
+    const strategy::Option none;
     for (const auto& d : j.reference) {
       const uint64_t bytes = d.count * ipc::dtype_size(d.dtype);
-      const planner::Option& o = in_force ? in_force->resolve(d.name, bytes) : none;
+      const strategy::Option& o = in_force ? in_force->resolve(d.name, bytes) : none;
       v.tensor_list.push_back({d.name, ipc::dtype_name(d.dtype), d.count, bytes, o.describe(),
                                o.compressor});
     }

@@ -2,7 +2,7 @@
 
 namespace bytecomp::daemon {
 
-std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std::string& source,
+std::vector<TensorPlan> make_plans(const strategy::Strategy& strategy, const std::string& source,
                                    const std::vector<TensorSpec>& tensors) {
   return strategy::make_plans(strategy, source, tensors);
 }

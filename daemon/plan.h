@@ -19,7 +19,7 @@ using strategy::uncompressed_plans;
 
 // strategy::make_plans over the job's tensors. Throws Error(kInvalidArgument)
 // naming `source` (the strategy file), the tensor and the reason.
-std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std::string& source,
+std::vector<TensorPlan> make_plans(const strategy::Strategy& strategy, const std::string& source,
                                    const std::vector<TensorSpec>& tensors);
 
 }  // namespace bytecomp::daemon

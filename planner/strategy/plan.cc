@@ -67,10 +67,10 @@ std::string additive_names() {
   return s;
 }
 
-TensorPlan map_option(const planner::Option& o, Scope scope) {
-  using planner::Collective;
+TensorPlan map_option(const strategy::Option& o, Scope scope) {
+  using strategy::Collective;
   TensorPlan plan;
-  plan.option = std::make_shared<const planner::Option>(o);
+  plan.option = std::make_shared<const strategy::Option>(o);
   switch (o.inter) {
     case Collective::kAllgather: plan.placement = Placement::kPeer; break;
     case Collective::kReduceBroadcast:
@@ -82,7 +82,7 @@ TensorPlan map_option(const planner::Option& o, Scope scope) {
   // themselves, so the cluster's plan carries it with the node's rules.
   if (plan.placement == Placement::kPeer) scope = Scope::kNode;
 
-  const bool reducing = planner::is_reducing(o.inter);
+  const bool reducing = strategy::is_reducing(o.inter);
   compress::CompressorSpec spec{o.compressor, o.params};
   if (scope == Scope::kNode) {
     if (spec.params.count("ef") != 0)
@@ -104,7 +104,7 @@ TensorPlan map_option(const planner::Option& o, Scope scope) {
     if (!plan.compressor->additive())
       throw Refused{"compressor '" + o.compressor +
                     "' is not additive, so the servers cannot sum it compressed under '" +
-                    planner::to_string(o.inter) +
+                    strategy::to_string(o.inter) +
                     "' (accepted: " + additive_names() +
                     "; or use alltoall_allgather / gather_broadcast)"};
     plan.sum = SumMode::kCompressed;
@@ -126,7 +126,7 @@ TensorPlan map_option(const planner::Option& o, Scope scope) {
 
 }  // namespace
 
-TensorPlan plan_for_option(const planner::Option& option, std::string_view tensor, Scope scope) {
+TensorPlan plan_for_option(const strategy::Option& option, std::string_view tensor, Scope scope) {
   try {
     return map_option(option, scope);
   } catch (const Refused& r) {
@@ -134,9 +134,9 @@ TensorPlan plan_for_option(const planner::Option& option, std::string_view tenso
   }
 }
 
-std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std::string& source,
+std::vector<TensorPlan> make_plans(const strategy::Strategy& strategy, const std::string& source,
                                    std::span<const PlanTensor> tensors) {
-  std::vector<planner::TensorDecl> decls;
+  std::vector<strategy::TensorDecl> decls;
   decls.reserve(tensors.size());
   for (const auto& t : tensors) decls.push_back({t.name, t.bytes()});
   try {
@@ -147,7 +147,7 @@ std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std:
   std::vector<TensorPlan> plans;
   plans.reserve(tensors.size());
   for (const auto& t : tensors) {
-    const planner::Option& o = strategy.resolve(t.name, t.bytes());
+    const strategy::Option& o = strategy.resolve(t.name, t.bytes());
     auto fail = [&](const std::string& why) {
       throw Error(ErrorCode::kInvalidArgument, "strategy " + source + ": tensor '" + t.name +
                                                    "' resolves to [" + o.describe() + "]: " + why);

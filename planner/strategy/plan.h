@@ -80,7 +80,7 @@ struct TensorPlan {
   // (pushes are raw fp32, count * 4 bytes).
   std::shared_ptr<const compress::Compressor> compressor;
   // The strategy option the plan was made from (null in a default plan).
-  std::shared_ptr<const planner::Option> option;
+  std::shared_ptr<const strategy::Option> option;
 
   bool compressed_push() const { return compressor != nullptr; }
   // Canonical spec of `compressor` (every parameter filled in); empty name
@@ -101,7 +101,7 @@ struct TensorPlan {
 // The mapping above. Throws Error(kInvalidArgument) "tensor '<name>': <why>"
 // for options it cannot run (a non-additive compressor under a reducing
 // collective, bad compressor parameters, and the kNode refusals).
-TensorPlan plan_for_option(const planner::Option& option, std::string_view tensor,
+TensorPlan plan_for_option(const strategy::Option& option, std::string_view tensor,
                            Scope scope = Scope::kCluster);
 
 // One declared tensor of a job: the one description the daemon, the PS
@@ -122,7 +122,7 @@ struct PlanTensor {
 // undeclared tensor, an option the CPU runtime cannot execute, a compressor
 // on a tensor that is not float32, bad compressor parameters, or error
 // feedback asked of a compressor that has none. Throws Error(kInvalidArgument).
-std::vector<TensorPlan> make_plans(const planner::Strategy& strategy, const std::string& source,
+std::vector<TensorPlan> make_plans(const strategy::Strategy& strategy, const std::string& source,
                                    std::span<const PlanTensor> tensors);
 
 // Plans without a strategy: every tensor uncompressed.

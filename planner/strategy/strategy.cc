@@ -15,7 +15,7 @@
 #include "compress/catalogue.h"
 #include "common/record.h"
 
-namespace bytecomp::planner {
+namespace bytecomp::strategy {
 
 using config::ConfigError;
 using config::Document;
@@ -464,4 +464,4 @@ void Strategy::check_cpu_runtime(const std::vector<TensorDecl>& declared) const 
   }
 }
 
-}  // namespace bytecomp::planner
+}  // namespace bytecomp::strategy

@@ -25,7 +25,7 @@
 
 #include "common/types.h"
 
-namespace bytecomp::planner {
+namespace bytecomp::strategy {
 
 // The YAML text is "gpu" / "cpu" (device_name, parse_device).
 using Device = bytecomp::Device;
@@ -191,4 +191,29 @@ class Strategy {
   Option default_;
 };
 
+}  // namespace bytecomp::strategy
+
+// The planner writes strategies: inside it the format's names read as its own.
+namespace bytecomp::planner {
+using strategy::Collective;
+using strategy::Device;
+using strategy::Entry;
+using strategy::Option;
+using strategy::Rule;
+using strategy::Scheme;
+using strategy::Stage;
+using strategy::Strategy;
+using strategy::TensorDecl;
+using strategy::compressor_names;
+using strategy::cpu_runtime_unsupported;
+using strategy::device_name;
+using strategy::is_additive_compressor;
+using strategy::is_divisible;
+using strategy::is_reducing;
+using strategy::parse_collective;
+using strategy::parse_device;
+using strategy::parse_scheme;
+using strategy::parse_stage;
+using strategy::runtime_inter_mode;
+using strategy::to_string;
 }  // namespace bytecomp::planner

@@ -6,8 +6,8 @@ namespace bytecomp::strategy {
 
 std::vector<TensorPlan> plans_for(Scope scope, std::span<const PlanTensor> tensors,
                                   std::string_view yaml, const std::string& source) {
-  planner::Strategy strategy;
-  if (!yaml.empty()) strategy = planner::Strategy::parse(yaml, source);
+  strategy::Strategy strategy;
+  if (!yaml.empty()) strategy = strategy::Strategy::parse(yaml, source);
   if (scope == Scope::kNode) return make_plans(strategy, source, tensors);
   std::vector<TensorPlan> plans;
   plans.reserve(tensors.size());
