@@ -82,6 +82,29 @@ class InstallTest(unittest.TestCase):
             p = self.under(os.path.join(DIRS["bindir"], b))
             self.assertTrue(os.access(p, os.X_OK), p)
 
+    def test_python_package_is_the_client_only(self):
+        """The installed `bytecomp` holds the client (no module of the
+        development harness, scripts/harness/bytecomp_harness), nothing
+        installed imports the harness, and the harness itself is not installed."""
+        harness = sorted(f[:-3] for f in os.listdir(os.path.join(
+            SOURCE, "scripts", "harness", "bytecomp_harness")) if f.endswith(".py"))
+        self.assertIn("bench_cluster", harness)
+        pkg = self.under(os.path.join(DIRS["pythondir"], "bytecomp"))
+        installed = []
+        for root, _dirs, files in os.walk(pkg):
+            installed += [os.path.join(root, f) for f in files if f.endswith(".py")]
+        self.assertIn(os.path.join(pkg, "torch", "__init__.py"), installed)
+        self.assertEqual([f for f in installed if os.path.dirname(f) == pkg
+                          and os.path.basename(f)[:-3] in harness
+                          and os.path.basename(f) != "__init__.py"], [])
+        modules = "|".join(m for m in harness if m != "__init__")
+        imports = re.compile(r"bytecomp_harness|bytecomp\.(%s)\b|from bytecomp import (%s)\b"
+                             % (modules, modules))
+        self.assertEqual([f for f in installed if imports.search(read(f))], [])
+        stray = [os.path.join(root, d) for root, dirs, _ in os.walk(self.dest) for d in dirs
+                 if d == "bytecomp_harness" or d == "harness"]
+        self.assertEqual(stray, [])
+
     def test_units_point_at_the_installed_binaries(self):
         unit = read(self.under(os.path.join(DIRS["unitdir"], "bytecompd.service")))
         self.assertIn(f"ExecStart={DIRS['bindir']}/bytecompd ", unit)

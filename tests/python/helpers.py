@@ -15,13 +15,15 @@ SOURCE_ROOT = os.environ.get("BYTECOMP_SOURCE_ROOT") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD_ROOT = os.environ.get("BYTECOMP_BUILD_ROOT") or os.path.join(SOURCE_ROOT, "build")
 PYTHON_ROOT = os.path.join(SOURCE_ROOT, "client", "python")
+HARNESS_ROOT = os.path.join(SOURCE_ROOT, "scripts", "harness")  # bytecomp_harness
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 LAUNCHER = os.path.join(SOURCE_ROOT, "scripts", "bytecomp-run")
 BYTECOMPD = os.path.join(BUILD_ROOT, "daemon", "bytecompd")
 PYTHON = sys.executable
 
-if PYTHON_ROOT not in sys.path:
-    sys.path.insert(0, PYTHON_ROOT)
+for _root in (HARNESS_ROOT, PYTHON_ROOT):
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
 
 from bytecomp.run import _can_connect  # noqa: E402
 

@@ -14,9 +14,10 @@ import unittest
 
 import helpers
 
-from bytecomp import ctl, netns
-from bytecomp.bench_cluster import strategy_yaml
-from bytecomp.cluster import NamespacedCluster
+from bytecomp import ctl
+from bytecomp_harness import netns
+from bytecomp_harness.bench_cluster import strategy_yaml
+from bytecomp_harness.cluster import NamespacedCluster
 
 _WHY = netns.check_permission()
 

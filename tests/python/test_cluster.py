@@ -15,9 +15,9 @@ import unittest
 
 import helpers
 
-from bytecomp import netns
-from bytecomp.cluster import NamespacedCluster
-from bytecomp.bench_cluster import strategy_yaml, ALL_SYSTEMS
+from bytecomp_harness import netns
+from bytecomp_harness.cluster import NamespacedCluster
+from bytecomp_harness.bench_cluster import strategy_yaml, ALL_SYSTEMS
 
 _WHY = netns.check_permission()
 BENCH = os.path.join(helpers.SOURCE_ROOT, "scripts", "bench-cluster")

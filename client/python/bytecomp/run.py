@@ -68,6 +68,21 @@ def exit_code_of(code):
     return 128 - code if code < 0 else code
 
 
+def wait_bounded(proc, timeout):
+    """proc.wait() for at most `timeout` seconds: its exit status, or None."""
+    try:
+        return proc.wait(timeout=max(0.0, timeout))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def with_pythonpath(env, *dirs):
+    """Puts `dirs` in front of env's PYTHONPATH (kept behind them); returns env."""
+    pp = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(list(dirs) + ([pp] if pp else []))
+    return env
+
+
 def find_build_root(explicit=None):
     for cand in (explicit, os.environ.get("BYTECOMP_BUILD_ROOT"),
                  os.path.join(_SOURCE_ROOT, "build")):
@@ -162,10 +177,7 @@ class _Child:
                 pass
 
     def wait(self, timeout):
-        try:
-            return self.proc.wait(timeout=max(0.0, timeout))
-        except subprocess.TimeoutExpired:
-            return None
+        return wait_bounded(self.proc, timeout)
 
 
 def _stop(children, sig, grace):
@@ -392,8 +404,7 @@ class Cluster:
         job = self.job
         base = dict(os.environ)
         base["BYTECOMP_RUN_ID"] = job
-        pp = base.get("PYTHONPATH", "")
-        base["PYTHONPATH"] = _PYTHON_ROOT + (os.pathsep + pp if pp else "")
+        with_pythonpath(base, _PYTHON_ROOT)
         base["PYTHONUNBUFFERED"] = "1"
         if self.build_root:
             base["BYTECOMP_BUILD_ROOT"] = self.build_root

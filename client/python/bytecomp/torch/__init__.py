@@ -72,7 +72,7 @@ __all__ = [
 
 def __getattr__(name):
     # The context is rebound by init() and shutdown() in _control; reading it
-    # through the package (bytecomp.bench does) must see the current one.
+    # through the package (the bench-torch worker does) must see the current one.
     if name == "_ctx":
         return _control._ctx
     raise AttributeError("module %r has no attribute %r" % (__name__, name))

@@ -1,7 +1,7 @@
 """Worker side of scripts/bench-cluster: one training process of the
 emulated cluster, started per node by torchrun.
 
-    torchrun --nnodes N --node_rank i ... -m bytecomp.cluster_worker \\
+    torchrun --nnodes N --node_rank i ... -m bytecomp_harness.cluster_worker \\
         --model resnet18 --systems compute,ddp_fp32,bc_none --out DIR ...
 
 Runs every system of --systems one after the other in the same processes

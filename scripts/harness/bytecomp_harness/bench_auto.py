@@ -25,9 +25,9 @@ import tempfile
 import threading
 import time
 
-from bytecomp import netns
-from bytecomp.bench_cluster import MODEL_DEFAULTS, load_ranks, strategy_yaml
-from bytecomp.cluster import NamespacedCluster
+from bytecomp_harness import netns
+from bytecomp_harness.bench_cluster import MODEL_DEFAULTS, load_ranks, strategy_yaml
+from bytecomp_harness.cluster import NamespacedCluster
 from bytecomp.run import find_build_root
 
 HAND = {"fp32": "bc_h_fp32", "fp16": "bc_h_fp16"}

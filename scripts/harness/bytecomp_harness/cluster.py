@@ -1,7 +1,7 @@
 """ByteComp on an emulated multi-machine cluster, launched the way users
 launch real machines (docs/cluster.md).
 
-Every node is a network namespace (bytecomp.netns) standing for one
+Every node is a network namespace (bytecomp_harness.netns) standing for one
 machine. On each node, as on a real one:
   - `bytecomp-server --config server.yaml` (colocated, as BytePS deploys;
     server 0 on node 0 coordinates), or with servers="dedicated" the servers
@@ -30,9 +30,11 @@ import sys
 import tempfile
 import time
 
-from bytecomp import netns
 from bytecomp.run import (_Child, _Output, _can_connect, _stop, describe_status,
-                          find_build_root, find_program, shm_segments, _PYTHON_ROOT)
+                          find_build_root, shm_segments)
+
+from bytecomp_harness import netns
+from bytecomp_harness.procs import cluster_yaml, program, python_env, wait_up, write_file
 
 MASTER_PORT = 29500
 SERVER_PORT = 9100
@@ -90,26 +92,16 @@ class NamespacedCluster:
     def master_addr(self):
         return self.net.address(0)
 
-    def _program(self, name, subdir):
-        exe = find_program(name, self.build_root, subdir)
-        if not exe or not os.access(exe, os.X_OK):
-            raise ClusterError("%s not found: build the project (meson compile -C build) or "
-                               "set BYTECOMP_BUILD_ROOT" % name)
-        return exe
-
     # -- configuration files -------------------------------------------------
     def cluster_yaml(self):
-        servers = "".join('    - {id: %d, address: "%s"}\n' % (k, self.server_address(k))
-                          for k in range(self.n_servers))
-        daemons = "".join("    - {id: %d}\n" % (DAEMON_ID_BASE + n) for n in range(self.nodes))
         # Shaped links queue up to max_inflight_bytes per node: at 100 Mbit/s
         # that is seconds, so heartbeats and request deadlines are generous.
-        return ("version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: %s\n"
-                "  servers:\n%s  daemons:\n%s"
-                "  timeouts: {admission_ms: %d, request_ms: %d, setup_ms: 30000}\n"
-                "transport: {heartbeat_interval_ms: 1000, peer_timeout_ms: 30000}\n"
-                % (self.partition_bytes, servers, daemons, int(self.start_timeout_s * 1000),
-                   self.timeout_ms))
+        return cluster_yaml(self.partition_bytes,
+                            [self.server_address(k) for k in range(self.n_servers)],
+                            [DAEMON_ID_BASE + n for n in range(self.nodes)],
+                            admission_ms=int(self.start_timeout_s * 1000),
+                            request_ms=self.timeout_ms, setup_ms=30000, heartbeat_ms=1000,
+                            peer_timeout_ms=30000)
 
     def server_yaml(self, k, cluster_file):
         return ("version: 1\nserver: {node_id: %d, cluster_file: %s, engine_threads: 1}\n"
@@ -128,13 +120,6 @@ class NamespacedCluster:
                    cluster_file,
                    DAEMON_ID_BASE + n, nodes))
 
-    def _write(self, rel, text):
-        path = os.path.join(self.tmp, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-        return path
-
     def _service_env(self):
         env = dict(os.environ)
         env.setdefault("BYTECOMP_LOG", "warn")
@@ -148,16 +133,6 @@ class NamespacedCluster:
         except OSError as e:
             raise ClusterError("cannot start %s (%s): %s" % (label, argv[0], e.strerror))
 
-    def _wait_up(self, child, ready, what, timeout):
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if child.returncode is not None:
-                raise ClusterError("%s exited during startup (%s); its output is above" %
-                                   (child.label, describe_status(child.returncode)))
-            if time.monotonic() > deadline:
-                raise ClusterError("%s did not %s within %.0f s" % (child.label, what, timeout))
-            time.sleep(0.05)
-
     # -- lifecycle -------------------------------------------------------------
     def start(self):
         """Creates the namespaces and starts every server and daemon."""
@@ -165,31 +140,32 @@ class NamespacedCluster:
         if why:
             raise ClusterError("cannot build the emulated cluster: " + why)
         netns.remove_stale(self.log)
-        server = self._program("bytecomp-server", "server")
-        bytecompd = self._program("bytecompd", "daemon")
+        server = program("bytecomp-server", self.build_root, "server", ClusterError)
+        bytecompd = program("bytecompd", self.build_root, "daemon", ClusterError)
         self.tmp = tempfile.mkdtemp(prefix="bench-cluster-")
         self.net.create()
-        cluster_file = self._write("cluster.yaml", self.cluster_yaml())
+        cluster_file = write_file(self.tmp, "cluster.yaml", self.cluster_yaml())
         for k in range(self.n_servers):
             node = self.server_node(k)
-            cfg = self._write("node%d/server%d.yaml" % (node, k), self.server_yaml(k, cluster_file))
+            cfg = write_file(self.tmp, "node%d/server%d.yaml" % (node, k),
+                             self.server_yaml(k, cluster_file))
             ready = os.path.join(self.tmp, "node%d" % node, "server%d.ready" % k)
             child = self._start("server %d" % k, node, [server, "--config", cfg,
                                                         "--ready-file", ready],
                                 self._service_env())
             self.servers.append(child)
-            self._wait_up(child, lambda: os.path.exists(ready), "write " + ready, 30.0)
+            wait_up(child, lambda: os.path.exists(ready), "write " + ready, 30.0, ClusterError)
         for n in range(self.nodes):
             sock = os.path.join(self.tmp, "node%d" % n, "bytecompd.sock")
             instance = "%sn%d" % (self.net.tag, n)
-            cfg = self._write("node%d/daemon.yaml" % n,
+            cfg = write_file(self.tmp, "node%d/daemon.yaml" % n,
                               self.daemon_yaml(n, cluster_file, sock, instance))
             self.instances.append(instance)
             child = self._start("daemon %d" % n, n, [bytecompd, "--config", cfg],
                                 self._service_env())
             child.socket = sock
             self.daemons.append(child)
-            self._wait_up(child, lambda: _can_connect(sock), "open " + sock, 30.0)
+            wait_up(child, lambda: _can_connect(sock), "open " + sock, 30.0, ClusterError)
         return self
 
     def shape(self, rate):
@@ -206,7 +182,8 @@ class NamespacedCluster:
             pids.append(self.servers[n].proc.pid)
         return pids
 
-    def torchrun(self, worker_args, time_limit, env_extra=None, module="bytecomp.cluster_worker"):
+    def torchrun(self, worker_args, time_limit, env_extra=None,
+                 module="bytecomp_harness.cluster_worker"):
         """Runs `torchrun --nnodes N --node_rank i ... -m module worker_args` on
         every node at once; returns (exit status, last output lines). Every
         process of the launch is stopped by the time it returns."""
@@ -232,10 +209,8 @@ class NamespacedCluster:
         tail = _Output(_Tail())
         try:
             for n in range(self.nodes):
-                env = dict(os.environ)
-                pp = env.get("PYTHONPATH", "")
+                env = python_env(dict(os.environ))
                 env.update({
-                    "PYTHONPATH": _PYTHON_ROOT + (os.pathsep + pp if pp else ""),
                     "PYTHONUNBUFFERED": "1",
                     "OMP_NUM_THREADS": str(self.threads),
                     "GLOO_SOCKET_IFNAME": "eth0",

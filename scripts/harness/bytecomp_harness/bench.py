@@ -1,7 +1,7 @@
 """Worker side of scripts/bench-torch (run under bytecomp-run).
 
-    python3 -m bytecomp.bench small RUNS ITERS BC_BENCH   # Python path overhead
-    python3 -m bytecomp.bench resnet RUNS ITERS PORT      # ResNet-18: bytecomp vs gloo
+    python3 -m bytecomp_harness.bench small RUNS ITERS BC_BENCH   # Python path overhead
+    python3 -m bytecomp_harness.bench resnet RUNS ITERS PORT      # ResNet-18: bytecomp vs gloo
 
 small: every run, all local processes do round trips of one 4-byte tensor
     through the Python binding (push_pull + wait) and with the C client

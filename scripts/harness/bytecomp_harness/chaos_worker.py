@@ -1,6 +1,6 @@
 """A training rank without PyTorch for scripts/chaos and scripts/soak.
 
-    python3 -m bytecomp.chaos_worker --socket S --job J --local-rank R --local-size L
+    python3 -m bytecomp_harness.chaos_worker --socket S --job J --local-rank R --local-size L
         --node-rank N --num-nodes M --iterations K [--elements E] [--tensors a,b,c]
         [--timeout-ms T] [--report-every P]
 

@@ -1,8 +1,8 @@
 """Chaos on the emulated cluster (issue 18): faults injected at random, at a
 fixed seed, into a running two-node job, each followed by checks.
 
-Cluster (bytecomp.faultnet): node 0 and node 1 (a bytecompd and two
-training ranks each: bytecomp.chaos_worker, no PyTorch), server 0 (the
+Cluster (bytecomp_harness.faultnet): node 0 and node 1 (a bytecompd and two
+training ranks each: bytecomp_harness.chaos_worker, no PyTorch), server 0 (the
 coordinator) and server 1 in namespaces of their own. The job has three
 tensors: 'a' uncompressed through the servers, 'b' fp16-compressed through
 the servers, 'c' fp16 by peer allgather between the daemons; every rank checks every
@@ -30,7 +30,6 @@ namespaces cannot be created here (nothing was run).
 """
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -40,8 +39,10 @@ import subprocess
 import sys
 import time
 
-from bytecomp import netns
-from bytecomp.faultnet import NODES, PEER_PORT, SERVER_PORT, SERVERS, FaultNet, FaultNetError
+from bytecomp_harness import netns
+from bytecomp_harness.faultnet import NODES, PEER_PORT, SERVER_PORT, SERVERS, FaultNet, \
+    FaultNetError
+from bytecomp_harness.procs import print_json, run_guarded
 
 LOCAL = 2                          # ranks per node
 RANKS = NODES * LOCAL
@@ -67,12 +68,6 @@ def _has_netem():
                     "delay", "1ms"]).returncode == 0
     finally:
         netns._run([netns._ip(), "netns", "del", probe], check=False)
-
-
-class Interrupted(Exception):
-    def __init__(self, sig):
-        super().__init__(signal.Signals(sig).name)
-        self.sig = sig
 
 
 def _tc(args):
@@ -676,36 +671,14 @@ def main(argv=None):
                     break
         chaos.plan = lambda _count: faults
 
-    def on_signal(sig, _frame):
-        raise Interrupted(sig)
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
-                                                    signal.SIGHUP)}
-    code = 0
-    elapsed = 0.0
     t0 = time.monotonic()
-    try:
-        elapsed = chaos.run()
-    except Interrupted as e:
-        chaos.log("%s: stopping; every process, segment and namespace is removed" % e)
-        code = 130 if e.sig == signal.SIGINT else 128 + e.sig
-    except (FaultNetError, netns.NetnsError, subprocess.SubprocessError, OSError) as e:
-        chaos.log("error: %s" % e)
-        code = 1
-    finally:
-        # Signals during cleanup would leave namespaces behind: ignore them.
-        for s in old:
-            signal.signal(s, signal.SIG_IGN)
-        chaos.net.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
+    elapsed, code = run_guarded(chaos.run, chaos.net.stop, chaos.log,
+                                (FaultNetError, netns.NetnsError, subprocess.SubprocessError,
+                                 OSError))
     elapsed = elapsed or time.monotonic() - t0
     print(chaos.table())
     summary = chaos.summary(elapsed)
-    line = json.dumps(summary, sort_keys=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    print_json(summary, a.json)
     if code == 0 and (summary["chaos"]["failed"] or not chaos.rows):
         code = 1
     return code

@@ -3,14 +3,14 @@ iterations with a strategy change every --change-every iterations, sampling
 the memory (VmRSS) and open file descriptors of both daemons, both servers
 and every training rank, and the job's shared-memory segments.
 
-Cluster: bytecomp.faultnet (two nodes with two ranks each, two servers).
+Cluster: bytecomp_harness.faultnet (two nodes with two ranks each, two servers).
 Tensors: 'a' uncompressed through the servers (never changes), 'b' through
 the servers and 'c' by peer allgather between the daemons, both switching
 between fp16 and bf16 at every change (SIGHUP of node 0's daemon with the
 strategy file rewritten: the coordinator applies it on every node at one
 iteration). Values repeat every 32 iterations so that every sum stays a
 small integer: exact through fp16 and bf16, and every rank checks every
-element of every tensor after every iteration (bytecomp.chaos_worker).
+element of every tensor after every iteration (bytecomp_harness.chaos_worker).
 
 Checks (exit 1 when one fails):
   - every rank finished all iterations with exact results;
@@ -25,15 +25,14 @@ Ends with a table and one JSON line; exit 77 without namespaces.
 """
 
 import argparse
-import json
-import os
 import signal
 import statistics
 import sys
 import time
 
-from bytecomp import netns
-from bytecomp.faultnet import NODES, FaultNet, FaultNetError
+from bytecomp_harness import netns
+from bytecomp_harness.faultnet import NODES, FaultNet, FaultNetError
+from bytecomp_harness.procs import print_json, run_guarded, write_file
 
 LOCAL = 2
 PERIOD = 32
@@ -46,12 +45,6 @@ def strategy(variant):
             "  - tensor: \"b\"\n    option: {compressor: %s, inter: alltoall_allgather}\n"
             "  - tensor: \"c\"\n    option: {compressor: %s, inter: allgather}\n"
             % (variant, comp, comp))
-
-
-class Interrupted(Exception):
-    def __init__(self, sig):
-        super().__init__(signal.Signals(sig).name)
-        self.sig = sig
 
 
 def flat(samples, tolerance):
@@ -124,7 +117,7 @@ class Soak:
                     next_sample += step
                 if done >= next_change and next_change < a.iterations:
                     self.changes += 1
-                    self.net._write("strategy.yaml", strategy(self.changes))
+                    write_file(self.net.tmp, "strategy.yaml", strategy(self.changes))
                     self.net.daemons[0].signal(signal.SIGHUP)
                     next_change += a.change_every
                 if time.monotonic() > deadline:
@@ -219,28 +212,11 @@ def main(argv=None):
         return 77
     soak = Soak(a)
 
-    def on_signal(sig, _frame):
-        raise Interrupted(sig)
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM,
-                                                    signal.SIGHUP)}
-    code = 0
     t0 = time.monotonic()
     soak.rows = []
-    try:
-        soak.run()
-    except Interrupted as e:
-        soak.log("%s: stopping; every process, segment and namespace is removed" % e)
-        code = 130 if e.sig == signal.SIGINT else 128 + e.sig
-    except (FaultNetError, netns.NetnsError, OSError) as e:
-        soak.log("error: %s" % e)
-        soak.problems.append(str(e))
-        code = 1
-    finally:
-        for s in old:
-            signal.signal(s, signal.SIG_IGN)
-        soak.net.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
+    _, code = run_guarded(soak.run, soak.net.stop, soak.log,
+                          (FaultNetError, netns.NetnsError, OSError),
+                          on_error=lambda e: soak.problems.append(str(e)))
     elapsed = time.monotonic() - t0
     print(soak.table())
     for p in soak.problems:
@@ -249,11 +225,7 @@ def main(argv=None):
                         "elapsed_s": round(elapsed, 1), "rss_tolerance": a.rss_tolerance,
                         "processes": soak.rows, "problems": soak.problems,
                         "ok": not soak.problems and code == 0}}
-    line = json.dumps(summary, sort_keys=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    print_json(summary, a.json)
     if code == 0 and soak.problems:
         code = 1
     return code

@@ -1,6 +1,6 @@
 """The emulated cluster scripts/chaos and scripts/soak run on.
 
-Four network namespaces on one bridge (bytecomp.netns): node 0 and node 1
+Four network namespaces on one bridge (bytecomp_harness.netns): node 0 and node 1
 each run a bytecompd (node ids 100, 101, peer endpoint for allgather
 tensors) and the training ranks of a job; server 0 (the coordinator) and
 server 1 each have a namespace of their own, so a node's link can fail
@@ -22,9 +22,10 @@ import tempfile
 import threading
 import time
 
-from bytecomp import netns
-from bytecomp.run import _PYTHON_ROOT, _can_connect, describe_status, find_build_root, \
-    find_program, shm_segments
+from bytecomp.run import _can_connect, find_build_root, shm_segments, wait_bounded
+
+from bytecomp_harness import netns
+from bytecomp_harness.procs import cluster_yaml, program, python_env, wait_up, write_file
 
 SERVER_PORT = 9100
 PEER_PORT = 9300
@@ -106,10 +107,7 @@ class Proc:
                 pass
 
     def wait(self, timeout):
-        try:
-            return self.proc.wait(timeout=max(0.0, timeout))
-        except subprocess.TimeoutExpired:
-            return None
+        return wait_bounded(self.proc, timeout)
 
     def end(self, grace=3.0):
         """SIGCONT + SIGTERM, then SIGKILL after `grace` s; bounded waits."""
@@ -179,31 +177,13 @@ class FaultNet:
     def ns_name(self, index):
         return self.net.names[index]
 
-    def _program(self, name, subdir):
-        exe = find_program(name, self.build_root, subdir)
-        if not exe or not os.access(exe, os.X_OK):
-            raise FaultNetError("%s not found: build the project (meson compile -C build) or "
-                                "set BYTECOMP_BUILD_ROOT" % name)
-        return exe
-
-    def _write(self, rel, text):
-        path = os.path.join(self.tmp, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-        return path
-
     # -- configuration --------------------------------------------------------
     def cluster_yaml(self):
-        servers = "".join('    - {id: %d, address: "%s"}\n' % (k, self.server_address(k))
-                          for k in range(SERVERS))
-        daemons = "".join("    - {id: %d}\n" % (DAEMON_ID_BASE + n) for n in range(NODES))
-        return ("version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: %s\n"
-                "  servers:\n%s  daemons:\n%s"
-                "  timeouts: {admission_ms: %d, request_ms: %d, setup_ms: %d}\n"
-                "transport: {heartbeat_interval_ms: %d, peer_timeout_ms: %d}\n"
-                % (self.partition_bytes, servers, daemons, self.admission_ms, self.request_ms,
-                   self.request_ms, self.heartbeat_ms, self.peer_timeout_ms))
+        return cluster_yaml(self.partition_bytes, [self.server_address(k) for k in range(SERVERS)],
+                            [DAEMON_ID_BASE + n for n in range(NODES)],
+                            admission_ms=self.admission_ms, request_ms=self.request_ms,
+                            setup_ms=self.request_ms, heartbeat_ms=self.heartbeat_ms,
+                            peer_timeout_ms=self.peer_timeout_ms)
 
     def server_yaml(self, k):
         return ("version: 1\nserver: {node_id: %d, cluster_file: %s, engine_threads: 1}\n"
@@ -228,11 +208,9 @@ class FaultNet:
                    self.log_level))
 
     def env(self):
-        env = dict(os.environ)
+        env = python_env(dict(os.environ))
         env["BYTECOMP_LOG"] = self.log_level
         env["BYTECOMP_RUN_ID"] = self.net.tag
-        pp = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = _PYTHON_ROOT + (os.pathsep + pp if pp else "")
         env["PYTHONUNBUFFERED"] = "1"
         env["OMP_NUM_THREADS"] = "1"
         if self.build_root:
@@ -245,12 +223,13 @@ class FaultNet:
         if why:
             raise FaultNetError("cannot build the emulated cluster: " + why)
         netns.remove_stale()
-        self._programs = {"server": self._program("bytecomp-server", "server"),
-                          "daemon": self._program("bytecompd", "daemon")}
+        self._programs = {
+            "server": program("bytecomp-server", self.build_root, "server", FaultNetError),
+            "daemon": program("bytecompd", self.build_root, "daemon", FaultNetError)}
         self.tmp = tempfile.mkdtemp(prefix="bytecomp-chaos-")
         self.net.create()
-        self.cluster_file = self._write("cluster.yaml", self.cluster_yaml())
-        self.strategy_file = (self._write("strategy.yaml", self.strategy_text)
+        self.cluster_file = write_file(self.tmp, "cluster.yaml", self.cluster_yaml())
+        self.strategy_file = (write_file(self.tmp, "strategy.yaml", self.strategy_text)
                               if self.strategy_text else None)
         for k in range(SERVERS):
             self.start_server(k)
@@ -259,7 +238,7 @@ class FaultNet:
         return self
 
     def start_server(self, k, timeout=20.0):
-        cfg = self._write("server%d/server.yaml" % k, self.server_yaml(k))
+        cfg = write_file(self.tmp, "server%d/server.yaml" % k, self.server_yaml(k))
         ready = os.path.join(self.tmp, "server%d" % k, "ready")
         try:
             os.unlink(ready)
@@ -273,7 +252,7 @@ class FaultNet:
         return p
 
     def start_daemon(self, n, timeout=20.0):
-        cfg = self._write("node%d/daemon.yaml" % n, self.daemon_yaml(n))
+        cfg = write_file(self.tmp, "node%d/daemon.yaml" % n, self.daemon_yaml(n))
         p = Proc("daemon %d" % n, self.net.exec_prefix(n) + [self._programs["daemon"],
                                                             "--config", cfg],
                  self.env(), self.echo)
@@ -284,23 +263,17 @@ class FaultNet:
 
     @staticmethod
     def _wait_up(p, ready, what, timeout):
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if not p.alive():
-                raise FaultNetError("%s exited during startup (%s): %s" %
-                                    (p.label, describe_status(p.returncode),
-                                     " | ".join(p.tail())))
-            if time.monotonic() > deadline:
-                raise FaultNetError("%s did not %s within %.0f s" % (p.label, what, timeout))
-            time.sleep(0.02)
+        wait_up(p, ready, what, timeout, FaultNetError, output=lambda q: " | ".join(q.tail()),
+                poll=0.02)
 
     def services(self):
         return [p for p in self.servers + self.daemons if p is not None]
 
     def worker(self, label, node, job, local_rank, local_size, num_nodes, extra):
-        argv = ["/usr/bin/python3", "-m", "bytecomp.chaos_worker", "--socket", self.socket(node),
-                "--job", job, "--local-rank", str(local_rank), "--local-size", str(local_size),
-                "--node-rank", str(node), "--num-nodes", str(num_nodes)] + list(extra)
+        argv = ["/usr/bin/python3", "-m", "bytecomp_harness.chaos_worker",
+                "--socket", self.socket(node), "--job", job, "--local-rank", str(local_rank),
+                "--local-size", str(local_size), "--node-rank", str(node),
+                "--num-nodes", str(num_nodes)] + list(extra)
         return Proc(label, self.net.exec_prefix(node) + argv, self.env(), self.echo)
 
     def segments(self):

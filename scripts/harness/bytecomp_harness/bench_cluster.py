@@ -2,8 +2,8 @@
 cluster of network namespaces with shaped links (docs/cluster.md).
 
 For every model and bandwidth one launch runs every system in the same
-training processes (bytecomp.cluster_worker), on the cluster of
-bytecomp.cluster (per node a bytecomp-server and a bytecompd from their
+training processes (bytecomp_harness.cluster_worker), on the cluster of
+bytecomp_harness.cluster (per node a bytecomp-server and a bytecompd from their
 YAML files, torchrun --nnodes N --node_rank i). Prints a table, writes
 results.json, results.md and a PNG plot into --out, and prints one JSON
 line last.
@@ -21,8 +21,8 @@ import sys
 import tempfile
 import time
 
-from bytecomp import netns
-from bytecomp.cluster import ClusterError, NamespacedCluster, default_threads
+from bytecomp_harness import netns
+from bytecomp_harness.cluster import ClusterError, NamespacedCluster, default_threads
 from bytecomp.run import _can_connect, find_build_root, find_program
 
 DDP_SYSTEMS = ["ddp_fp32", "ddp_fp16", "ddp_powersgd"]
