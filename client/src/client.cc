@@ -588,7 +588,13 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
         }
         if (abort && (abort->type == ipc::MsgType::kAbort || abort->type == ipc::MsgType::kError)) {
           const auto& m = std::get<ipc::ErrorMsg>(abort->msg);
-          fail(from_code(static_cast<ErrorCode>(m.code)),
+          // An abort of the running job reads the same to a rank that had
+          // not finished starting as to the others (check_health): ABORTED,
+          // whatever code the daemon failed the job with. A race between the
+          // ranks' starts and the first collective otherwise decided which
+          // code a rank saw.
+          fail(abort->type == ipc::MsgType::kAbort ? BYTECOMP_ERR_ABORTED
+                                                   : from_code(static_cast<ErrorCode>(m.code)),
                "job '" + c->job_id + "' was aborted by bytecompd as it started: " + m.message);
         }
         fail(BYTECOMP_ERR_UNAVAILABLE,
