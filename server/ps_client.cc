@@ -1,11 +1,14 @@
 #include "server/ps_client.h"
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <future>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "common/log.h"
@@ -455,10 +458,38 @@ class ClientImpl final : public PsClient {
         if (--c.joins_in_flight == 0) c.early_aborts.clear();
       }
     } in_flight(*core_);
+    // A coordinator this node holds as lost may be on its way back (a healed
+    // partition: its heartbeats have not arrived yet). Failing at once would
+    // leave the other nodes, which did register, waiting for this one until
+    // admission_ms (issue 28): wait for it instead, bounded by the
+    // admission timeout (by then the other nodes' admission has failed too).
+    const auto start = std::chrono::steady_clock::now();
+    const NodeId coord = core_->cluster.coordinator;
+    if (core_->tp->peer_state(coord) == transport::PeerState::kLost) {
+      const Millis bound = std::min(timeout, core_->cluster.admission_timeout);
+      BC_LOG(LogPsClient(), kInfo) << "node " << self() << ": coordinator " << coord
+                                   << " is lost; job '" << spec.name << "' waits up to "
+                                   << bound.count() << " ms for it to come back";
+      while (core_->tp->peer_state(coord) == transport::PeerState::kLost &&
+             std::chrono::steady_clock::now() - start < bound) {
+        {
+          std::lock_guard lk(core_->mu);
+          if (core_->closed) throw Error(ErrorCode::kUnavailable, "join: client closed");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (core_->tp->peer_state(coord) == transport::PeerState::kLost)
+        throw Error(ErrorCode::kPeerLost,
+                    "join job '" + spec.name + "': coordinator " + std::to_string(coord) +
+                        " is lost and did not come back within " + std::to_string(bound.count()) +
+                        " ms");
+      timeout -= std::chrono::duration_cast<Millis>(std::chrono::steady_clock::now() - start);
+      if (timeout.count() <= 0) timeout = Millis{1};
+    }
     Message m = proto::to_message(proto::Register{spec});
     BC_LOG(LogPsClient(), kInfo) << "node " << self() << ": registering for job '" << spec.name
                                  << "'";
-    Response r = core_->tp->call(core_->cluster.coordinator, std::move(m), timeout);
+    Response r = core_->tp->call(coord, std::move(m), timeout);
     Status st = to_status(r);
     if (!st.ok()) throw Error(st.code(), "join job '" + spec.name + "': " + st.message());
     proto::Admission a = proto::decode_admission(proto::joined(r.response));
