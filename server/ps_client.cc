@@ -69,6 +69,15 @@ Status to_status(const Response& r) {
   return proto::reply_status(r.response);
 }
 
+// "server 1 lost: node 1 sent nothing for 1500 ms (peer_timeout)": the one
+// wording of a job's end by a lost server, whichever path saw it first.
+std::string lost_reason(const Core& c, NodeId id, const Status& s) {
+  const std::string who =
+      (id == c.cluster.coordinator ? "coordinator " : "server ") + std::to_string(id) + " lost";
+  if (s.message().rfind(who, 0) == 0) return s.message();
+  return who + ": " + s.message();
+}
+
 class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl> {
  public:
   JobImpl(std::shared_ptr<Core> core, JobInfo info)
@@ -347,15 +356,16 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     }
     std::weak_ptr<JobImpl> weak = weak_from_this();
     try {
-      core_->tp->request(to, std::move(m), core_->or_default(timeout), [weak, op](Response r) {
-        if (auto self = weak.lock()) self->complete(op, std::move(r));
+      core_->tp->request(to, std::move(m), core_->or_default(timeout), [weak, op, to](Response r) {
+        if (auto self = weak.lock()) self->complete(op, to, std::move(r));
       });
     } catch (const Error& e) {
-      complete(op, Response{Status::FromError(e), transport::kNoNode, {}});
+      complete(op, to, Response{Status::FromError(e), transport::kNoNode, {}});
     }
   }
 
-  void complete(uint64_t op, Response r) {
+  // `to`: the server the request went to.
+  void complete(uint64_t op, NodeId to, Response r) {
     OpCallback cb;
     {
       std::lock_guard lk(mu_);
@@ -370,7 +380,13 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
       if (r.response.payloads.size() == 1) result = r.response.payloads[0];
       else result = Buffer::take(proto::joined(r.response));
     }
-    if (st.code() == ErrorCode::kAborted) fail(st);
+    // The request's server was declared lost: the job is over, with the
+    // reason on_lost() gives it. The transport fails the requests to a lost
+    // peer before the peer-failure callback runs, so without this the
+    // operation's bare transport wording ("node 1 sent nothing for ...")
+    // raced on_lost's "server 1 lost: ..." (issue 28: seen under load).
+    if (st.code() == ErrorCode::kPeerLost) st = Status(ErrorCode::kPeerLost, lost_reason(*core_, to, st));
+    if (st.code() == ErrorCode::kAborted || st.code() == ErrorCode::kPeerLost) fail(st);
     if (cb) cb(st, std::move(result));
   }
 
@@ -655,6 +671,7 @@ class ClientImpl final : public PsClient {
   }
 
   static void on_lost(Core& c, NodeId id, const Status& s) {
+    const Status why(ErrorCode::kPeerLost, lost_reason(c, id, s));
     std::vector<std::shared_ptr<JobImpl>> hit;
     {
       std::lock_guard lk(c.mu);
@@ -667,9 +684,7 @@ class ClientImpl final : public PsClient {
         }
       }
     }
-    for (auto& j : hit)
-      j->fail(Status(ErrorCode::kPeerLost, (id == c.cluster.coordinator ? "coordinator " : "server ") +
-                                               std::to_string(id) + " lost: " + s.message()));
+    for (auto& j : hit) j->fail(why);
   }
 
   std::shared_ptr<Core> core_;

@@ -338,6 +338,18 @@ struct bytecomp_client {
 
 namespace {
 
+// A refusal of this rank's START (kError) carries its own cause's code; an
+// ABORT is the end of a job that had started, whatever ended it (another
+// rank's invalid call included): BYTECOMP_ERR_ABORTED, as every rank that
+// already waits gets it from check_health(). A rank still mapping the segment
+// when the job was aborted used to get the cause's code instead (issue 28:
+// Broadcast.OneNodeDisagreeingSizesFailEveryRankNamingThem, INVALID_ARGUMENT
+// on one rank under load).
+bytecomp_status start_refusal_status(ipc::MsgType type, uint32_t code) {
+  if (type == ipc::MsgType::kAbort) return BYTECOMP_ERR_ABORTED;
+  return from_code(static_cast<ErrorCode>(code));
+}
+
 bytecomp_client* require_client(bytecomp_client* c) {
   if (c == nullptr) fail(BYTECOMP_ERR_INVALID_ARGUMENT, "client is NULL (connect first)");
   return c;
@@ -621,7 +633,7 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
       }
       if (reply->type == ipc::MsgType::kError || reply->type == ipc::MsgType::kAbort) {
         const auto& e = std::get<ipc::ErrorMsg>(reply->msg);
-        fail(from_code(static_cast<ErrorCode>(e.code)),
+        fail(start_refusal_status(reply->type, e.code),
              "bytecompd could not start job '" + c->job_id + "': " + e.message);
       }
       if (reply->type != ipc::MsgType::kReady) {
@@ -648,7 +660,7 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
         }
         if (abort && (abort->type == ipc::MsgType::kAbort || abort->type == ipc::MsgType::kError)) {
           const auto& m = std::get<ipc::ErrorMsg>(abort->msg);
-          fail(from_code(static_cast<ErrorCode>(m.code)),
+          fail(start_refusal_status(abort->type, m.code),
                "job '" + c->job_id + "' was aborted by bytecompd as it started: " + m.message);
         }
         fail(BYTECOMP_ERR_UNAVAILABLE,

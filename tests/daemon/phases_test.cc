@@ -8,6 +8,8 @@
 // move or sum its bytes.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <algorithm>
 #include <array>
 #include <map>
@@ -111,6 +113,27 @@ uint64_t median_span(const std::vector<Rec>& recs, const std::string& tensor, si
   return spans[spans.size() / 2];
 }
 
+// Median over iterations of the time from the iteration's first push
+// handed over (any tensor) to `tensor`'s last answer in: how long the
+// training loop waits for the tensor, counted from one origin for every
+// tensor of the iteration.
+uint64_t median_wait_since_first_push(const std::vector<Rec>& recs, const std::string& tensor) {
+  std::map<uint64_t, uint64_t> origin;   // iteration -> earliest kSent of any tensor
+  std::map<uint64_t, uint64_t> arrived;  // iteration -> latest kArrived of `tensor`
+  for (const Rec& r : recs) {
+    auto [o, fresh] = origin.try_emplace(r.iteration, r.ns[kSent]);
+    if (!fresh) o->second = std::min(o->second, r.ns[kSent]);
+    if (r.tensor != tensor) continue;
+    auto [a, first] = arrived.try_emplace(r.iteration, r.ns[kArrived]);
+    if (!first) a->second = std::max(a->second, r.ns[kArrived]);
+  }
+  std::vector<uint64_t> waits;
+  for (const auto& [it, t] : arrived) waits.push_back(t - origin.at(it));
+  if (waits.empty()) return 0;
+  std::sort(waits.begin(), waits.end());
+  return waits[waits.size() / 2];
+}
+
 const std::vector<std::string> kPhaseLog{"BYTECOMP_LOG=info,daemon.phases=debug"};
 
 }  // namespace
@@ -165,9 +188,21 @@ TEST_P(TwoNodePhases, PsPathRecordsEveryPhaseAndTheWaitGrowsWithTheTensor) {
   for (auto& n : nodes_) {
     const std::vector<Rec> recs = node_records(*n, "ps");
     expect_complete(recs, "ps", {{"t0", 1}, {"t1", 16}}, kIters);
-    // From the first push handed over to the last answer in: 4 MiB through
-    // the server and back takes longer than 64 bytes.
-    EXPECT_GT(median_span(recs, "t1", kSent, kArrived), median_span(recs, "t0", kSent, kArrived));
+    // From the iteration's first push handed over to the tensor's last
+    // answer in: 4 MiB through the server and back takes longer than 64
+    // bytes. (Each tensor's own span, kSent to kArrived, compared 9.79 vs
+    // 9.70 ms at load 9-17, issue 28: t0, pushed first, waits out the other
+    // node's lag at the start of every iteration while t1, handed over
+    // later, does not, and the lag is as large as the transfer. From one
+    // origin, the lag is in both.)
+    const uint64_t big = median_wait_since_first_push(recs, "t1");
+    const uint64_t small = median_wait_since_first_push(recs, "t0");
+    EXPECT_GT(big, small);
+    std::printf("%s: median wait since the iteration's first push: t1 (4 MiB) %.2f ms, "
+                "t0 (64 B) %.2f ms; own spans %.2f, %.2f ms\n",
+                n->socket().c_str(), big / 1e6, small / 1e6,
+                median_span(recs, "t1", kSent, kArrived) / 1e6,
+                median_span(recs, "t0", kSent, kArrived) / 1e6);
   }
 }
 
