@@ -3,9 +3,12 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <chrono>
@@ -427,20 +430,49 @@ void AutoTuner::on_event(const server::AutoEvent& e) {
   cv_.notify_all();
 }
 
+std::string write_file_atomic(const std::string& dir, const std::string& name,
+                              const std::string& text) {
+  const std::string path = dir + "/" + name;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);  // a failure shows at mkstemp
+  char host[64] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "host");
+  for (char* h = host; *h; ++h)
+    if (*h == '/') *h = '_';
+  // ".<name>.<host>.<pid>.XXXXXX": hidden, and unique across writers.
+  std::string tmp = dir + "/." + name + "." + host + "." + std::to_string(::getpid()) + ".XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) return "cannot write " + path + ": creating " + tmp + ": " + std::strerror(errno);
+  (void)::fchmod(fd, 0644);
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "short write";
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return "cannot write " + path + ": " + why;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    return "cannot write " + path + ": " + why;
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    return "cannot write " + path + ": " + why;
+  }
+  return "";
+}
+
 void AutoTuner::write_file(const std::string& name, const std::string& text) const {
   if (o_.run_dir.empty()) return;
-  const std::string path = o_.run_dir + "/" + name, tmp = path + ".tmp";
-  std::ofstream f(tmp, std::ios::trunc);
-  f << text;
-  f.close();
-  std::error_code ec;
-  if (!f) {
-    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": cannot write " << path;
-    std::filesystem::remove(tmp, ec);
-    return;
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": cannot write " << path << ": " << ec.message();
+  if (std::string err = write_file_atomic(o_.run_dir, name, text); !err.empty())
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": " << err;
 }
 
 void AutoTuner::send_profile() {
@@ -548,7 +580,12 @@ void AutoTuner::write_measured() {
   o << "version: 1\nepoch: " << epoch_ << "\nswitch_iteration: " << switch_iteration_
     << "\niteration_us: " << median(v) << "\niterations: " << v.size()
     << "\npredicted_us: " << predicted_us_ << "\n";
-  write_file("measured.yaml", o.str());
+  // Per node (the run directory may be shared by every node's daemon):
+  // measured-node<r>.yaml; node rank 0's is also measured.yaml, the one
+  // `bytecomp-plan explain RUN_DIR` reads.
+  const uint32_t rank = ps_->info().rank;
+  write_file("measured-node" + std::to_string(rank) + ".yaml", o.str());
+  if (rank == 0) write_file("measured.yaml", o.str());
 }
 
 void AutoTuner::run() {

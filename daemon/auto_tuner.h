@@ -128,6 +128,17 @@ class ReplanTrigger {
   std::vector<double> drifted_;
 };
 
+// Writes `text` to `dir`/`name` so that a reader, or another writer of the
+// same name (another node's daemon where the run directories resolve to one
+// shared folder, e.g. NFS home directories), never sees a partial file: a
+// temporary file of a name of its own (host, pid, a random suffix: created
+// with O_EXCL, so no two writers share one), then rename() over the name,
+// which is atomic on one filesystem (NFS included). Creates `dir` if
+// missing. Returns "" or what failed (the path and the reason).
+// Thread-safe.
+std::string write_file_atomic(const std::string& dir, const std::string& name,
+                              const std::string& text);
+
 class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
  public:
   struct Options {

@@ -69,6 +69,8 @@ class Daemon {
   struct Job;
 
   void accept_one();
+  // Moves every job's heartbeat in its shared memory (run() thread).
+  void beat();
   void on_readable(Conn& c);
   void on_message(Conn& c, std::span<const uint8_t> bytes);
   void disconnect(Conn& c, const std::string& why);

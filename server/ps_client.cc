@@ -1,11 +1,14 @@
 #include "server/ps_client.h"
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <future>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <thread>
 #include <unordered_map>
 
 #include "common/log.h"
@@ -64,6 +67,15 @@ std::optional<M> decoded(const Incoming& in) {
 Status to_status(const Response& r) {
   if (!r.status.ok()) return r.status;
   return proto::reply_status(r.response);
+}
+
+// "server 1 lost: node 1 sent nothing for 1500 ms (peer_timeout)": the one
+// wording of a job's end by a lost server, whichever path saw it first.
+std::string lost_reason(const Core& c, NodeId id, const Status& s) {
+  const std::string who =
+      (id == c.cluster.coordinator ? "coordinator " : "server ") + std::to_string(id) + " lost";
+  if (s.message().rfind(who, 0) == 0) return s.message();
+  return who + ": " + s.message();
 }
 
 class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl> {
@@ -344,15 +356,16 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     }
     std::weak_ptr<JobImpl> weak = weak_from_this();
     try {
-      core_->tp->request(to, std::move(m), core_->or_default(timeout), [weak, op](Response r) {
-        if (auto self = weak.lock()) self->complete(op, std::move(r));
+      core_->tp->request(to, std::move(m), core_->or_default(timeout), [weak, op, to](Response r) {
+        if (auto self = weak.lock()) self->complete(op, to, std::move(r));
       });
     } catch (const Error& e) {
-      complete(op, Response{Status::FromError(e), transport::kNoNode, {}});
+      complete(op, to, Response{Status::FromError(e), transport::kNoNode, {}});
     }
   }
 
-  void complete(uint64_t op, Response r) {
+  // `to`: the server the request went to.
+  void complete(uint64_t op, NodeId to, Response r) {
     OpCallback cb;
     {
       std::lock_guard lk(mu_);
@@ -367,7 +380,13 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
       if (r.response.payloads.size() == 1) result = r.response.payloads[0];
       else result = Buffer::take(proto::joined(r.response));
     }
-    if (st.code() == ErrorCode::kAborted) fail(st);
+    // The request's server was declared lost: the job is over, with the
+    // reason on_lost() gives it. The transport fails the requests to a lost
+    // peer before the peer-failure callback runs, so without this the
+    // operation's bare transport wording ("node 1 sent nothing for ...")
+    // raced on_lost's "server 1 lost: ..." (issue 28: seen under load).
+    if (st.code() == ErrorCode::kPeerLost) st = Status(ErrorCode::kPeerLost, lost_reason(*core_, to, st));
+    if (st.code() == ErrorCode::kAborted || st.code() == ErrorCode::kPeerLost) fail(st);
     if (cb) cb(st, std::move(result));
   }
 
@@ -455,10 +474,38 @@ class ClientImpl final : public PsClient {
         if (--c.joins_in_flight == 0) c.early_aborts.clear();
       }
     } in_flight(*core_);
+    // A coordinator this node holds as lost may be on its way back (a healed
+    // partition: its heartbeats have not arrived yet). Failing at once would
+    // leave the other nodes, which did register, waiting for this one until
+    // admission_ms (issue 28): wait for it instead, bounded by the
+    // admission timeout (by then the other nodes' admission has failed too).
+    const auto start = std::chrono::steady_clock::now();
+    const NodeId coord = core_->cluster.coordinator;
+    if (core_->tp->peer_state(coord) == transport::PeerState::kLost) {
+      const Millis bound = std::min(timeout, core_->cluster.admission_timeout);
+      BC_LOG(LogPsClient(), kInfo) << "node " << self() << ": coordinator " << coord
+                                   << " is lost; job '" << spec.name << "' waits up to "
+                                   << bound.count() << " ms for it to come back";
+      while (core_->tp->peer_state(coord) == transport::PeerState::kLost &&
+             std::chrono::steady_clock::now() - start < bound) {
+        {
+          std::lock_guard lk(core_->mu);
+          if (core_->closed) throw Error(ErrorCode::kUnavailable, "join: client closed");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (core_->tp->peer_state(coord) == transport::PeerState::kLost)
+        throw Error(ErrorCode::kPeerLost,
+                    "join job '" + spec.name + "': coordinator " + std::to_string(coord) +
+                        " is lost and did not come back within " + std::to_string(bound.count()) +
+                        " ms");
+      timeout -= std::chrono::duration_cast<Millis>(std::chrono::steady_clock::now() - start);
+      if (timeout.count() <= 0) timeout = Millis{1};
+    }
     Message m = proto::to_message(proto::Register{spec});
     BC_LOG(LogPsClient(), kInfo) << "node " << self() << ": registering for job '" << spec.name
                                  << "'";
-    Response r = core_->tp->call(core_->cluster.coordinator, std::move(m), timeout);
+    Response r = core_->tp->call(coord, std::move(m), timeout);
     Status st = to_status(r);
     if (!st.ok()) throw Error(st.code(), "join job '" + spec.name + "': " + st.message());
     proto::Admission a = proto::decode_admission(proto::joined(r.response));
@@ -624,6 +671,7 @@ class ClientImpl final : public PsClient {
   }
 
   static void on_lost(Core& c, NodeId id, const Status& s) {
+    const Status why(ErrorCode::kPeerLost, lost_reason(c, id, s));
     std::vector<std::shared_ptr<JobImpl>> hit;
     {
       std::lock_guard lk(c.mu);
@@ -636,9 +684,7 @@ class ClientImpl final : public PsClient {
         }
       }
     }
-    for (auto& j : hit)
-      j->fail(Status(ErrorCode::kPeerLost, (id == c.cluster.coordinator ? "coordinator " : "server ") +
-                                               std::to_string(id) + " lost: " + s.message()));
+    for (auto& j : hit) j->fail(why);
   }
 
   std::shared_ptr<Core> core_;

@@ -67,6 +67,7 @@ Layout Layout::compute(uint32_t local_size, const std::vector<uint64_t>& tensor_
 
 SegmentHeader* init_segment(void* base, const Layout& l) {
   auto* h = new (base) SegmentHeader();
+  h->heartbeat.store(1, std::memory_order_relaxed);
   h->segment_bytes = l.total_bytes;
   h->local_size = l.local_size;
   h->num_tensors = static_cast<uint32_t>(l.tensors.size());

@@ -79,7 +79,12 @@ struct alignas(64) SegmentHeader {
   uint32_t local_size = 0;
   uint32_t num_tensors = 0;
   uint32_t ring_capacity = 0;
-  uint32_t reserved = 0;
+  // The daemon's liveness (issue 28): its control thread adds 1 at least
+  // every 250 ms while it runs; init_segment() starts it at 1. A client
+  // that sees it unchanged for its daemon timeout reports the daemon as not
+  // responding (stopped or hung). 0: a daemon without a heartbeat (the
+  // client then does not check). Was `reserved` (always 0): same layout.
+  std::atomic<uint32_t> heartbeat{0};
   uint64_t clients_offset = 0;
   uint64_t rings_offset = 0;
   uint64_t tensors_offset = 0;

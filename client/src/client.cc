@@ -17,6 +17,8 @@
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -110,6 +112,12 @@ struct bytecomp_client {
   uint32_t local_rank = 0;
   uint32_t local_size = 1;
   std::chrono::milliseconds io_timeout{10000};
+  // Daemon liveness (issue 28): the heartbeat last seen in the segment
+  // header, when it was first seen, the bound, the daemon's pid.
+  std::chrono::milliseconds daemon_timeout{5000};
+  uint32_t last_beat = 0;
+  Clock::time_point beat_seen{};
+  pid_t daemon_pid = 0;
 
   enum class Phase { kDeclaring, kStarted, kBroken } phase = Phase::kDeclaring;
   bytecomp_status broken_status = BYTECOMP_OK;
@@ -282,6 +290,33 @@ struct bytecomp_client {
     }
   }
 
+  // A stopped (SIGSTOP) or hung daemon keeps its socket open and says
+  // nothing: its heartbeat in the segment stops moving. Fails the job once
+  // it has not moved for daemon_timeout (lock held).
+  void check_daemon_alive() {
+    if (phase != Phase::kStarted || header == nullptr) return;
+    const uint32_t beat = header->heartbeat.load(std::memory_order_relaxed);
+    if (beat == 0) return;  // a daemon without a heartbeat
+    const auto now = Clock::now();
+    if (beat != last_beat) {
+      last_beat = beat;
+      beat_seen = now;
+      return;
+    }
+    if (now - beat_seen < daemon_timeout) return;
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.1f",
+                  std::chrono::duration<double>(now - beat_seen).count());
+    break_job(BYTECOMP_ERR_UNAVAILABLE,
+              "bytecompd" + (daemon_pid > 0 ? " (pid " + std::to_string(daemon_pid) + ")"
+                                            : std::string()) +
+                  " at " + socket_path + " not responding for " + secs +
+                  " s: its heartbeat in the shared memory of job '" + job_id +
+                  "' stopped (the daemon is stopped or hung; bound "
+                  "daemon_timeout_ms " + std::to_string(daemon_timeout.count()) +
+                  ", BYTECOMP_DAEMON_TIMEOUT_MS)");
+  }
+
   // One bounded reaping round. Lock held on entry and exit.
   void reap(std::unique_lock<std::mutex>& lock, std::chrono::microseconds max_wait) {
     reaper_active = true;
@@ -296,11 +331,24 @@ struct bytecomp_client {
     reaper_active = false;
     apply_completions();
     if (!woken || header->state.load(std::memory_order_acquire) != 0) check_health();
+    check_daemon_alive();
     cv.notify_all();
   }
 };
 
 namespace {
+
+// A refusal of this rank's START (kError) carries its own cause's code; an
+// ABORT is the end of a job that had started, whatever ended it (another
+// rank's invalid call included): BYTECOMP_ERR_ABORTED, as every rank that
+// already waits gets it from check_health(). A rank still mapping the segment
+// when the job was aborted used to get the cause's code instead (issue 28:
+// Broadcast.OneNodeDisagreeingSizesFailEveryRankNamingThem, INVALID_ARGUMENT
+// on one rank under load).
+bytecomp_status start_refusal_status(ipc::MsgType type, uint32_t code) {
+  if (type == ipc::MsgType::kAbort) return BYTECOMP_ERR_ABORTED;
+  return from_code(static_cast<ErrorCode>(code));
+}
 
 bytecomp_client* require_client(bytecomp_client* c) {
   if (c == nullptr) fail(BYTECOMP_ERR_INVALID_ARGUMENT, "client is NULL (connect first)");
@@ -338,6 +386,7 @@ void bytecomp_connect_options_init(bytecomp_connect_options* o) {
   o->local_size = 1;
   o->num_nodes = 1;
   o->connect_timeout_ms = 10000;
+  o->daemon_timeout_ms = 0;
 }
 
 bytecomp_status bytecomp_connect(const bytecomp_connect_options* o, bytecomp_client** out) {
@@ -378,6 +427,24 @@ bytecomp_status bytecomp_connect(const bytecomp_connect_options* o, bytecomp_cli
     c->local_rank = o->local_rank;
     c->local_size = o->local_size;
     c->io_timeout = std::chrono::milliseconds(o->connect_timeout_ms);
+    // Daemon liveness bound: the option (callers that know the field), else
+    // $BYTECOMP_DAEMON_TIMEOUT_MS, else 5 s.
+    uint32_t daemon_ms = 0;
+    if (o->struct_size >= offsetof(bytecomp_connect_options, daemon_timeout_ms) + 4)
+      daemon_ms = o->daemon_timeout_ms;
+    if (daemon_ms == 0) {
+      if (const char* d = std::getenv("BYTECOMP_DAEMON_TIMEOUT_MS"); d != nullptr && *d) {
+        char* end = nullptr;
+        const unsigned long v = std::strtoul(d, &end, 10);
+        if (*end != '\0' || v == 0 || v > 86400000ul) {
+          fail(BYTECOMP_ERR_INVALID_ARGUMENT,
+               std::string("BYTECOMP_DAEMON_TIMEOUT_MS='") + d +
+                   "': expected milliseconds, 1..86400000");
+        }
+        daemon_ms = static_cast<uint32_t>(v);
+      }
+    }
+    c->daemon_timeout = std::chrono::milliseconds(daemon_ms == 0 ? 5000 : daemon_ms);
     const char* env = std::getenv("BYTECOMP_SOCKET");
     c->socket_path = o->socket_path != nullptr ? o->socket_path
                      : (env != nullptr && *env) ? env
@@ -396,7 +463,12 @@ bytecomp_status bytecomp_connect(const bytecomp_connect_options* o, bytecomp_cli
     ::setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     const auto deadline = Clock::now() + c->io_timeout;
     for (;;) {
-      if (::connect(c->fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) break;
+      if (::connect(c->fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+        ucred cred{};
+        socklen_t len = sizeof cred;
+        if (::getsockopt(c->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) c->daemon_pid = cred.pid;
+        break;
+      }
       // A full backlog is transient; anything else means no daemon there.
       if ((errno == EAGAIN || errno == EINTR) && Clock::now() < deadline) {
         ::usleep(10000);
@@ -561,7 +633,7 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
       }
       if (reply->type == ipc::MsgType::kError || reply->type == ipc::MsgType::kAbort) {
         const auto& e = std::get<ipc::ErrorMsg>(reply->msg);
-        fail(from_code(static_cast<ErrorCode>(e.code)),
+        fail(start_refusal_status(reply->type, e.code),
              "bytecompd could not start job '" + c->job_id + "': " + e.message);
       }
       if (reply->type != ipc::MsgType::kReady) {
@@ -588,19 +660,15 @@ bytecomp_status bytecomp_start(bytecomp_client* c, uint32_t timeout_ms) {
         }
         if (abort && (abort->type == ipc::MsgType::kAbort || abort->type == ipc::MsgType::kError)) {
           const auto& m = std::get<ipc::ErrorMsg>(abort->msg);
-          // An abort of the running job reads the same to a rank that had
-          // not finished starting as to the others (check_health): ABORTED,
-          // whatever code the daemon failed the job with. A race between the
-          // ranks' starts and the first collective otherwise decided which
-          // code a rank saw.
-          fail(abort->type == ipc::MsgType::kAbort ? BYTECOMP_ERR_ABORTED
-                                                   : from_code(static_cast<ErrorCode>(m.code)),
+          fail(start_refusal_status(abort->type, m.code),
                "job '" + c->job_id + "' was aborted by bytecompd as it started: " + m.message);
         }
         fail(BYTECOMP_ERR_UNAVAILABLE,
              "cannot map job shared memory '" + ready.segment_name + "': " + why);
       }
       c->header = ipc::check_segment(c->region.get_address(), c->region.get_size(), c->layout);
+      c->last_beat = c->header->heartbeat.load(std::memory_order_relaxed);
+      c->beat_seen = Clock::now();
       auto* base = static_cast<char*>(c->region.get_address());
       c->area = reinterpret_cast<ipc::ClientArea*>(base + c->layout.clients_offset) +
                 c->local_rank;

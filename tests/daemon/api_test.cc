@@ -6,6 +6,10 @@
 
 #include <fcntl.h>
 
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+
 #include <future>
 
 #include "tests/daemon/harness.h"
@@ -17,7 +21,7 @@ namespace {
 std::string last() { return bytecomp_last_error(); }
 
 bytecomp_client* connect(const DaemonEnv& env, const char* job, uint32_t rank, uint32_t size,
-                         bytecomp_status* status = nullptr) {
+                         bytecomp_status* status = nullptr, uint32_t daemon_timeout_ms = 0) {
   bytecomp_connect_options o;
   bytecomp_connect_options_init(&o);
   o.socket_path = env.socket().c_str();
@@ -25,6 +29,7 @@ bytecomp_client* connect(const DaemonEnv& env, const char* job, uint32_t rank, u
   o.local_rank = rank;
   o.local_size = size;
   o.connect_timeout_ms = 5000;
+  o.daemon_timeout_ms = daemon_timeout_ms;
   bytecomp_client* c = nullptr;
   bytecomp_status s = bytecomp_connect(&o, &c);
   if (status != nullptr) *status = s;
@@ -382,4 +387,113 @@ TEST_F(Api, ForgedSubmissionOfUndeclaredTensorAbortsTheJob) {
       << last();
   bytecomp_close(c);
   EXPECT_TRUE(no_shm_left(env_.shm_prefix()));
+}
+
+// Issue 28 (3): a stopped daemon keeps its socket open and says nothing.
+// Its clients watch its heartbeat in the job's shared memory and fail their
+// wait within their own daemon_timeout_ms (1 s here), naming the daemon and
+// the cause, long before their wait timeout (20 s). Before that, a busy
+// daemon, a long wait for a slow rank and a long pause between calls (each
+// longer than the bound) must not trip it.
+TEST_F(Api, AStoppedDaemonFailsTheWaitWithinTheDaemonTimeoutNamingIt) {
+  constexpr uint32_t kBoundMs = 1000;
+  bytecomp_client* a = connect(env_, "silent", 0, 2, nullptr, kBoundMs);
+  bytecomp_client* b = connect(env_, "silent", 1, 2, nullptr, kBoundMs);
+  ASSERT_NE(a, nullptr) << last();
+  ASSERT_NE(b, nullptr) << last();
+  constexpr uint64_t kN = 1 << 16;
+  for (auto* c : {a, b})
+    ASSERT_EQ(bytecomp_declare_tensor(c, "x", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, nullptr),
+              BYTECOMP_OK);
+  auto fb = std::async(std::launch::async, [&] { return bytecomp_start(b, 5000); });
+  ASSERT_EQ(bytecomp_start(a, 5000), BYTECOMP_OK) << last();
+  ASSERT_EQ(fb.get(), BYTECOMP_OK);
+  float* pa = nullptr;
+  float* pb = nullptr;
+  uint64_t bytes = 0;
+  ASSERT_EQ(bytecomp_tensor_buffer(a, 0, reinterpret_cast<void**>(&pa), &bytes), BYTECOMP_OK);
+  ASSERT_EQ(bytecomp_tensor_buffer(b, 0, reinterpret_cast<void**>(&pb), &bytes), BYTECOMP_OK);
+  uint64_t it = 0;
+  // One iteration of both ranks; rank b pushes after `b_delay`.
+  auto iteration = [&](std::chrono::milliseconds b_delay) {
+    for (uint64_t i = 0; i < kN; ++i) pa[i] = 1.0f, pb[i] = 2.0f;
+    bytecomp_handle ha = 0, hb = 0;
+    ASSERT_EQ(bytecomp_push_pull(a, 0, it, &ha), BYTECOMP_OK) << last();
+    auto rb = std::async(std::launch::async, [&] {
+      std::this_thread::sleep_for(b_delay);
+      bytecomp_status st = bytecomp_push_pull(b, 0, it, &hb);
+      return st == BYTECOMP_OK ? bytecomp_wait(b, hb, 20000) : st;
+    });
+    ASSERT_EQ(bytecomp_wait(a, ha, 20000), BYTECOMP_OK) << last();
+    ASSERT_EQ(rb.get(), BYTECOMP_OK);
+    ASSERT_EQ(pa[kN - 1], 3.0f);
+    ++it;
+  };
+  // Busy: back-to-back iterations of 256 KiB for twice the bound.
+  const auto busy_until = std::chrono::steady_clock::now() + 2 * std::chrono::milliseconds(kBoundMs);
+  while (std::chrono::steady_clock::now() < busy_until) {
+    iteration(std::chrono::milliseconds(0));
+    if (HasFatalFailure()) return;
+  }
+  // A slow rank: a waits 2.5 bounds for b, the daemon alive all along.
+  iteration(std::chrono::milliseconds(5 * kBoundMs / 2));
+  if (HasFatalFailure()) return;
+  // A long pause in the training loop (no call into the library).
+  std::this_thread::sleep_for(std::chrono::milliseconds(2 * kBoundMs));
+  iteration(std::chrono::milliseconds(0));
+  if (HasFatalFailure()) return;
+
+  // Now the daemon stops: both ranks push and wait.
+  env_.daemon().signal(SIGSTOP);
+  // kill() only queues the stop: wait until every thread is stopped ('T').
+  auto state = [&] {
+    std::ifstream f("/proc/" + std::to_string(env_.daemon().pid()) + "/stat");
+    std::string line;
+    std::getline(f, line);
+    const auto close = line.rfind(')');
+    return close == std::string::npos || close + 2 >= line.size() ? '?' : line[close + 2];
+  };
+  const auto stop_by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (state() != 'T' && std::chrono::steady_clock::now() < stop_by)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(state(), 'T');
+  const auto stopped = std::chrono::steady_clock::now();
+  bytecomp_handle ha = 0, hb = 0;
+  ASSERT_EQ(bytecomp_push_pull(a, 0, it, &ha), BYTECOMP_OK) << last();
+  ASSERT_EQ(bytecomp_push_pull(b, 0, it, &hb), BYTECOMP_OK) << last();
+  auto wb = std::async(std::launch::async, [&] {
+    bytecomp_status st = bytecomp_wait(b, hb, 20000);
+    return std::make_pair(st, last());
+  });
+  const bytecomp_status sa = bytecomp_wait(a, ha, 20000);
+  const std::string ea = last();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped).count();
+  const auto [sb, eb] = wb.get();
+  const double took_b = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped).count();
+  env_.daemon().signal(SIGCONT);
+  std::printf("stopped daemon noticed after %.2f s (rank 0), %.2f s (rank 1): %s\n", took, took_b,
+              ea.c_str());
+  EXPECT_EQ(sa, BYTECOMP_ERR_UNAVAILABLE) << ea;
+  EXPECT_EQ(sb, BYTECOMP_ERR_UNAVAILABLE) << eb;
+  const std::string who = "bytecompd (pid " + std::to_string(env_.daemon().pid()) + ") at " + env_.socket();
+  for (const std::string& e : {ea, eb}) {
+    EXPECT_NE(e.find(who + " not responding for "), std::string::npos) << e;
+    EXPECT_NE(e.find("stopped or hung"), std::string::npos) << e;
+  }
+  // Not before the bound (the heartbeat moved up to 250 ms before the stop),
+  // and well within the wait's own 20 s.
+  EXPECT_GE(took, kBoundMs / 1000.0 - 0.3) << ea;
+  EXPECT_LT(took, kBoundMs / 1000.0 + 1.5) << ea;
+  EXPECT_LT(took_b, kBoundMs / 1000.0 + 1.5) << eb;
+  EXPECT_EQ(bytecomp_close(a), BYTECOMP_ERR_UNAVAILABLE);
+  EXPECT_EQ(bytecomp_close(b), BYTECOMP_ERR_UNAVAILABLE);
+  // The daemon, continued, notices both ranks gone and frees the job.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!no_shm_left(env_.shm_prefix()) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(no_shm_left(env_.shm_prefix()));
+  // And serves the next job.
+  bytecomp_client* c = connect(env_, "after", 0, 1);
+  ASSERT_NE(c, nullptr) << last();
+  EXPECT_EQ(bytecomp_close(c), BYTECOMP_OK);
 }

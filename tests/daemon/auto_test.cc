@@ -141,6 +141,55 @@ TEST_P(AutoNodes, DecidesFromTheProfileAndAppliesOnEveryNodeAtOneIteration) {
   EXPECT_TRUE(fs::exists(run_dir(0, "auto1") / "measured.yaml"));
 }
 
+// Issue 28 (6): both daemons' run directories resolve to one folder (as
+// NFS home directories do on clusters). Every node writes its files there at
+// once: no write fails, the shared files are complete, and each node's
+// profile and measurement have names of their own.
+TEST_P(AutoNodes, DaemonsSharingOneRunDirectoryKeepEveryNodesFilesIntact) {
+  const fs::path shared =
+      fs::temp_directory_path() / ("bc-shared-runs-" + std::to_string(::getpid()));
+  fs::remove_all(shared);
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(p, ec);
+    }
+  } cleanup{shared};
+  strategy_section_ = "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
+                      "  warmup_iterations: 3\n  run_dir: " + shared.string() + "\n";
+  start(1);
+  const std::vector<uint64_t> sizes{64, 150000};
+  constexpr int kIters = 60;
+  JobRun r = run_job(*this, "auto-shared", sizes, kIters, std::chrono::milliseconds(15));
+  ASSERT_EQ(r.got[0].size(), static_cast<size_t>(kIters));
+  const fs::path d = shared / "auto-shared";
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  auto all_measured = [&] {
+    return fs::exists(d / "measured.yaml") && fs::exists(d / "measured-node0.yaml") &&
+           fs::exists(d / "measured-node1.yaml");
+  };
+  while (!all_measured() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(20ms);
+  for (int n = 0; n < 2; ++n) {
+    const std::string log = nodes_[n]->daemon().output();
+    EXPECT_EQ(log.find("cannot write"), std::string::npos) << "node " << n << ":\n" << log;
+    EXPECT_NE(log.find("automatic strategy (epoch 0)"), std::string::npos) << log;
+    // Each node's profile is its own (node_rank inside), complete YAML.
+    const std::string prof = read_file(d / ("profile-node" + std::to_string(n) + ".yaml"));
+    EXPECT_NE(prof.find("node_rank: " + std::to_string(n)), std::string::npos) << prof;
+    EXPECT_TRUE(fs::exists(d / ("measured-node" + std::to_string(n) + ".yaml"))) << n;
+  }
+  EXPECT_TRUE(fs::exists(d / "measured.yaml"));
+  EXPECT_EQ(read_file(d / "measured.yaml"), read_file(d / "measured-node0.yaml"));
+  // The shared files are complete (they parse) and nothing temporary is left.
+  EXPECT_NO_THROW(bytecomp::planner::Strategy::load_file((d / "strategy.yaml").string()));
+  for (std::string f : {"plan.yaml", "explain.txt", "timeline.json"})
+    EXPECT_TRUE(fs::exists(d / f)) << f;
+  for (const auto& e : fs::directory_iterator(d))
+    EXPECT_NE(e.path().filename().string().front(), '.') << "left behind: " << e.path();
+}
+
 TEST_P(AutoNodes, NodesThatDisagreeGetNoPlanAndKeepTheirStrategy) {
   strategy_section_ = "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
                       "  warmup_iterations: 2\n";

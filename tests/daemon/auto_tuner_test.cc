@@ -5,9 +5,16 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
 #include <ctime>
 #include <set>
 #include <thread>
@@ -197,6 +204,132 @@ TEST(AutoTuner, CompressorCostsAndWireSizeComeFromRealCalls) {
   auto e = measure_compressor("efsignsgd", {1 << 12, 1 << 16}, 2);
   EXPECT_LT(e.bytes_per_element, 0.2);  // one bit per element (+ scale)
   EXPECT_THROW(measure_compressor("nosuch", {16}, 1), Error);
+}
+
+// One version of a file by writer `w` (its iteration `i`): 64 KiB, so that
+// a write is never one system call's worth, with its identity at both ends.
+std::string version_text(const std::string& name, int w, int i) {
+  std::string head = "# " + name + " writer " + std::to_string(w) + " version " + std::to_string(i) + "\n";
+  std::string body(64 * 1024, static_cast<char>('a' + (w * 7 + i) % 26));
+  return head + body + "\n" + head;
+}
+
+// Intact: one complete version, the same identity at the start and the end.
+bool intact(const std::string& text, const std::string& name) {
+  const auto nl = text.find('\n');
+  if (nl == std::string::npos) return false;
+  const std::string head = text.substr(0, nl + 1);
+  static const std::regex kHead("# (.+) writer ([0-9]+) version ([0-9]+)\n");
+  std::smatch m;
+  if (!std::regex_match(head, m, kHead) || m[1] != name) return false;
+  return text == version_text(name, std::stoi(m[2]), std::stoi(m[3]));
+}
+
+std::string slurp(const std::filesystem::path& p) {
+  std::ifstream f(p);
+  std::ostringstream o;
+  o << f.rdbuf();
+  return o.str();
+}
+
+// Issue 28 (6): the daemons of every node of a job write the run directory
+// at once where it resolves to one shared folder. Two writer processes (two
+// daemons) with two threads each write the shared names (strategy.yaml, the
+// same name from every node) and their per-node ones (profile-node<w>.yaml,
+// measured-node<w>.yaml) 200 times each while a reader checks that every
+// file it opens is one complete version. Before issue 28 the writers shared
+// "<name>.tmp": a rename failed with "No such file or directory" or a
+// half-written file was renamed into place.
+TEST(AutoTuner, WritersSharingOneRunDirectoryNeverFailAndNeverTearAFile) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() /
+                       ("bc-shared-run-" + std::to_string(::getpid())) / "job";
+  fs::remove_all(dir.parent_path());
+  constexpr int kWriters = 2, kThreads = 2, kVersions = 200;
+  const std::vector<std::string> shared{"strategy.yaml", "plan.yaml"};
+  std::vector<pid_t> children;
+  for (int w = 0; w < kWriters; ++w) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      std::atomic<int> failures{0};
+      std::vector<std::thread> ts;
+      for (int t = 0; t < kThreads; ++t)
+        ts.emplace_back([&, t] {
+          for (int i = 0; i < kVersions; ++i) {
+            const int id = w * kThreads + t;
+            for (const auto& n : shared)
+              if (!write_file_atomic(dir.string(), n, version_text(n, id, i)).empty()) ++failures;
+            // Per node: only this writer's threads write these names.
+            const std::string own = "profile-node" + std::to_string(w) + ".yaml";
+            if (!write_file_atomic(dir.string(), own, version_text(own, id, i)).empty()) ++failures;
+          }
+        });
+      for (auto& th : ts) th.join();
+      ::_exit(std::min(failures.load(), 100));
+    }
+    children.push_back(pid);
+  }
+  // Read while they write.
+  int reads = 0, torn = 0;
+  std::string first_torn;
+  std::vector<int> codes;
+  std::vector<bool> reaped(children.size(), false);
+  for (int round = 0; round < 100000; ++round) {
+    for (const auto& n : shared) {
+      const std::string text = slurp(dir / n);
+      if (text.empty()) continue;  // not written yet
+      ++reads;
+      if (!intact(text, n)) {
+        ++torn;
+        if (first_torn.empty()) first_torn = n + ": " + text.substr(0, 80);
+      }
+    }
+    if (round % 16 == 0) {
+      bool any = false;
+      for (size_t k = 0; k < children.size(); ++k) {
+        if (reaped[k]) continue;
+        int st = 0;
+        const pid_t r = ::waitpid(children[k], &st, WNOHANG);
+        if (r == 0) {
+          any = true;
+        } else if (r == children[k]) {
+          reaped[k] = true;
+          codes.push_back(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+        }
+      }
+      if (!any) break;
+    }
+  }
+  // Any child not yet reaped (bounded: they write 600 files per thread).
+  for (size_t k = 0; k < children.size(); ++k) {
+    int st = 0;
+    if (!reaped[k] && ::waitpid(children[k], &st, 0) == children[k])
+      codes.push_back(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+  }
+  ASSERT_EQ(codes.size(), static_cast<size_t>(kWriters));
+  for (int code : codes) EXPECT_EQ(code, 0) << "a writer failed to write";
+  EXPECT_GT(reads, 0);
+  EXPECT_EQ(torn, 0) << "torn reads of " << reads << ", first: " << first_torn;
+  // The end state: every file one complete version; each node's own file
+  // by that node's writers only; no temporary file left behind.
+  for (const auto& n : shared) EXPECT_TRUE(intact(slurp(dir / n), n)) << n;
+  for (int w = 0; w < kWriters; ++w) {
+    const std::string own = "profile-node" + std::to_string(w) + ".yaml";
+    const std::string text = slurp(dir / own);
+    ASSERT_TRUE(intact(text, own)) << own;
+    const int id = std::stoi(text.substr(text.find("writer ") + 7));
+    EXPECT_EQ(id / kThreads, w) << own << " written by another node's writer";
+  }
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"plan.yaml", "profile-node0.yaml",
+                                             "profile-node1.yaml", "strategy.yaml"}));
+  // Failures are reported, not thrown: a directory that cannot be created.
+  const std::string err = write_file_atomic("/proc/no-such-dir", "x.yaml", "x");
+  EXPECT_NE(err.find("cannot write /proc/no-such-dir/x.yaml"), std::string::npos) << err;
+  fs::remove_all(dir.parent_path());
 }
 
 }  // namespace

@@ -544,6 +544,58 @@ TEST_P(TwoNodes, JobEndDoesNotStallTheDaemonWhenTheCoordinatorIsUnresponsive) {
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
 
+// Issue 28 (5): right after a coordinator comes back (here: SIGCONT after
+// both daemons declared it lost; in the chaos runs: a healed partition) the
+// daemons still hold it as lost until its heartbeats arrive. A job started
+// then used to fail at once on one node ("node 0 is lost") while the other
+// node, registered, waited for it until admission_ms (10 s here). Now a join
+// waits (bounded) for a lost coordinator to come back: the job runs, and
+// starts well within admission_ms.
+TEST_P(TwoNodes, AJobRightAfterTheCoordinatorComesBackIsAdmittedWithoutWaitingAdmissionMs) {
+  peer_timeout_ms_ = 1000;
+  start(1);
+  servers_[0]->signal(SIGSTOP);
+  // Both daemons declare the coordinator lost.
+  const auto lost_by = std::chrono::steady_clock::now() + 10s;
+  auto lost_on = [&](int n) {
+    return nodes_[n]->daemon().output().find("sent nothing for 1000 ms") != std::string::npos;
+  };
+  while (!(lost_on(0) && lost_on(1)) && std::chrono::steady_clock::now() < lost_by)
+    std::this_thread::sleep_for(20ms);
+  const bool lost = lost_on(0) && lost_on(1);
+  servers_[0]->signal(SIGCONT);
+  ASSERT_TRUE(lost) << nodes_[0]->daemon().output() << nodes_[1]->daemon().output();
+  const auto t0 = std::chrono::steady_clock::now();
+  constexpr uint64_t kN = 1000;
+  std::chrono::steady_clock::duration started[2]{};
+  auto run = [&](uint32_t node) {
+    bytecomp_client* c = connect_client(node, 0, "healed", 1);
+    ASSERT_NE(c, nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    started[node] = std::chrono::steady_clock::now() - t0;
+    float* p = nullptr;
+    uint64_t bytes = 0;
+    ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+    for (uint64_t i = 0; i < kN; ++i) p[i] = static_cast<float>(node + 1);
+    bytecomp_handle h = 0;
+    ASSERT_EQ(bytecomp_push_pull(c, id, 0, &h), BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_wait(c, h, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    EXPECT_EQ(p[kN - 1], 3.0f);
+    EXPECT_EQ(bytecomp_close(c), BYTECOMP_OK) << bytecomp_last_error();
+  };
+  auto other = std::async(std::launch::async, run, 1);
+  run(0);
+  other.get();
+  for (int n = 0; n < 2; ++n)
+    EXPECT_LT(started[n], 5s) << "node " << n << " started after "
+                              << std::chrono::duration_cast<std::chrono::milliseconds>(started[n]).count()
+                              << " ms (admission_ms is 10000)\n" << nodes_[n]->daemon().output();
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
+}
+
 // One instantiation for every TEST_P of the fixture (internode_test.cc and
 // peer_test.cc): each runs once per transport backend of the build.
 INSTANTIATE_TEST_SUITE_P(Backends, TwoNodes,

@@ -8,6 +8,8 @@
 // move or sum its bytes.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <algorithm>
 #include <array>
 #include <map>
@@ -93,8 +95,9 @@ void expect_complete(const std::vector<Rec>& recs, const std::string& path,
 
 // Median over iterations of one tensor's span from the earliest `from` of
 // its partitions to the latest `to`.
+// (`quantile` 0: the shortest.)
 uint64_t median_span(const std::vector<Rec>& recs, const std::string& tensor, size_t from,
-                     size_t to) {
+                     size_t to, double quantile = 0.5) {
   std::map<uint64_t, std::pair<uint64_t, uint64_t>> by_it;  // iteration -> (min from, max to)
   for (const Rec& r : recs) {
     if (r.tensor != tensor) continue;
@@ -108,7 +111,8 @@ uint64_t median_span(const std::vector<Rec>& recs, const std::string& tensor, si
   for (const auto& [it, s] : by_it) spans.push_back(s.second - s.first);
   if (spans.empty()) return 0;
   std::sort(spans.begin(), spans.end());
-  return spans[spans.size() / 2];
+  if (quantile == 0.5) return spans[spans.size() / 2];
+  return spans[static_cast<size_t>(quantile * static_cast<double>(spans.size() - 1) + 0.5)];
 }
 
 const std::vector<std::string> kPhaseLog{"BYTECOMP_LOG=info,daemon.phases=debug"};
@@ -166,8 +170,21 @@ TEST_P(TwoNodePhases, PsPathRecordsEveryPhaseAndTheWaitGrowsWithTheTensor) {
     const std::vector<Rec> recs = node_records(*n, "ps");
     expect_complete(recs, "ps", {{"t0", 1}, {"t1", 16}}, kIters);
     // From the first push handed over to the last answer in: 4 MiB through
-    // the server and back takes longer than 64 bytes.
-    EXPECT_GT(median_span(recs, "t1", kSent, kArrived), median_span(recs, "t0", kSent, kArrived));
+    // the server and back takes longer than 64 bytes, at best. The span
+    // also holds the wait for the other node's push: the nodes run in
+    // lockstep, so t0, the first tensor of an iteration, waits out the
+    // other node's previous iteration, and under load (9-17) its median was
+    // as long as t1's (9.79 vs 9.70 ms, issue 28; measured from one origin
+    // per iteration, 50.12 vs 49.68 ms). The shortest span of each is the
+    // one that waited least: t1's still holds the transfer.
+    const uint64_t big = median_span(recs, "t1", kSent, kArrived, 0.0);
+    const uint64_t small = median_span(recs, "t0", kSent, kArrived, 0.0);
+    EXPECT_GT(big, small);
+    std::printf("%s: push to answer, shortest: t1 (4 MiB) %.2f ms, t0 (64 B) %.2f ms; "
+                "median %.2f, %.2f ms\n",
+                n->socket().c_str(), big / 1e6, small / 1e6,
+                median_span(recs, "t1", kSent, kArrived) / 1e6,
+                median_span(recs, "t0", kSent, kArrived) / 1e6);
   }
 }
 

@@ -1,6 +1,8 @@
 // ZeroMQ backend: setup and teardown (zmq_transport_impl.h).
 #include "transport/zmq/zmq_transport_impl.h"
 
+#include <algorithm>
+
 namespace bytecomp::transport::zmq_detail {
 
 ZmqTransport::ZmqTransport(const TransportConfig& config) : TransportBase(config, "zmq") {
@@ -96,6 +98,13 @@ void* ZmqTransport::make_dealer(const std::string& address, char rid_kind) {
   int ivl = 100, ivl_max = 1000;
   zmq_setsockopt(s, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
   zmq_setsockopt(s, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof ivl_max);
+#ifdef ZMQ_CONNECT_TIMEOUT
+  // A connect whose SYNs are dropped (a partition) would otherwise sit in
+  // the kernel's SYN back-off (1, 3, 7, 15 s...) after the link heals;
+  // giving up after peer_timeout retries within reconnect_ivl_max (issue 28).
+  const int connect_ms = static_cast<int>(std::min<int64_t>(config().peer_timeout.count(), 60000));
+  zmq_setsockopt(s, ZMQ_CONNECT_TIMEOUT, &connect_ms, sizeof connect_ms);
+#endif
   if (config().curve.enabled) {
     const CurveConfig& c = config().curve;
     check(zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, c.public_key.c_str(), 40), "ZMQ_CURVE_SERVERKEY");

@@ -122,10 +122,16 @@ typedef struct bytecomp_connect_options {
   uint32_t num_nodes;
   /* Bound on connecting and on each setup exchange with the daemon (ms). */
   uint32_t connect_timeout_ms;
+  /* Daemon liveness: a wait fails with BYTECOMP_ERR_UNAVAILABLE ("bytecompd
+   * ... not responding for N s") once the daemon's heartbeat in the job's
+   * shared memory has not moved for this long (a stopped or hung daemon).
+   * 0: $BYTECOMP_DAEMON_TIMEOUT_MS, else 5000. (Added after ABI version 1's
+   * first release: struct_size tells whether a caller knows it.) */
+  uint32_t daemon_timeout_ms;
 } bytecomp_connect_options;
 
 /* Fills defaults: struct_size, socket_path NULL, job_id NULL, local rank 0 of
- * 1, node rank 0 of 1, connect_timeout_ms 10000. */
+ * 1, node rank 0 of 1, connect_timeout_ms 10000, daemon_timeout_ms 0. */
 BYTECOMP_API void bytecomp_connect_options_init(bytecomp_connect_options* opts);
 
 /* Connects to the daemon and joins (or creates) the job. Checks that the

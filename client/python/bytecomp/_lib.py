@@ -109,6 +109,7 @@ class _ConnectOptions(ctypes.Structure):
         ("node_rank", ctypes.c_uint32),
         ("num_nodes", ctypes.c_uint32),
         ("connect_timeout_ms", ctypes.c_uint32),
+        ("daemon_timeout_ms", ctypes.c_uint32),
     ]
 
 
@@ -238,7 +239,7 @@ class Client:
     """One connection to bytecompd, joined to one job (bytecomp_client*)."""
 
     def __init__(self, job_id, local_rank=0, local_size=1, node_rank=0, num_nodes=1,
-                 socket_path=None, connect_timeout_ms=10000):
+                 socket_path=None, connect_timeout_ms=10000, daemon_timeout_ms=0):
         lib = library()
         self._lib = lib
         opts = _ConnectOptions()
@@ -253,6 +254,8 @@ class Client:
         opts.node_rank = node_rank
         opts.num_nodes = num_nodes
         opts.connect_timeout_ms = connect_timeout_ms
+        # 0: $BYTECOMP_DAEMON_TIMEOUT_MS, else 5000 (the daemon's liveness bound)
+        opts.daemon_timeout_ms = daemon_timeout_ms
         handle = ctypes.c_void_p()
         s = lib.bytecomp_connect(ctypes.byref(opts), ctypes.byref(handle))
         if s != OK:

@@ -262,8 +262,12 @@ def auto_record(opt, wait_s=0.0):
     job = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in opt._bc_job)
     d = os.path.join(os.path.dirname(s.socket_path), "runs", job)
     rec = {"run_dir": d}
+    node = opt._bc_ctx.settings.node_rank
+    # This node's measurement (measured.yaml is node rank 0's; the folder
+    # may be shared by every node's daemon).
+    measured = os.path.join(d, "measured-node%d.yaml" % node)
     deadline = time.monotonic() + wait_s
-    while not os.path.exists(os.path.join(d, "measured.yaml")) and time.monotonic() < deadline:
+    while not os.path.exists(measured) and time.monotonic() < deadline:
         time.sleep(0.1)
     try:
         with open(os.path.join(d, "plan.yaml")) as f:
@@ -279,7 +283,6 @@ def auto_record(opt, wait_s=0.0):
         rec["alternative_strategies"] = {a["name"]: a.get("strategy")
                                          for a in plan.get("alternatives") or []}
         rec["meta"] = (yaml.safe_load(plan.get("strategy") or "") or {}).get("meta") or {}
-        node = opt._bc_ctx.settings.node_rank
         with open(os.path.join(d, "profile-node%d.yaml" % node)) as f:
             prof = yaml.safe_load(f)
         rec["profile"] = {k: prof.get(k) for k in ("iteration_us", "link_gbps", "link_latency_us",
@@ -288,7 +291,7 @@ def auto_record(opt, wait_s=0.0):
     except (OSError, KeyError, TypeError, ValueError) as e:
         rec["error"] = "no decision in %s (%s)" % (d, e)
     try:
-        with open(os.path.join(d, "measured.yaml")) as f:
+        with open(measured) as f:
             m = yaml.safe_load(f)
         rec["switch_iteration"] = m["switch_iteration"]
         rec["measured_s"] = m["iteration_us"] / 1e6
