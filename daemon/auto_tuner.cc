@@ -670,6 +670,11 @@ void AutoTuner::run() {
     losses.swap(losses_);
     lk.unlock();
     for (const server::AutoEvent& e : events) handle(e);
+    if (!losses.empty() && !loss_reported_) {
+      loss_reported_ = true;
+      BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": loss reports arrive (the loss guard is "
+                               << (o_.spec.loss_guard ? "on" : "off") << ")";
+    }
     for (double l : losses) loss_guard_.report(last_iteration_, l);
     // The job's timeline (the PS client's) has every announced change.
     if (const strategy::Timeline::Entry latest = ps_->timeline().latest();
@@ -684,7 +689,12 @@ void AutoTuner::run() {
         switch_iteration_ = latest.first;
         have_switch_ = true;
         trigger_.set_prediction(predicted_us_, switch_iteration_ + 1);
-        if (compresses(current_yaml_)) loss_guard_.compressed_from(switch_iteration_);
+        if (compresses(current_yaml_) && !loss_guard_.armed()) {
+          loss_guard_.compressed_from(switch_iteration_);
+          BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": loss guard armed at iteration "
+                                   << switch_iteration_ << " (baseline "
+                                   << loss_guard_.baseline() << "; 0: not enough reports yet)";
+        }
       }
     }
     for (IterationSample& s : iteration_samples(engine_->phase_records(), partitions_)) {

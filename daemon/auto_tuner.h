@@ -240,6 +240,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   ReplanTrigger trigger_;
   LossGuard loss_guard_;
   uint64_t last_iteration_ = 0;  // latest complete iteration seen (stamps losses)
+  bool loss_reported_ = false;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -333,6 +333,7 @@ def run_training(system, args, rank, counters):
     warmup = args.warmup + (args.auto_extra_steps if system == "bc_auto" else 0)
     steps = warmup + args.steps
     times, losses = [], []
+    first_loss = None  # bc_auto's --auto-fake-divergence
     before = after = None
     auto = None
     try:
@@ -351,8 +352,10 @@ def run_training(system, args, rank, counters):
                 # What a user of strategy="auto" does: the loss guard
                 # compares these with the uncompressed warm-up's.
                 reported = float(loss.item())
+                if first_loss is None:
+                    first_loss = reported
                 if args.auto_fake_divergence and auto_switched(opt):
-                    reported *= args.auto_fake_divergence
+                    reported = first_loss * args.auto_fake_divergence
                 opt.report_loss(reported)
             if args.progress and rank == 0:
                 with open(args.progress + ".tmp", "w") as f:
@@ -516,8 +519,9 @@ def main(argv=None):
     ap.add_argument("--auto-loss-window", type=int, default=0,
                     help="bc_auto: loss_guard.window (0: the default)")
     ap.add_argument("--auto-fake-divergence", type=float, default=0,
-                    help="bc_auto, for tests: report the loss times this factor once the "
-                         "daemon decided a compressed strategy (the loss guard's rollback)")
+                    help="bc_auto, for tests: once the daemon's compressed strategy is in "
+                         "force, report this factor times the first step's loss (a diverged "
+                         "run; the loss guard's rollback)")
     ap.add_argument("--auto-exclude", default="",
                     help="bc_auto: tensors never compressed (comma-separated globs)")
     ap.add_argument("--out", required=True, help="directory; rank<r>.json is written there")
