@@ -128,7 +128,7 @@ struct Decision {
   double decision_ms = 0;   // wall time of decide()
   // "fp32", "fp16", one "all:<spec>" per accepted compressor and one
   // "threshold:<spec>" (min_compress_bytes) per accepted compressor; the
-  // exclusions hold in all of them.
+  // exclusions and the accuracy guards hold in all of them.
   std::vector<Alternative> alternatives;
   std::vector<TensorChoice> tensors;  // declaration order
   std::string timeline_json;  // predicted timeline of `strategy`, Chrome trace format
