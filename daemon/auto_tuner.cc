@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "compress/compressor.h"
 #include "daemon/engine.h"
+#include "planner/strategy/strategy.h"
 
 namespace bytecomp::daemon {
 
@@ -255,6 +256,18 @@ std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double mea
   ++streak_;
   drifted_.push_back(measured_us);
   if (streak_ < needed_ || iteration < since_ + min_interval_) return std::nullopt;
+  while (!fired_.empty() && fired_.front() + per_ <= iteration) fired_.pop_front();
+  if (fired_.size() >= max_replans_) {
+    // Held back, not dropped: the streak goes on and fires once the oldest
+    // re-plan leaves the window (a link that really changed still gets one).
+    held_back_ = std::to_string(fired_.size()) + " re-plans in the last " + std::to_string(per_) +
+                 " iterations (replan.max " + std::to_string(max_replans_) + " per " +
+                 std::to_string(per_) + "): the next one waits until iteration " +
+                 std::to_string(fired_.front() + per_);
+    return std::nullopt;
+  }
+  held_back_.clear();
+  fired_.push_back(iteration);
   std::ostringstream o;
   o.precision(4);
   o << "measured " << median(drifted_) / 1000.0 << " ms per iteration over the last " << streak_
@@ -266,9 +279,54 @@ std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double mea
   return o.str();
 }
 
+void LossGuard::report(uint64_t iteration, double loss) {
+  if (!std::isfinite(loss)) {
+    // Before the switch the uncompressed job diverged on its own: not the
+    // guard's to judge.
+    if (switched_ && iteration > switch_) non_finite_ = true;
+    return;
+  }
+  std::deque<double>& into = switched_ && iteration > switch_ ? after_ : before_;
+  into.push_back(loss);
+  while (into.size() > window_) into.pop_front();
+}
+
+void LossGuard::compressed_from(uint64_t iteration) {
+  if (switched_) return;
+  switched_ = true;
+  switch_ = iteration;
+}
+
+double LossGuard::baseline() const {
+  return before_.size() < kMinBaseline ? 0.0 : median(std::vector<double>(before_.begin(), before_.end()));
+}
+
+std::optional<std::string> LossGuard::check() {
+  if (!switched_ || fired_) return std::nullopt;
+  std::ostringstream o;
+  o.precision(4);
+  if (non_finite_) {
+    fired_ = true;
+    o << "a training process reported a non-finite loss after the switch at iteration "
+      << switch_;
+    return o.str();
+  }
+  if (before_.size() < kMinBaseline || after_.size() < window_) return std::nullopt;
+  const double base = baseline(), now = median(std::vector<double>(after_.begin(), after_.end()));
+  if (!(now > base + tolerance_ * std::abs(base))) return std::nullopt;
+  fired_ = true;
+  o << "the median loss of the last " << after_.size() << " reports after the switch at iteration "
+    << switch_ << " is " << now << ", above the uncompressed warm-up's " << base << " by "
+    << 100.0 * (now - base) / std::max(1e-12, std::abs(base)) << "% (loss_guard.tolerance "
+    << 100.0 * tolerance_ << "%)";
+  return o.str();
+}
+
 AutoTuner::AutoTuner(Options options)
     : o_(std::move(options)),
-      trigger_(o_.spec.replan_drift, o_.spec.replan_iterations, o_.spec.replan_min_interval) {
+      trigger_(o_.spec.replan_drift, o_.spec.replan_iterations, o_.spec.replan_min_interval,
+               o_.spec.replan_max, o_.spec.replan_per),
+      loss_guard_(o_.spec.loss_window, o_.spec.loss_tolerance) {
   view_.state = "probing";
   view_.run_dir = o_.run_dir;
 }
@@ -289,6 +347,49 @@ void AutoTuner::stop() {
 AutoTuner::View AutoTuner::view() const {
   std::lock_guard lk(mu_);
   return view_;
+}
+
+void AutoTuner::report_loss(double loss) {
+  {
+    std::lock_guard lk(mu_);
+    // Bounded: a tuner thread that is behind drops the oldest reports.
+    if (losses_.size() >= 4096) losses_.erase(losses_.begin());
+    losses_.push_back(loss);
+  }
+  cv_.notify_all();
+}
+
+// The uncompressed strategy a rollback returns to: what the warm-up ran.
+static const char* const kUncompressedYaml = "version: 1\ndefault: {compressor: none}\n";
+
+bool AutoTuner::compresses(const std::string& yaml) const {
+  if (yaml.empty()) return false;
+  try {
+    const strategy::Strategy st = strategy::Strategy::parse(yaml, "job strategy");
+    for (size_t t = 0; t < o_.names.size(); ++t)
+      if (st.resolve(o_.names[t], 4 * o_.elements[t]).compressed()) return true;
+  } catch (const std::exception&) {
+    // The engine accepted it; a parse error here is a bug, and guarding
+    // what we cannot read is the safe side.
+    return true;
+  }
+  return false;
+}
+
+void AutoTuner::check_loss() {
+  if (!o_.spec.loss_guard || state_ == State::kRolledBack) return;
+  const std::optional<std::string> why = loss_guard_.check();
+  if (!why) return;
+  const std::string text = "loss guard: " + *why + "; rolling back to uncompressed";
+  BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": " << text;
+  write_file("rollback.txt", text + "\n");
+  if (ps_->info().rank == 0) engine_->request_strategy(kUncompressedYaml);
+  state_ = State::kRolledBack;
+  trigger_.clear();
+  std::lock_guard lk(mu_);
+  view_.state = "rolled back";
+  view_.last_message = text;
+  view_.predicted_us = 0;
 }
 
 void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
@@ -539,6 +640,11 @@ void AutoTuner::handle(const server::AutoEvent& e) {
     return;
   }
   if (e.epoch != epoch_) return;  // a stale answer
+  if (state_ == State::kRolledBack) {
+    BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": epoch " << e.epoch
+                             << " decided after the loss guard rolled the job back: ignored";
+    return;
+  }
   if (e.kind == K::kFailed) {
     BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": no automatic strategy for epoch " << e.epoch
                              << ", keeping the current one: " << e.text;
@@ -597,8 +703,16 @@ void AutoTuner::run() {
     if (stopping_) break;
     std::deque<server::AutoEvent> events;
     events.swap(events_);
+    std::vector<double> losses;
+    losses.swap(losses_);
     lk.unlock();
     for (const server::AutoEvent& e : events) handle(e);
+    if (!losses.empty() && !loss_reported_) {
+      loss_reported_ = true;
+      BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": loss reports arrive (the loss guard is "
+                               << (o_.spec.loss_guard ? "on" : "off") << ")";
+    }
+    for (double l : losses) loss_guard_.report(last_iteration_, l);
     // The job's timeline (the PS client's) has every announced change.
     if (const strategy::Timeline::Entry latest = ps_->timeline().latest();
         latest.first != seen_change_) {
@@ -612,10 +726,17 @@ void AutoTuner::run() {
         switch_iteration_ = latest.first;
         have_switch_ = true;
         trigger_.set_prediction(predicted_us_, switch_iteration_ + 1);
+        if (compresses(current_yaml_) && !loss_guard_.armed()) {
+          loss_guard_.compressed_from(switch_iteration_);
+          BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": loss guard armed at iteration "
+                                   << switch_iteration_ << " (baseline "
+                                   << loss_guard_.baseline() << "; 0: not enough reports yet)";
+        }
       }
     }
     for (IterationSample& s : iteration_samples(engine_->phase_records(), partitions_)) {
       const uint64_t it = s.iteration;
+      last_iteration_ = std::max(last_iteration_, it);
       const bool fresh = samples_.emplace(it, std::move(s)).second;
       if (fresh && !o_.pids.empty()) {
         double cpu = 0;
@@ -631,7 +752,12 @@ void AutoTuner::run() {
         if (const std::optional<double> me = process_cpu_us(::getpid())) self_marks_[it] = *me;
       if (fresh && state_ == State::kApplied && have_switch_ && it > switch_iteration_ &&
           ps_->info().rank == 0) {
-        if (auto why = trigger_.observe(it, samples_.at(it).iteration_us)) {
+        const std::string before = trigger_.held_back();
+        auto why = trigger_.observe(it, samples_.at(it).iteration_us);
+        if (!trigger_.held_back().empty() && trigger_.held_back() != before)
+          BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": lasting drift, re-plan held back: "
+                                   << trigger_.held_back();
+        if (why) {
           BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": asking for a re-plan: " << *why;
           const std::string job = o_.job;
           ps_->auto_replan(it + 3, *why, [job](const bytecomp::Status& st) {
@@ -641,6 +767,7 @@ void AutoTuner::run() {
         }
       }
     }
+    check_loss();
     while (samples_.size() > 512) samples_.erase(samples_.begin());
     while (cpu_marks_.size() > 512) cpu_marks_.erase(cpu_marks_.begin());
     while (self_marks_.size() > 512) self_marks_.erase(self_marks_.begin());

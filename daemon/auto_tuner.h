@@ -107,21 +107,38 @@ std::vector<size_t> probe_order(size_t servers, uint32_t rank);
 
 // Decides when measurements have drifted from the prediction for long
 // enough to re-plan. Pure: fed with iteration times.
+//
+// Hysteresis (issue 29: a small fast job re-planned 6 times in 10 epochs):
+// a re-plan needs `iterations` drifted iterations in a row (one blip resets
+// the streak), at least `min_interval` iterations after the prediction came
+// into force, and fewer than `max_replans` re-plans in the last
+// `per_iterations` iterations; the coordinator's decide() then keeps the
+// running strategy unless the new plan clears the min_gain bar against it
+// (planner/online.h Decision::kept_current).
 class ReplanTrigger {
  public:
-  ReplanTrigger(double drift, uint32_t iterations, uint32_t min_interval)
-      : drift_(drift), needed_(iterations), min_interval_(min_interval) {}
+  ReplanTrigger(double drift, uint32_t iterations, uint32_t min_interval,
+                uint32_t max_replans = 1000000, uint32_t per_iterations = 1)
+      : drift_(drift), needed_(iterations), min_interval_(min_interval),
+        max_replans_(max_replans), per_(per_iterations) {}
   // A prediction in force from `iteration` (a strategy change there).
   void set_prediction(double predicted_us, uint64_t iteration);
   // No prediction (a failed plan, or a re-plan under way).
   void clear() { predicted_us_ = 0; streak_ = 0; }
-  // A measured iteration; a reason when it is time to re-plan.
+  // A measured iteration; a reason when it is time to re-plan (which the
+  // trigger counts against the per-N bound).
   std::optional<std::string> observe(uint64_t iteration, double measured_us);
+  // Why the last lasting drift did not re-plan ("" when none was held back).
+  const std::string& held_back() const { return held_back_; }
 
  private:
   double drift_;
   uint32_t needed_;
   uint32_t min_interval_;
+  uint32_t max_replans_;
+  uint32_t per_;
+  std::deque<uint64_t> fired_;  // iterations of the re-plans within the last per_
+  std::string held_back_;
   double predicted_us_ = 0;
   uint64_t since_ = 0;
   uint32_t streak_ = 0;
@@ -138,6 +155,42 @@ class ReplanTrigger {
 // Thread-safe.
 std::string write_file_atomic(const std::string& dir, const std::string& name,
                               const std::string& text);
+
+// The loss guard (issue 29, docs/auto.md "Loss rollback"): the training
+// processes report their loss (bytecomp.torch's report_loss(), the `loss`
+// operator request); each report is stamped with the latest iteration the
+// daemon saw. Losses reported up to the first switch to a compressed
+// strategy are the uncompressed baseline: the median of the last `window`
+// of them (at least kMinBaseline). After the switch, once `window` losses
+// came in, the job has diverged when the median of the last `window`
+// exceeds the baseline by more than `tolerance` (a fraction of it), or at
+// once when a loss is not finite. Healthy training lowers its loss below
+// the warm-up's, so a compressed run that ends up above it is not
+// following the uncompressed trend. Pure.
+class LossGuard {
+ public:
+  static constexpr size_t kMinBaseline = 3;
+  LossGuard(uint32_t window, double tolerance) : window_(window), tolerance_(tolerance) {}
+  void report(uint64_t iteration, double loss);
+  // A compressed strategy in force from `iteration`; only the first counts
+  // (the baseline is the uncompressed warm-up's, whatever re-plans follow).
+  void compressed_from(uint64_t iteration);
+  bool armed() const { return switched_; }
+  // The divergence, once: a reason to roll back.
+  std::optional<std::string> check();
+  // Diagnostics: the baseline (0 until known) and the post-switch reports.
+  double baseline() const;
+  size_t after() const { return after_.size(); }
+
+ private:
+  uint32_t window_;
+  double tolerance_;
+  bool switched_ = false, fired_ = false;
+  uint64_t switch_ = 0;
+  std::deque<double> before_, after_;
+  std::deque<std::pair<uint64_t, double>> pending_;  // reported before the switch was known
+  bool non_finite_ = false;
+};
 
 class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
  public:
@@ -162,7 +215,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
 
   // For bytecompctl and tests.
   struct View {
-    std::string state;  // "probing", "profiling", "planning", "applied", "failed", "stopped"
+    std::string state;  // "probing", "profiling", "planning", "applied", "failed", "rolled back", "stopped"
     uint64_t epoch = 0;
     double predicted_us = 0;
     double link_gbps = 0, link_latency_us = 0;
@@ -173,8 +226,13 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   };
   View view() const;
 
+  // A training process's loss (any thread: queued for the tuner thread).
+  void report_loss(double loss);
+
  private:
-  enum class State { kIdle, kProfiling, kWaiting, kApplied, kFailed };
+  enum class State { kIdle, kProfiling, kWaiting, kApplied, kFailed, kRolledBack };
+  void check_loss();
+  bool compresses(const std::string& yaml) const;
   void run();
   void probe_link();
   void measure_compressors();
@@ -191,10 +249,14 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   std::vector<uint32_t> partitions_;
   std::vector<uint64_t> part_elems_, last_elems_;
   ReplanTrigger trigger_;
+  LossGuard loss_guard_;
+  uint64_t last_iteration_ = 0;  // latest complete iteration seen (stamps losses)
+  bool loss_reported_ = false;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<server::AutoEvent> events_;  // from PS callbacks
+  std::vector<double> losses_;            // from report_loss()
   bool stopping_ = false;
   View view_;
 

@@ -85,6 +85,35 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
                                      : "no job '" + req.arg +
                                            "' on this bytecompd (bytecompctl jobs lists them)");
   }
+  if (cmd == "loss") {
+    // A training process's loss for the auto strategy's loss guard
+    // (bytecomp.torch report_loss()): "JOB LOSS".
+    const size_t sp = req.arg.find(' ');
+    const std::string id = req.arg.substr(0, sp);
+    double loss = 0;
+    bool parsed = false;
+    if (sp != std::string::npos) {
+      try {
+        size_t used = 0;
+        const std::string v = req.arg.substr(sp + 1);
+        loss = std::stod(v, &used);
+        parsed = used == v.size();
+      } catch (const std::exception&) {
+        // "nan" and "inf" parse; anything else is refused below.
+      }
+    }
+    if (!parsed)
+      return reply_ctl(c, ErrorCode::kInvalidArgument,
+                       "loss takes 'JOB LOSS' (a job id and a number), got '" + req.arg + "'");
+    for (auto& [key, j] : jobs_) {
+      if (j->id != id || !(privileged || j->uid == c.uid)) continue;
+      if (!j->tuner) return reply_ctl(c, ErrorCode::kOk, "ignored: job '" + id + "' is not auto\n");
+      j->tuner->report_loss(loss);
+      return reply_ctl(c, ErrorCode::kOk, "ok\n");
+    }
+    return reply_ctl(c, ErrorCode::kInvalidArgument,
+                     "no job '" + id + "' on this bytecompd (bytecompctl jobs lists them)");
+  }
   if (cmd == "servers") return ask_servers(c);
   if (cmd == "metrics") {
     if (!config_.metrics_textfile_dir.empty()) write_metrics();
@@ -110,7 +139,7 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
   }
   reply_ctl(c, ErrorCode::kInvalidArgument,
             "unknown command '" + cmd +
-                "' (accepted: status, jobs, strategy, trace, servers, metrics, reload, drain)");
+                "' (accepted: status, jobs, strategy, trace, loss, servers, metrics, reload, drain)");
 }
 
 void Daemon::ask_servers(Conn& c) {

@@ -136,6 +136,30 @@ Option sharded_option(std::string_view spec_text) {
   return o;
 }
 
+// ---------------------------------------------------------------- guards
+
+std::string guard_reason(const strategy::AccuracyGuards& guards,
+                         const std::vector<TensorMeasure>& tensors, size_t index) {
+  const TensorMeasure& t = tensors.at(index);
+  for (const std::string& g : guards.names)
+    if (fnmatch(g.c_str(), t.name.c_str(), 0) == 0) return "guard: name matches '" + g + "'";
+  if (guards.output_layer && !tensors.empty()) {
+    // The output layer: the module of the last-declared tensor (frameworks
+    // declare parameters in definition order, the classifier last).
+    auto module_of = [](const std::string& n) {
+      const size_t dot = n.rfind('.');
+      return dot == std::string::npos ? n : n.substr(0, dot);
+    };
+    const std::string last = module_of(tensors.back().name);
+    if (module_of(t.name) == last) return "guard: output layer '" + last + "'";
+  }
+  const uint64_t bytes = 4 * t.elements;
+  if (bytes < guards.min_bytes)
+    return "guard: " + std::to_string(bytes) + " B < min_bytes " +
+           std::to_string(guards.min_bytes) + " B";
+  return "";
+}
+
 // ---------------------------------------------------------------- decide
 
 namespace {
@@ -149,6 +173,16 @@ bool excluded_name(const std::vector<std::string>& globs, const std::string& nam
   for (const std::string& g : globs)
     if (fnmatch(g.c_str(), name.c_str(), 0) == 0) return true;
   return false;
+}
+
+// A strategy rule's pattern (fnmatch) that matches exactly `name`.
+std::string exact_glob(const std::string& name) {
+  std::string g;
+  for (char c : name) {
+    if (c == '*' || c == '?' || c == '[' || c == ']' || c == '\\') g += '\\';
+    g += c;
+  }
+  return g;
 }
 
 // What decide() works on: the problem in ready order, the mapping back to
@@ -458,10 +492,12 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   // Per tensor (problem order) its candidate option indices.
   std::vector<std::vector<int>> choice(n);
   std::vector<char> excl(n, 0);
+  std::vector<std::string> guarded(n);
   for (int k = 0; k < n; ++k) {
     excl[k] = excluded_name(cfg.exclude, p.profile().tensors[k].name);
+    guarded[k] = guard_reason(cfg.guards, prof.tensors, static_cast<size_t>(m.decl_of[k]));
     choice[k].push_back(0);
-    if (!excl[k])
+    if (!excl[k] && guarded[k].empty())
       for (size_t o = 1; o < m.candidates; ++o) choice[k].push_back(static_cast<int>(o));
   }
   std::vector<int> by_size(n);
@@ -480,6 +516,9 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
     Strategy s;
     s.set_default(min_bytes > 0 ? Option{} : o);
     for (const std::string& g : cfg.exclude) s.add_rule(Rule{g, 0, UINT64_MAX, Option{}});
+    for (int k = 0; k < n; ++k)
+      if (!guarded[k].empty())
+        s.add_rule(Rule{exact_glob(p.profile().tensors[k].name), 0, UINT64_MAX, Option{}});
     if (min_bytes > 0) s.add_rule(Rule{"*", min_bytes, UINT64_MAX, o});
     Assignment a(n, 0);
     for (int k = 0; k < n; ++k) {
@@ -554,6 +593,29 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
                         fmt(100.0 * bar_fraction, 3) + "%";
     plan_a = Assignment(n, 0);
   }
+  // Hysteresis (a re-plan's window ran a compressed strategy): a different
+  // compressed plan must be predicted faster than the strategy that runs
+  // by the same bar, or a re-plan would flip between near-equal plans on
+  // measurement noise; going back to uncompressed only needs to be no
+  // slower (it is the accurate one). The running strategy is kept only
+  // when it honours this decision's exclusions and guards.
+  const Assignment none(n, 0);
+  if (current != none && plan_a != current) {
+    bool honours = true;
+    for (int k = 0; k < n; ++k)
+      if ((excl[k] || !guarded[k].empty()) && m.options[current[k]].compressed()) honours = false;
+    const double cur_us = cal.apply(ev.evaluate(current));
+    const double new_us = cal.apply(ev.evaluate(plan_a));
+    const bool better = plan_a == none ? new_us <= cur_us : new_us <= cur_us - bar_fraction * T;
+    if (honours && !better) {
+      d.kept_current = "the new plan (" + fmt(new_us / 1e3, 4) + " ms) is not " +
+                       (plan_a == none ? std::string("faster than")
+                                       : "the bar of " + fmt(100.0 * bar_fraction, 3) +
+                                             "% faster than") +
+                       " the running strategy (" + fmt(cur_us / 1e3, 4) + " ms): kept";
+      plan_a = current;
+    }
+  }
   Timeline tl;
   const double raw = ev.evaluate(plan_a, &tl);
   d.predicted_us = cal.apply(raw);
@@ -573,7 +635,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   for (int dd = 0; dd < n; ++dd) {
     const int k = m.prob_of[dd];
     d.tensors.push_back({prof.tensors[dd].name, 4 * prof.tensors[dd].elements,
-                         m.options[plan_a[k]].describe(), excl[k] != 0});
+                         m.options[plan_a[k]].describe(), excl[k] != 0, guarded[k]});
   }
   auto& meta = d.strategy.meta;
   meta["planner"] = "online (cpu nodes)";
@@ -596,6 +658,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   meta["calibration.model_us"] = fmt(cal.raw_prediction_us, 9);
   meta["min_gain_fraction"] = fmt(bar_fraction, 6);
   if (!kept_uncompressed.empty()) meta["kept_uncompressed"] = kept_uncompressed;
+  if (!d.kept_current.empty()) meta["kept_current"] = d.kept_current;
   meta["nodes"] = std::to_string(cfg.nodes);
   meta["servers"] = std::to_string(cfg.servers) + (cfg.colocated_servers ? " colocated" : " dedicated");
   d.decision_ms =

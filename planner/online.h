@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "planner/strategy/auto_spec.h"
 #include "planner/strategy/profile.h"
 #include "planner/strategy/strategy.h"
 
@@ -90,7 +91,18 @@ struct AutoConfig {
   // or by the calibration's own misfit (|residual| / measured) when that is
   // larger: a gain the model cannot resolve is not worth the accuracy.
   double min_gain = 0.1;
+  // Tensors kept uncompressed for accuracy (strategy::AccuracyGuards). Off
+  // in this library struct, so that a caller plans every tensor unless it
+  // says otherwise; a user's auto spec (AutoSpec::guards) has them on, and
+  // the coordinator and `bytecomp-plan online` pass those.
+  strategy::AccuracyGuards guards = strategy::AccuracyGuards::off();
 };
+
+// Why tensor `index` of `tensors` (declaration order) is kept uncompressed
+// by `guards`: "" when no guard holds it, else the reason (the explain
+// table prints it), e.g. "guard: 40 B < min_bytes 262144 B".
+std::string guard_reason(const strategy::AccuracyGuards& guards,
+                         const std::vector<TensorMeasure>& tensors, size_t index);
 
 // A hand strategy the decision compares against.
 struct Alternative {
@@ -104,6 +116,7 @@ struct TensorChoice {
   uint64_t bytes = 0;
   std::string option;  // Option::describe() of the chosen option
   bool excluded = false;  // matched AutoConfig::exclude (kept uncompressed)
+  std::string guard;      // guard_reason(): why an accuracy guard kept it uncompressed
 };
 
 struct Decision {
@@ -115,10 +128,15 @@ struct Decision {
   double decision_ms = 0;   // wall time of decide()
   // "fp32", "fp16", one "all:<spec>" per accepted compressor and one
   // "threshold:<spec>" (min_compress_bytes) per accepted compressor; the
-  // exclusions hold in all of them.
+  // exclusions and the accuracy guards hold in all of them.
   std::vector<Alternative> alternatives;
   std::vector<TensorChoice> tensors;  // declaration order
   std::string timeline_json;  // predicted timeline of `strategy`, Chrome trace format
+  // Hysteresis: the strategy that ran during the window is kept when the
+  // search's plan is not predicted faster than it by the min_gain bar
+  // (returning to uncompressed needs only to be no slower); this says why
+  // ("" when the search's plan was taken).
+  std::string kept_current;
   // The decision record (the daemon's RUN_DIR/plan.yaml), version: 1.
   std::string to_yaml() const;
   // Throws config::ConfigError located in `name` (the strategy inside is

@@ -36,12 +36,16 @@ std::string Decision::to_yaml() const {
   out << YAML::Key << "predicted_us" << YAML::Value << predicted_us;
   out << YAML::Key << "measured_us" << YAML::Value << measured_us;
   out << YAML::Key << "decision_ms" << YAML::Value << decision_ms;
+  if (!kept_current.empty())
+    out << YAML::Key << "kept_current" << YAML::Value << YAML::DoubleQuoted << kept_current;
   out << YAML::Key << "tensors" << YAML::Value << YAML::BeginSeq;
   for (const TensorChoice& t : tensors) {
     out << YAML::Flow << YAML::BeginMap << YAML::Key << "name" << YAML::Value
         << YAML::DoubleQuoted << t.name << YAML::Key << "bytes" << YAML::Value << t.bytes
         << YAML::Key << "option" << YAML::Value << YAML::DoubleQuoted << t.option << YAML::Key
-        << "excluded" << YAML::Value << t.excluded << YAML::EndMap;
+        << "excluded" << YAML::Value << t.excluded;
+    if (!t.guard.empty()) out << YAML::Key << "guard" << YAML::Value << YAML::DoubleQuoted << t.guard;
+    out << YAML::EndMap;
   }
   out << YAML::EndSeq;
   out << YAML::Key << "alternatives" << YAML::Value << YAML::BeginSeq;
@@ -67,12 +71,13 @@ Decision Decision::parse(std::string_view text, std::string name) {
   root.get("predicted_us", d.predicted_us, Range<double>{0, 1e15})
       .get("measured_us", d.measured_us, Range<double>{0, 1e15})
       .get("decision_ms", d.decision_ms, Range<double>{0, 1e12})
+      .get("kept_current", d.kept_current)
       .get("strategy", strategy_text)
       .get("timeline_json", d.timeline_json);
   for (Reader& r : root.list("tensors")) {
     TensorChoice t;
     r.require("name").require("option");
-    r.get("name", t.name).get("bytes", t.bytes).get("option", t.option).get("excluded", t.excluded);
+    r.get("name", t.name).get("bytes", t.bytes).get("option", t.option).get("excluded", t.excluded).get("guard", t.guard);
     if (t.name.empty()) r.fail("name", "empty tensor name");
     r.finish();
     d.tensors.push_back(std::move(t));
@@ -132,8 +137,12 @@ std::string Decision::explain() const {
     if (t.option.find(" ef ") != std::string::npos) what += " +ef";
     os << t.name << std::string(w - t.name.size() + 2, ' ')
        << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << what
-       << (t.excluded ? "  (excluded)" : "") << "\n";
+       << (t.excluded ? "  (excluded)" : "") << (t.guard.empty() ? "" : "  (" + t.guard + ")")
+       << "\n";
   }
+  if (std::string why = meta_of("kept_uncompressed"); !why.empty())
+    os << "\nkept uncompressed: " << why << "\n";
+  if (!kept_current.empty()) os << "\nhysteresis: " << kept_current << "\n";
   os << "\npredicted iteration: " << fmt_fixed(predicted_us / 1e3, 2) << " ms\n";
   os << "measured before the decision: " << fmt_fixed(measured_us / 1e3, 2) << " ms\n";
   if (!alternatives.empty()) {

@@ -89,6 +89,7 @@ Status AutoPlanner::on_profile(const JobView& job, transport::NodeId from, uint6
   t.cfg.exclude = spec->exclude;
   t.cfg.min_compress_bytes = spec->min_compress_bytes;
   t.cfg.min_gain = spec->min_gain;
+  t.cfg.guards = spec->guards;
   t.cfg.nodes = static_cast<uint32_t>(job.nodes.size());
   t.cfg.servers = job.servers;
   t.cfg.colocated_servers = spec->colocated_servers;

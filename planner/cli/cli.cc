@@ -38,6 +38,7 @@ constexpr const char* kUsage =
     "  bytecomp-plan decide NODE_PROFILE.yaml... --out RUN_DIR [--compressors a,b]\n"
     "                [--exclude glob,glob] [--nodes N] [--servers N] [--dedicated-servers]\n"
     "                [--partition-bytes B] [--min-compress-bytes B]\n"
+    "                [--no-guards] [--guard-min-bytes B]\n"
     "  bytecomp-plan explain RUN_DIR   (RUN_DIR/plan.yaml, RUN_DIR/measured.yaml if present)\n";
 
 std::string jstr(const std::string& s) {
@@ -588,8 +589,8 @@ uint64_t count_arg(const Args& a, const std::string& key, uint64_t def, uint64_t
 int cmd_decide(const std::vector<std::string>& args, std::ostream& out) {
   const Args a = parse_args(args,
                             {"--out", "--compressors", "--exclude", "--nodes", "--servers",
-                             "--partition-bytes", "--min-compress-bytes"},
-                            {"--dedicated-servers"});
+                             "--partition-bytes", "--min-compress-bytes", "--guard-min-bytes"},
+                            {"--dedicated-servers", "--no-guards"});
   if (a.positional.empty())
     throw Error(ErrorCode::kInvalidArgument, "decide needs at least one node profile");
   if (!a.values.count("--out")) throw Error(ErrorCode::kInvalidArgument, "decide needs --out RUN_DIR");
@@ -605,6 +606,10 @@ int cmd_decide(const std::vector<std::string>& args, std::ostream& out) {
   cfg.colocated_servers = !a.flags.count("--dedicated-servers");
   cfg.partition_bytes = count_arg(a, "--partition-bytes", cfg.partition_bytes, 4096);
   cfg.min_compress_bytes = count_arg(a, "--min-compress-bytes", cfg.min_compress_bytes, 0);
+  // The coordinator's defaults: a user's auto spec has the accuracy guards on.
+  cfg.guards = a.flags.count("--no-guards") ? strategy::AccuracyGuards::off()
+                                            : strategy::AutoSpec{}.guards;
+  cfg.guards.min_bytes = count_arg(a, "--guard-min-bytes", cfg.guards.min_bytes, 0);
   const online::Decision d = online::decide(online::merge(nodes), cfg);
   const std::string dir = a.values.at("--out");
   write_file(dir + "/plan.yaml", d.to_yaml());

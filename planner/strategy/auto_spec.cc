@@ -36,8 +36,24 @@ AutoSpec AutoSpec::read(config::Reader& s) {
   config::Reader r = s.section("replan");
   r.get("drift", a.replan_drift, config::Range<double>{0.01, 10.0})
       .get("iterations", a.replan_iterations, config::Range<uint32_t>{1, 10000})
-      .get("min_interval", a.replan_min_interval, config::Range<uint32_t>{1, 1000000});
+      .get("min_interval", a.replan_min_interval, config::Range<uint32_t>{1, 1000000})
+      .get("max", a.replan_max, config::Range<uint32_t>{1, 1000})
+      .get("per", a.replan_per, config::Range<uint32_t>{1, 100000000});
   r.finish();
+  config::Reader g = s.section("guard");
+  g.get_bytes("min_bytes", a.guards.min_bytes, config::Range<uint64_t>{0, 1ull << 40})
+      .get("names", a.guards.names)
+      .get("output_layer", a.guards.output_layer);
+  for (const std::string& n : a.guards.names)
+    if (n.empty())
+      g.fail("names", "an empty pattern",
+             "fnmatch globs of tensor names (guard: {names: []} turns the name guard off)");
+  g.finish();
+  config::Reader l = s.section("loss_guard");
+  l.get("enabled", a.loss_guard)
+      .get("window", a.loss_window, config::Range<uint32_t>{2, 100000})
+      .get("tolerance", a.loss_tolerance, config::Range<double>{0.0, 100.0});
+  l.finish();
   return a;
 }
 
@@ -83,7 +99,12 @@ std::string AutoSpec::to_yaml() const {
     << "plan_timeout_ms: " << plan_timeout_ms << "\n"
     << "colocated_servers: " << (colocated_servers ? "true" : "false") << "\n"
     << "replan: {drift: " << replan_drift << ", iterations: " << replan_iterations
-    << ", min_interval: " << replan_min_interval << "}\n";
+    << ", min_interval: " << replan_min_interval << ", max: " << replan_max
+    << ", per: " << replan_per << "}\n"
+    << "guard: {min_bytes: " << guards.min_bytes << ", names: " << quoted_list(guards.names)
+    << ", output_layer: " << (guards.output_layer ? "true" : "false") << "}\n"
+    << "loss_guard: {enabled: " << (loss_guard ? "true" : "false") << ", window: " << loss_window
+    << ", tolerance: " << loss_tolerance << "}\n";
   return o.str();
 }
 

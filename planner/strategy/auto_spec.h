@@ -14,7 +14,9 @@
 //   skip_iterations: 2                      # first iterations not profiled
 //   plan_timeout_ms: 5000                   # coordinator's planning bound
 //   colocated_servers: true                 # one server per node (BytePS)
-//   replan: {drift: 0.25, iterations: 5, min_interval: 20}
+//   replan: {drift: 0.25, iterations: 5, min_interval: 20, max: 1, per: 1000}
+//   guard: {min_bytes: 256KiB, names: ["*bias", ...], output_layer: true}
+//   loss_guard: {enabled: true, window: 20, tolerance: 0.25}
 //
 // Thread-safety: a plain value.
 #pragma once
@@ -28,6 +30,29 @@
 #include "common/config.h"
 
 namespace bytecomp::strategy {
+
+// The accuracy guards (issue 29, docs/auto.md "Accuracy guards"): tensors
+// the planner never compresses whatever the predicted gain, because
+// compressing them costs accuracy out of proportion to the bytes they save
+// (biases, normalisation parameters, the output layer, small tensors: on
+// digits efsignsgd on every tensor trained to 41-76 %, on tensors of at
+// least 256 KiB to 97 %).
+struct AccuracyGuards {
+  // Tensors smaller than this many bytes stay uncompressed (0: off).
+  uint64_t min_bytes = 256 << 10;
+  // fnmatch globs of tensor names that stay uncompressed.
+  std::vector<std::string> names = default_names();
+  // The output layer (every tensor of the last-declared tensor's module,
+  // the name up to its last '.') stays uncompressed.
+  bool output_layer = true;
+
+  static std::vector<std::string> default_names() {
+    return {"*bias", "*.b", "*norm*", "*bn*", "*.ln*", "ln*", "*ln_*", "*embed*"};
+  }
+  // Every guard off: the planner decides every tensor on time alone.
+  static AccuracyGuards off() { return {0, {}, false}; }
+  bool operator==(const AccuracyGuards&) const = default;
+};
 
 struct AutoSpec {
   std::vector<std::string> compressors;  // as written; validated by the factory
@@ -45,6 +70,20 @@ struct AutoSpec {
   double replan_drift = 0.25;
   uint32_t replan_iterations = 5;
   uint32_t replan_min_interval = 20;
+  // At most replan_max re-plans in any replan_per iterations (hysteresis:
+  // a job whose link does not change settles; one re-plan corrects a first
+  // prediction the model got wrong. Issue 29's digits job re-planned 6
+  // times in its 280 steps).
+  uint32_t replan_max = 1;
+  uint32_t replan_per = 1000;
+  AccuracyGuards guards;
+  // The loss guard (daemon/auto_tuner.h LossGuard): after a switch to a
+  // compressed strategy, the median of `loss_window` reported losses above
+  // the median of the last `loss_window` uncompressed ones by more than
+  // `loss_tolerance` (a fraction) rolls the job back to uncompressed.
+  bool loss_guard = true;
+  uint32_t loss_window = 20;
+  double loss_tolerance = 0.25;
 
   // Reads the keys above (not `version` or `mode`) from a section; throws
   // config::ConfigError naming the key (unknown compressors included). Does

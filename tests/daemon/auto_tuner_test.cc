@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
+
+#include <cmath>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -134,6 +137,67 @@ TEST(AutoTuner, ReplanTriggerWantsALastingDriftAfterTheMinimumInterval) {
   u.set_prediction(1000, 0);
   EXPECT_FALSE(u.observe(1, 500).has_value());
   EXPECT_TRUE(u.observe(2, 500).has_value());
+}
+
+TEST(AutoTuner, ReplanTriggerBoundsRePlansPerWindow) {
+  // At most 1 re-plan per 100 iterations; 2 drifted iterations in a row.
+  ReplanTrigger t(0.25, 2, 1, 1, 100);
+  t.set_prediction(1000, 0);
+  // A single blip does not re-plan.
+  EXPECT_FALSE(t.observe(1, 5000).has_value());
+  EXPECT_FALSE(t.observe(2, 1000).has_value());
+  EXPECT_FALSE(t.observe(3, 5000).has_value());
+  EXPECT_FALSE(t.observe(4, 1000).has_value());
+  // A lasting drift does.
+  EXPECT_FALSE(t.observe(5, 5000).has_value());
+  ASSERT_TRUE(t.observe(6, 5000).has_value());
+  EXPECT_EQ(t.held_back(), "");
+  // The next prediction drifts at once: held back by the bound until
+  // iteration 6 + 100, then it fires.
+  t.set_prediction(1000, 10);
+  for (uint64_t i = 10; i < 106; ++i) EXPECT_FALSE(t.observe(i, 5000).has_value()) << i;
+  EXPECT_NE(t.held_back().find("waits until iteration 106"), std::string::npos) << t.held_back();
+  EXPECT_NE(t.held_back().find("replan.max 1 per 100"), std::string::npos) << t.held_back();
+  EXPECT_TRUE(t.observe(106, 5000).has_value());
+  EXPECT_EQ(t.held_back(), "");
+}
+
+TEST(AutoTuner, LossGuardRollsBackWhenTheLossDivergesAfterTheSwitch) {
+  LossGuard g(4, 0.25);
+  // Uncompressed warm-up, falling from 2.0 to 1.0.
+  for (int i = 0; i < 6; ++i) g.report(i, 2.0 - 0.2 * i);
+  EXPECT_FALSE(g.check().has_value()) << "no switch yet";
+  g.compressed_from(6);
+  EXPECT_DOUBLE_EQ(g.baseline(), 1.3);  // median of the last 4: 1.6 1.4 1.2 1.0
+  // Following the trend: never rolls back.
+  for (int i = 7; i < 20; ++i) {
+    g.report(i, 1.0 - 0.01 * i);
+    EXPECT_FALSE(g.check().has_value()) << i;
+  }
+  // A blip is not a divergence: the median of the window holds.
+  g.report(20, 9.0);
+  EXPECT_FALSE(g.check().has_value());
+  // Three of the last four above 1.3 x 1.25 = 1.625: diverged, once.
+  g.report(21, 1.7);
+  g.report(22, 1.8);
+  auto why = g.check();
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("above the uncompressed warm-up's 1.3"), std::string::npos) << *why;
+  EXPECT_FALSE(g.check().has_value());
+  // A non-finite loss after the switch rolls back at once; before, not.
+  LossGuard h(4, 0.25);
+  for (int i = 0; i < 4; ++i) h.report(i, 1.0);
+  h.report(3, std::nan(""));
+  h.compressed_from(4);
+  EXPECT_FALSE(h.check().has_value());
+  h.report(5, INFINITY);
+  ASSERT_TRUE(h.check().has_value());
+  // Without a baseline (fewer than kMinBaseline reports) it does not judge.
+  LossGuard k(2, 0.25);
+  k.report(0, 1.0);
+  k.compressed_from(1);
+  for (int i = 2; i < 10; ++i) k.report(i, 100.0);
+  EXPECT_FALSE(k.check().has_value());
 }
 
 TEST(AutoTuner, TheProbeSkipsServersOnThisHost) {

@@ -456,6 +456,95 @@ TEST(OnlineDecide, FastLinkCompressesNothing) {
   EXPECT_NEAR(d.predicted_us, p.iteration_us, 1e-6 * p.iteration_us);
 }
 
+// ---------------------------------------------------------------- guards
+
+TEST(OnlineGuards, ReasonPerTensor) {
+  const strategy::AccuracyGuards g = strategy::AutoSpec{}.guards;
+  const std::vector<TensorMeasure> t{{"enc.weight", 1 << 20, 0},
+                                     {"enc.bias", 1 << 20, 0},
+                                     {"enc.norm.weight", 1 << 20, 0},
+                                     {"small.weight", 1000, 0},
+                                     {"head.weight", 1 << 20, 0},
+                                     {"head.bias", 10, 0}};
+  EXPECT_EQ(guard_reason(g, t, 0), "");
+  EXPECT_EQ(guard_reason(g, t, 1), "guard: name matches '*bias'");
+  EXPECT_EQ(guard_reason(g, t, 2), "guard: name matches '*norm*'");
+  EXPECT_EQ(guard_reason(g, t, 3), "guard: 4000 B < min_bytes 262144 B");
+  EXPECT_EQ(guard_reason(g, t, 4), "guard: output layer 'head'");
+  // Off, every tensor is the planner's.
+  for (size_t i = 0; i < t.size(); ++i)
+    EXPECT_EQ(guard_reason(strategy::AccuracyGuards::off(), t, i), "") << i;
+}
+
+TEST(OnlineGuards, DefaultGuardsKeepBiasesNormsSmallAndOutputLayerUncompressed) {
+  const NodeProfile p = resnet18();
+  AutoConfig cfg = two_nodes({"efsignsgd"});
+  // Without guards the planner compresses tensors the guards keep (the
+  // guards must change something for this test to mean anything).
+  const Decision bare = decide(p, cfg);
+  ASSERT_TRUE(compressed(bare, "conv1.weight"));
+  cfg.guards = strategy::AutoSpec{}.guards;
+  const Decision d = decide(p, cfg);
+  expect_executable(p, d);
+  EXPECT_EQ(choice(d, "fc.bias").guard, "guard: name matches '*bias'");
+  EXPECT_EQ(choice(d, "layer4.1.bn1.weight").guard, "guard: name matches '*bn*'");
+  EXPECT_EQ(choice(d, "fc.weight").guard, "guard: output layer 'fc'");
+  EXPECT_EQ(choice(d, "conv1.weight").guard, "guard: 37632 B < min_bytes 262144 B");
+  for (const TensorChoice& t : d.tensors) {
+    if (t.guard.empty()) continue;
+    EXPECT_FALSE(compressed(d, t.name)) << t.name << ": " << t.guard;
+    EXPECT_EQ(t.option.rfind("none", 0), 0u) << t.name;
+  }
+  EXPECT_TRUE(choice(d, "layer4.1.conv2.weight").guard.empty());
+  EXPECT_TRUE(compressed(d, "layer4.1.conv2.weight"));
+  // The hand strategies honour the guards too.
+  const Strategy all = Strategy::parse(alternative(d, "all:efsignsgd").strategy_yaml, "all");
+  EXPECT_FALSE(all.resolve("fc.weight", 4 * 512000).compressed());
+  EXPECT_FALSE(all.resolve("conv1.weight", 4 * 9408).compressed());
+  EXPECT_TRUE(all.resolve("layer4.1.conv2.weight", 4 * 2359296).compressed());
+  // The record keeps the reason, and the table prints it.
+  const Decision back = Decision::parse(d.to_yaml(), "plan.yaml");
+  EXPECT_EQ(choice(back, "fc.bias").guard, "guard: name matches '*bias'");
+  const std::string text = d.explain();
+  EXPECT_NE(text.find("(guard: output layer 'fc')"), std::string::npos) << text;
+  EXPECT_NE(text.find("(guard: 37632 B < min_bytes 262144 B)"), std::string::npos) << text;
+}
+
+// ---------------------------------------------------------------- hysteresis
+
+TEST(OnlineHysteresis, ARePlanKeepsTheRunningStrategyUnlessTheNewOneClearsTheBar) {
+  NodeProfile p = resnet18();
+  AutoConfig cfg = two_nodes({"efsignsgd"});
+  cfg.min_gain = 0;
+  const Decision first = decide(p, cfg);
+  // The window ran the size-threshold hand strategy (compressed, and not
+  // what the search picks).
+  const std::string running = alternative(first, "threshold:efsignsgd").strategy_yaml;
+  p.current_strategy_yaml = running;
+  // ... and measured what the model predicted for it (a calibration misfit
+  // would raise the bar on its own).
+  p.iteration_us = alternative(first, "threshold:efsignsgd").predicted_us;
+  ASSERT_LT(first.predicted_us, 0.95 * p.iteration_us);
+  const Strategy cur = Strategy::parse(running, "running");
+  const Decision free = decide(p, cfg);  // no bar: any faster plan is taken
+  ASSERT_EQ(free.kept_current, "");
+  bool differs = false;
+  for (const TensorChoice& t : free.tensors)
+    differs = differs || free.strategy.resolve(t.name, t.bytes).compressed() !=
+                             cur.resolve(t.name, t.bytes).compressed();
+  ASSERT_TRUE(differs) << "the search must pick a different plan for this test to mean anything";
+  // With a bar the new plan does not clear against the running one: kept.
+  cfg.min_gain = 0.8;
+  const Decision held = decide(p, cfg);
+  EXPECT_NE(held.kept_current, "");
+  for (const TensorChoice& t : held.tensors)
+    EXPECT_EQ(held.strategy.resolve(t.name, t.bytes).compressed(),
+              cur.resolve(t.name, t.bytes).compressed())
+        << t.name;
+  EXPECT_NE(held.explain().find("hysteresis: "), std::string::npos);
+  EXPECT_EQ(Decision::parse(held.to_yaml(), "plan.yaml").kept_current, held.kept_current);
+}
+
 TEST(OnlineDecide, ExcludedTensorsStayUncompressed) {
   const NodeProfile p = resnet18();
   AutoConfig cfg = two_nodes({"efsignsgd"});

@@ -42,7 +42,24 @@ class AutoOnNamespaces(unittest.TestCase):
                 pass
             time.sleep(0.3)
 
-    def run_cluster(self, rate, systems, steps, seen=None, batch=16):
+    def watch_rollback(self, c, stop, seen):
+        """bytecompctl's view of the auto job on node 0 once the loss guard
+        rolled it back and the uncompressed strategy is in force there."""
+        while not stop.is_set():
+            try:
+                for j in json.loads(ctl.request(c.daemons[0].socket, "jobs"))["jobs"]:
+                    a = j["strategy"].get("auto")
+                    if a and a["state"] == "rolled back":
+                        s = json.loads(ctl.request(c.daemons[0].socket, "strategy", j["id"]))
+                        if all(t["option"].startswith("none") for t in s["tensors"]):
+                            seen["json"] = s
+                            return
+            except (ctl.CtlError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.3)
+
+    def run_cluster(self, rate, systems, steps, seen=None, batch=16, extra=(),
+                    watch=None):
         out = tempfile.mkdtemp(prefix="bc-test-auto-")
         self.addCleanup(shutil.rmtree, out, True)
         strategies = os.path.join(out, "strategies")
@@ -56,13 +73,15 @@ class AutoOnNamespaces(unittest.TestCase):
                     c.shape(rate)
                 stop = threading.Event()
                 if seen is not None:
-                    t = threading.Thread(target=self.watch_ctl, args=(c, stop, seen), daemon=True)
+                    t = threading.Thread(target=watch or self.watch_ctl, args=(c, stop, seen),
+                                         daemon=True)
                     t.start()
                 rc, lines = c.torchrun(
                     ["--model", "mlp", "--systems", systems, "--warmup", "1", "--steps",
                      str(steps), "--batch", str(batch), "--pool", "2", "--lr", "0.1",
                      "--auto-compressors", "efsignsgd",
-                     "--strategy-dir", strategies, "--out", os.path.join(out, "r")], 400)
+                     "--strategy-dir", strategies, "--out", os.path.join(out, "r")] + list(extra),
+                    400)
                 stop.set()
                 self.assertEqual(rc, 0, "".join(lines[-80:]))
                 ranks = [json.load(open(os.path.join(out, "r", "rank%d.json" % r)))
@@ -112,6 +131,32 @@ class AutoOnNamespaces(unittest.TestCase):
         self.assertIn("efsignsgd", opts["fc1.weight"])
         self.assertTrue(opts["head.bias"].startswith("none"), opts)
         self.assertIn("bytecomp-plan explain", seen["shown"])
+
+    def test_diverging_loss_rolls_back_to_uncompressed(self):
+        """The loss guard (docs/auto.md "Loss rollback"): on the slow link
+        the job switches to compression; the workers then report 10x their
+        first step's loss (a stand-in for compression that hurts training:
+        this small pool's real loss falls to 1e-4 within 40 steps), so the
+        median of 5 post-switch reports exceeds the uncompressed warm-up's
+        by far more than 25 %: node 0 rolls the job back to uncompressed,
+        both nodes record why, bytecompctl shows it, and the last steps run
+        uncompressed again (as slow as the profiled ones)."""
+        seen = {}
+        ranks = self.run_cluster("10mbit", "bc_auto", 40, seen,
+                                 extra=["--auto-loss-window", "5", "--auto-fake-divergence", "10"],
+                                 watch=self.watch_rollback)
+        a = ranks[0]["systems"]["bc_auto"]["auto"]
+        self.assertNotIn("error", a, a)
+        self.assertTrue(a["compressed"], a)  # it did switch to compression first
+        self.assertIn("rollback", a, a)
+        self.assertIn("loss guard", a["rollback"])
+        self.assertIn("rolling back to uncompressed", a["rollback"])
+        self.assertIn("json", seen, "bytecompctl never showed the rollback in force")
+        self.assertIn("loss guard", seen["json"]["auto"]["message"], seen["json"])
+        # The last steps are uncompressed again: link-bound like the profile.
+        steps = ranks[0]["systems"]["bc_auto"]["step_s"]
+        tail = sorted(steps[-5:])
+        self.assertGreater(tail[2], a["profiled_s"] / 2, (a, steps))
 
     def test_unshaped_link_stays_uncompressed_and_exact(self):
         """No shaping, and a batch whose compute outweighs the gradient's

@@ -55,7 +55,7 @@ class Strategy:
 
 
 _AUTO_KEYS = ("min_compress_bytes", "min_gain", "warmup_iterations", "skip_iterations", "plan_timeout_ms",
-              "colocated_servers", "replan")
+              "colocated_servers", "replan", "guard", "loss_guard")
 
 
 def auto(compressors=None, exclude=None, **settings):

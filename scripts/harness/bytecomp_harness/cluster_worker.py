@@ -227,10 +227,15 @@ def wrap(system, model, opt, args):
         return ddp, opt
     if system == "bc_auto":
         import bytecomp.torch as bc
+        from bytecomp import strategy as bc_strategy
+        settings = {}
+        if args.auto_loss_window:
+            settings["loss_guard"] = {"window": args.auto_loss_window}
         return model, bc.DistributedOptimizer(
-            opt, named_parameters=model.named_parameters(), strategy="auto",
-            compressors=[c for c in args.auto_compressors.split(",") if c],
-            exclude=[e for e in args.auto_exclude.split(",") if e])
+            opt, named_parameters=model.named_parameters(),
+            strategy=bc_strategy.auto([c for c in args.auto_compressors.split(",") if c],
+                                      [e for e in args.auto_exclude.split(",") if e],
+                                      **settings))
     if system.startswith("bc_"):
         import bytecomp.torch as bc
         strategy = os.path.join(args.strategy_dir, system + ".yaml")
@@ -297,7 +302,27 @@ def auto_record(opt, wait_s=0.0):
         rec["measured_s"] = m["iteration_us"] / 1e6
     except (OSError, KeyError, TypeError, ValueError):
         pass
+    try:
+        with open(os.path.join(d, "rollback.txt")) as f:
+            rec["rollback"] = f.read().strip()
+    except OSError:
+        pass
     return rec
+
+
+def auto_switched(opt):
+    """Whether this node's daemon has run the auto job of `opt` under its
+    decided strategy for a few iterations (its run directory's measured.yaml,
+    written 5 iterations after the switch; remembered once true). Only then
+    is a reported loss surely stamped after the switch."""
+    if getattr(opt, "_bc_test_switched", False):
+        return True
+    s = opt._bc_ctx.settings
+    job = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in opt._bc_job)
+    switched = os.path.exists(os.path.join(os.path.dirname(s.socket_path), "runs", job,
+                                           "measured.yaml"))
+    opt._bc_test_switched = switched
+    return switched
 
 
 def run_training(system, args, rank, counters):
@@ -311,6 +336,7 @@ def run_training(system, args, rank, counters):
     warmup = args.warmup + (args.auto_extra_steps if system == "bc_auto" else 0)
     steps = warmup + args.steps
     times, losses = [], []
+    first_loss = None  # bc_auto's --auto-fake-divergence
     before = after = None
     auto = None
     try:
@@ -325,6 +351,15 @@ def run_training(system, args, rank, counters):
             opt.step()
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.item()))
+            if system == "bc_auto":
+                # What a user of strategy="auto" does: the loss guard
+                # compares these with the uncompressed warm-up's.
+                reported = float(loss.item())
+                if first_loss is None:
+                    first_loss = reported
+                if args.auto_fake_divergence and auto_switched(opt):
+                    reported = first_loss * args.auto_fake_divergence
+                opt.report_loss(reported)
             if args.progress and rank == 0:
                 with open(args.progress + ".tmp", "w") as f:
                     f.write("%s %d\n" % (system, s))
@@ -365,8 +400,11 @@ def run_digits(system, args, rank, size):
                 idx = perm[s * global_batch + rank * args.batch:
                            s * global_batch + (rank + 1) * args.batch]
                 opt.zero_grad()
-                F.cross_entropy(fwd(x_train[idx]), y_train[idx]).backward()
+                loss = F.cross_entropy(fwd(x_train[idx]), y_train[idx])
+                loss.backward()
                 opt.step()
+                if system == "bc_auto":
+                    opt.report_loss(loss)  # the loss guard's input, as a user would
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             train_s += float(dt.item())
@@ -481,6 +519,12 @@ def main(argv=None):
                     help="bc_auto: steps run before the timed ones (profile and switch)")
     ap.add_argument("--progress", default="",
                     help="rank 0 writes '<system> <step>' here after every step")
+    ap.add_argument("--auto-loss-window", type=int, default=0,
+                    help="bc_auto: loss_guard.window (0: the default)")
+    ap.add_argument("--auto-fake-divergence", type=float, default=0,
+                    help="bc_auto, for tests: once the daemon's compressed strategy is in "
+                         "force, report this factor times the first step's loss (a diverged "
+                         "run; the loss guard's rollback)")
     ap.add_argument("--auto-exclude", default="",
                     help="bc_auto: tensors never compressed (comma-separated globs)")
     ap.add_argument("--out", required=True, help="directory; rank<r>.json is written there")

@@ -3,6 +3,7 @@ gradients live in shared memory and are pushed from autograd hooks.
 Internal: use it through bytecomp.torch."""
 
 import contextlib
+import warnings
 
 import torch
 import yaml
@@ -57,6 +58,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_iteration = 0
         self._bc_synced = False  # synchronize() done, step() not yet
         self._bc_failed = None
+        self._bc_loss_off = False  # the daemon said the job is not auto
+        self._bc_loss_warned = False
         index = c.next_optimizer
         c.next_optimizer += 1
         self._bc_job = "%s.opt%d" % (c.settings.job_id, index)
@@ -334,6 +337,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).step()
         self._bc_synced = False  # the next step() sums the next gradients
         return loss
+
+    def report_loss(self, loss):
+        """Reports this process's training loss (a number or a 0-d tensor)
+        to its daemon, for the auto strategy's loss guard (docs/auto.md,
+        "Loss rollback"): after a switch to compression the daemon compares
+        the reported losses with the uncompressed warm-up's and rolls the job
+        back to uncompressed when they diverge. Call it once per step. A
+        job that is not auto ignores it (and this stops sending); a daemon
+        that cannot be reached is warned about once and training goes on:
+        the guard only loses reports. Bounded: 2 s per report."""
+        if self._bc_loss_off or self._bc_client is None:
+            return
+        value = float(loss.detach().item() if torch.is_tensor(loss) else loss)
+        from bytecomp import ctl as _ctl  # the operator channel (bytecompctl's)
+        try:
+            answer = _ctl.request(self._bc_ctx.settings.socket_path, "loss",
+                                  "%s %r" % (self._bc_job, value), timeout=2.0)
+        except _ctl.CtlError as e:
+            if not self._bc_loss_warned:
+                self._bc_loss_warned = True
+                warnings.warn("bytecomp: report_loss: %s (the loss guard misses this report)"
+                              % e)
+            return
+        if answer.startswith("ignored"):
+            self._bc_loss_off = True
 
     def zero_grad(self, set_to_none=False):
         """Zeroes gradients in place: they stay in shared memory (set_to_none
