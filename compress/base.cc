@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "compress/internal.h"
+#include "compress/wire_prefix.h"
 #include "compress/simd.h"
 
 namespace bytecomp::compress {
@@ -34,6 +35,22 @@ WireInfo inspect(std::span<const std::byte> in) {
   w.payload_bytes = p.payload.size();
   w.total_bytes = in.size();
   return w;
+}
+
+WireInfo inspect_prefix(std::span<const std::byte> in) {
+  if (in.size() < detail::kHeaderBytes) {
+    detail::malformed(std::to_string(in.size()) + " bytes is shorter than the " +
+                      std::to_string(detail::kHeaderBytes) + "-byte header");
+  }
+  const uint64_t params_len = detail::load<uint32_t>(in.data() + 8);
+  const uint64_t payload_len = detail::load<uint64_t>(in.data() + 24);
+  const uint64_t room = in.size() - detail::kHeaderBytes;
+  if (params_len > room || payload_len > room - params_len) {
+    detail::malformed("header says " + std::to_string(params_len) + " parameter and " +
+                      std::to_string(payload_len) + " payload bytes, only " +
+                      std::to_string(room) + " bytes follow the header");
+  }
+  return inspect(in.first(detail::kHeaderBytes + params_len + payload_len));
 }
 
 namespace detail {

@@ -249,6 +249,10 @@ void Engine::adopt_pending() {
 }
 
 void Engine::setup_phases() {
+  // Clients lay out compressed submissions by it (ipc::kSubmitCompressed).
+  header_->partition_bytes.store(
+      static_cast<uint32_t>(std::min<uint64_t>(partition_bytes_, UINT32_MAX)),
+      std::memory_order_release);
   std::vector<uint32_t> parts;
   for (const TensorSpec& t : tensors_) {
     parts.push_back(static_cast<uint32_t>(
@@ -288,7 +292,8 @@ void Engine::begin_round(uint32_t tensor) {
   round.partitions_left = sched_.add(
       tensor, round.iteration, tensors_[tensor].bytes(), partition_bytes_,
       static_cast<uint32_t>(ipc::dtype_size(tensors_[tensor].dtype)),
-      std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[tensor]));
+      std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[tensor]),
+      round.compressed);
   if (phases_.enabled()) {
     const uint64_t now = monotonic_ns();
     for (size_t p = 0; p < round.partitions_left; ++p) {
@@ -424,6 +429,9 @@ void Engine::loop() {
         if (!drain()) break;
       }
     }
+  } catch (const Error& e) {
+    // e.g. a client's unusable compressed payload (kMalformed, kInvalidArgument).
+    fail(e.code(), std::string("engine error: ") + e.what());
   } catch (const std::exception& e) {
     fail(ErrorCode::kInternal, std::string("engine error: ") + e.what());
   }
@@ -443,6 +451,10 @@ bool Engine::drain() {
         fail(bad->first, bad->second);
         return false;
       }
+      if (const SubmitError bad = check_flags(r, e)) {
+        fail(bad->first, bad->second);
+        return false;
+      }
       Round& round = rounds_[e.tensor];
       if (const SubmitError bad = check_round(r, e, tensors_[e.tensor].name, round)) {
         fail(bad->first, bad->second);
@@ -450,6 +462,7 @@ bool Engine::drain() {
       }
       if (round.arrived == 0) {
         round.iteration = e.iteration;
+        round.compressed = (e.flags & ipc::kSubmitCompressed) != 0;
         round.first_ns = phases_.enabled() ? monotonic_ns() : 0;
       }
       round.from[r] = true;
@@ -610,6 +623,7 @@ void Engine::complete(uint32_t tensor) {
   round.last_done = static_cast<int64_t>(round.iteration);
   round.arrived = 0;
   round.running = false;
+  round.compressed = false;
   std::fill(round.from.begin(), round.from.end(), false);
 }
 

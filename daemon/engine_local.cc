@@ -4,6 +4,7 @@
 #include <functional>
 
 #include "common/log.h"
+#include "daemon/client_payload.h"
 
 namespace bytecomp::daemon {
 
@@ -45,6 +46,28 @@ void LocalPath::start(const Task& t, std::span<char* const> bufs) {
   // one tensor run in parallel safely.
   const size_t part = t.index;
   const uint32_t index = t.index;
+  if (t.compressed) {
+    // The ranks compressed (and kept their error feedback) themselves: the
+    // node's aggregate is the sum of their decoded payloads.
+    if (!run.plan.compressor) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  compressed_refusal(t, spec.name, "the plan in force does not compress it"));
+    }
+    compress::CompressContext cctx;
+    cctx.iteration = t.iteration;
+    cctx.shared_seed = strategy::partition_seed(ctx_.job, t.key);
+    cctx.private_seed = strategy::node_private_seed(cctx.shared_seed, node_rank_);
+    decode_sum_to_first(t, spec.name, bufs, *run.plan.compressor, cctx);
+    if (phases.enabled()) {
+      const uint64_t now = monotonic_ns();
+      for (Phase p : {Phase::kReduced, Phase::kCompressed, Phase::kSent, Phase::kArrived,
+                      Phase::kDecompressed})
+        phases.stamp(t.tensor, index, t.iteration, p, now);
+    }
+    reducer.copy_from_first(bufs, t.begin, t.end);
+    phases.stamp(t.tensor, index, t.iteration, Phase::kCopiedOut);
+    return;
+  }
   if (!run.plan.compressor) {
     reducer.reduce(spec.dtype, bufs, t.begin, t.end);
     if (phases.enabled()) phases.stamp_through(t.tensor, index, t.iteration, Phase::kReduced, monotonic_ns());

@@ -6,6 +6,7 @@
 
 #include "common/log.h"
 #include "compress/reduce.h"
+#include "daemon/client_payload.h"
 #include "daemon/counting_compressor.h"
 
 namespace bytecomp::daemon {
@@ -116,7 +117,21 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
   const TensorSpec& spec = (*ctx_.tensors)[t.tensor];
   const uint32_t index = t.index;
   const auto n = static_cast<size_t>(t.count);
-  ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  if (t.compressed) {
+    if (!t.plan->compressor) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  compressed_refusal(t, spec.name, "the plan in force does not compress it"));
+    }
+    if (bufs.size() != 1) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  compressed_refusal(t, spec.name,
+                                     "a multi-node job takes compressed pushes from one local "
+                                     "rank per node (" + std::to_string(bufs.size()) +
+                                         " here; docs/gpu.md: the NCCL shard flow)"));
+    }
+  } else {
+    ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
+  }
   PhaseLog& phases = *ctx_.phases;
   phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
   const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
@@ -128,7 +143,14 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
   h.count = n;
   h.plan_digest = digest_of(plan);
   transport::Buffer data;
-  if (plan.compressor) {
+  if (t.compressed) {
+    // As the client compressed it (its own error feedback).
+    const std::span<const std::byte> p =
+        client_payload(t, spec.name, 0, bufs[0], *plan.compressor);
+    if (ctx_.bytes) ctx_.bytes->add(n * 4, p.size());
+    h.format = PeerFormat::kCompressed;
+    data = transport::Buffer::copy_of(p.data(), p.size());
+  } else if (plan.compressor) {
     PeerPart& part = peer_parts_[t.tensor][index];
     // A new plan starts with fresh error feedback, on every node alike.
     if (!part.state || part.digest != h.plan_digest) {

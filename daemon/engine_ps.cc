@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "compress/reduce.h"
+#include "daemon/client_payload.h"
 #include "daemon/counting_compressor.h"
 
 namespace bytecomp::daemon {
@@ -46,13 +47,35 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
     throw Error(ErrorCode::kInternal, "partition " + std::to_string(index) + " of tensor '" +
                                           spec.name + "' does not match the servers' assignment");
   }
-  ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
-  PhaseLog& phases = *ctx_.phases;
-  phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
-  const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
   PsPart& part = ps_part(t);
+  PhaseLog& phases = *ctx_.phases;
   transport::Buffer payload;
-  if (part.plan.compressed_push()) {
+  if (t.compressed) {
+    // Pushed as the client compressed it (its own error feedback): with one
+    // local rank its payload is the node's.
+    if (!part.plan.compressed_push() || !part.compressor) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  compressed_refusal(t, spec.name, "the plan in force pushes it uncompressed"));
+    }
+    if (bufs.size() != 1) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  compressed_refusal(t, spec.name,
+                                     "a multi-node job takes compressed pushes from one local "
+                                     "rank per node (" + std::to_string(bufs.size()) +
+                                         " here; docs/gpu.md: the NCCL shard flow)"));
+    }
+    const std::span<const std::byte> p = client_payload(t, spec.name, 0, bufs[0], *part.compressor);
+    if (ctx_.bytes) ctx_.bytes->add(n * 4, p.size());
+    payload = transport::Buffer::copy_of(p.data(), p.size());
+    phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
+  } else {
+    ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
+    phases.stamp(t.tensor, index, t.iteration, Phase::kReduced);
+  }
+  const float* sum = reinterpret_cast<const float*>(bufs[0] + t.begin);
+  if (t.compressed) {
+    // payload set above
+  } else if (part.plan.compressed_push()) {
     if (!part.state) part.state = part.compressor->make_state(n);
     std::vector<std::byte> out(part.compressor->max_compressed_bytes(n));
     compress::CompressContext cctx;

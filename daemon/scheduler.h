@@ -34,6 +34,10 @@ struct Task {
   // The plan the round runs under (fixed once per round from the job's
   // timeline); null where the path keeps its own (the local path).
   std::shared_ptr<const strategy::TensorPlan> plan;
+  // The local ranks wrote this partition already compressed under `plan`'s
+  // compressor (ipc::kSubmitCompressed): the path decodes or forwards their
+  // payloads instead of summing and compressing (daemon/client_payload.h).
+  bool compressed = false;
 
   uint64_t bytes() const { return end - begin; }
 };
@@ -44,7 +48,8 @@ class Scheduler {
   // bytes and of elem_size (64 is a multiple of every element size we have).
   // Returns the number of partitions.
   size_t add(uint32_t tensor, uint64_t iteration, uint64_t bytes, uint64_t partition_bytes,
-             uint32_t elem_size, std::shared_ptr<const strategy::TensorPlan> plan = {});
+             uint32_t elem_size, std::shared_ptr<const strategy::TensorPlan> plan = {},
+             bool compressed = false);
 
   // Up to max_tasks highest-priority partitions whose bytes sum to at most
   // max_bytes (the first always fits).

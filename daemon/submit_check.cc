@@ -1,5 +1,7 @@
 #include "daemon/submit_check.h"
 
+#include <cstdio>
+
 namespace bytecomp::daemon {
 
 SubmitError check_tensor_id(uint32_t rank, const ipc::RingEntry& e, size_t tensors) {
@@ -8,6 +10,18 @@ SubmitError check_tensor_id(uint32_t rank, const ipc::RingEntry& e, size_t tenso
                         "local rank " + std::to_string(rank) + " pushed tensor id " +
                             std::to_string(e.tensor) + " but only " + std::to_string(tensors) +
                             " were declared");
+}
+
+SubmitError check_flags(uint32_t rank, const ipc::RingEntry& e) {
+  if ((e.flags & ~ipc::kSubmitKnownFlags) == 0) return std::nullopt;
+  return std::make_pair(ErrorCode::kMalformed,
+                        "local rank " + std::to_string(rank) + " pushed tensor id " +
+                            std::to_string(e.tensor) + " with unknown submit flags 0x" +
+                            [&] {
+                              char b[16];
+                              std::snprintf(b, sizeof b, "%x", e.flags);
+                              return std::string(b);
+                            }());
 }
 
 SubmitError check_round(uint32_t rank, const ipc::RingEntry& e, const std::string& name,
@@ -30,6 +44,14 @@ SubmitError check_round(uint32_t rank, const ipc::RingEntry& e, const std::strin
                           "local ranks disagree on the iteration of tensor '" + name + "': rank " +
                               r + " pushed iteration " + std::to_string(e.iteration) +
                               ", another rank " + std::to_string(round.iteration));
+  }
+  const bool compressed = (e.flags & ipc::kSubmitCompressed) != 0;
+  if (round.arrived != 0 && round.compressed != compressed) {
+    return std::make_pair(ErrorCode::kInvalidArgument,
+                          "local ranks disagree on the form of tensor '" + name + "' (iteration " +
+                              std::to_string(e.iteration) + "): rank " + r + " pushed it " +
+                              (compressed ? "compressed" : "dense") + ", another rank " +
+                              (round.compressed ? "compressed" : "dense"));
   }
   return std::nullopt;
 }

@@ -22,6 +22,7 @@ struct SubmitRound {
   bool running = false;     // every rank arrived, the round executes
   int64_t last_done = -1;   // last finished iteration
   std::vector<bool> from;   // which local ranks pushed it
+  bool compressed = false;  // the ranks that arrived pushed compressed payloads
 };
 
 using SubmitError = std::optional<std::pair<ErrorCode, std::string>>;
@@ -29,10 +30,14 @@ using SubmitError = std::optional<std::pair<ErrorCode, std::string>>;
 // nullopt when local rank `rank`'s entry names one of the `tensors`
 // declared tensors; else kMalformed naming both.
 SubmitError check_tensor_id(uint32_t rank, const ipc::RingEntry& e, size_t tensors);
+// nullopt when the entry's flags are known ones (ipc::kSubmitKnownFlags);
+// else kMalformed naming the rank and the bits.
+SubmitError check_flags(uint32_t rank, const ipc::RingEntry& e);
 // nullopt when the entry may join its tensor's round (`round`, of the tensor
 // named `name`); else kInvalidArgument naming rank, tensor and iterations:
 // a second push before the round finished, an iteration not after the last
-// finished one, or one that differs from the other ranks'.
+// finished one, one that differs from the other ranks', or a compressed
+// push where the other ranks pushed dense (or the reverse).
 SubmitError check_round(uint32_t rank, const ipc::RingEntry& e, const std::string& name,
                         const SubmitRound& round);
 

@@ -11,6 +11,7 @@
 #include "common/gpu.h"
 #include "compress/compressor.h"
 #include "compress/cuda/cuda.h"
+#include "planner/strategy/partition.h"
 
 namespace {
 
@@ -55,6 +56,8 @@ struct bytecomp_gpu_compressor {
   std::unique_ptr<bytecomp::compress::Compressor> impl;
   std::unique_ptr<bytecomp::compress::TensorState> state;
   uint64_t count = 0;
+  // kCuda; kCpu for bytecomp_gpu_compressor_create_host (the host stand-in).
+  bytecomp::Device device = bytecomp::Device::kCuda;
 };
 
 extern "C" {
@@ -96,6 +99,30 @@ bytecomp_status bytecomp_gpu_compressor_create(const char* spec, uint64_t count,
   });
 }
 
+bytecomp_status bytecomp_gpu_compressor_create_host(const char* spec, uint64_t count,
+                                                    bytecomp_gpu_compressor** out) {
+  return guarded([&]() -> bytecomp_status {
+    if (!spec || !out)
+      return fail(BYTECOMP_ERR_INVALID_ARGUMENT, "bytecomp_gpu_compressor_create_host: null argument");
+    *out = nullptr;
+    if (count == 0)
+      return fail(BYTECOMP_ERR_INVALID_ARGUMENT, "bytecomp_gpu_compressor_create_host: count is 0");
+    auto parsed = bytecomp::compress::parse_compressor_spec(spec);
+    auto c = std::make_unique<bytecomp_gpu_compressor>();
+    c->impl = bytecomp::compress::make_compressor(parsed, bytecomp::Device::kCpu);
+    c->state = c->impl->make_state(count);
+    c->count = count;
+    c->device = bytecomp::Device::kCpu;
+    *out = c.release();
+    return BYTECOMP_OK;
+  });
+}
+
+uint64_t bytecomp_gpu_partition_seed(const char* job, uint32_t tensor_id, uint32_t partition) {
+  return bytecomp::strategy::partition_seed(job ? job : "",
+                                            bytecomp::strategy::partition_key(tensor_id, partition));
+}
+
 bytecomp_status bytecomp_gpu_max_compressed_bytes(bytecomp_gpu_compressor* c, uint64_t* out_bytes) {
   if (!c || !out_bytes) return fail(BYTECOMP_ERR_INVALID_ARGUMENT, "bytecomp_gpu_max_compressed_bytes: null argument");
   *out_bytes = c->impl->max_compressed_bytes(c->count);
@@ -115,7 +142,8 @@ bytecomp_status bytecomp_gpu_compress(bytecomp_gpu_compressor* c, const float* d
                       " bytes, " + c->impl->name() + " of " + std::to_string(c->count) +
                       " elements needs up to " + std::to_string(need));
     bytecomp::compress::ConstTensorView in(device_in, c->count, bytecomp::DType::kFloat32,
-                                           bytecomp::Device::kCuda, stream);
+                                           c->device,
+                                           c->device == bytecomp::Device::kCuda ? stream : nullptr);
     bytecomp::compress::CompressContext ctx;
     ctx.iteration = iteration;
     ctx.shared_seed = shared_seed;
@@ -132,7 +160,8 @@ bytecomp_status bytecomp_gpu_decompress(bytecomp_gpu_compressor* c, const void* 
     if (!c || !device_in || !device_out)
       return fail(BYTECOMP_ERR_INVALID_ARGUMENT, "bytecomp_gpu_decompress: null argument");
     bytecomp::compress::TensorView out{device_out, static_cast<size_t>(c->count),
-                                       bytecomp::DType::kFloat32, bytecomp::Device::kCuda, stream};
+                                       bytecomp::DType::kFloat32, c->device,
+                                       c->device == bytecomp::Device::kCuda ? stream : nullptr};
     bytecomp::compress::CompressContext ctx;
     ctx.iteration = iteration;
     ctx.shared_seed = shared_seed;

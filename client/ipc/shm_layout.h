@@ -39,7 +39,8 @@
 namespace bytecomp::ipc {
 
 inline constexpr uint32_t kSegmentMagic = 0x47534342;  // "BCSG"
-inline constexpr uint32_t kLayoutVersion = 1;
+// 2: the header carries the daemon's heartbeat and the job's partition size.
+inline constexpr uint32_t kLayoutVersion = 2;
 inline constexpr uint64_t kAlign = 64;
 inline constexpr size_t kAbortReasonBytes = 1024;
 
@@ -48,13 +49,25 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 
 enum class JobState : uint32_t { kRunning = 0, kAborted = 1 };
 
-// Submit: tensor + iteration (status 0). Completion: tensor + iteration +
-// status (an ErrorCode value; the reason is in the header for aborts).
+// Submit: tensor + iteration + flags (kSubmit* bits). Completion: tensor +
+// iteration + status (an ErrorCode value; the reason is in the header for
+// aborts). The second word is named by the ring it travels on.
 struct RingEntry {
   uint32_t tensor;
-  uint32_t status;
+  union {
+    uint32_t status;  // completion ring
+    uint32_t flags;   // submit ring
+  };
   uint64_t iteration;
 };
+// Submit flag: the client wrote, at the start of each partition's byte range
+// of its buffer (partitions of SegmentHeader::partition_bytes), that
+// partition's payload already compressed with the compressor of the plan in
+// force (the CPU library's wire format; e.g. by a CUDA compressor in the
+// client, docs/gpu.md). The daemon skips its own compressor for the round;
+// every local rank of a round must agree. The aggregate comes back dense.
+inline constexpr uint32_t kSubmitCompressed = 1u;
+inline constexpr uint32_t kSubmitKnownFlags = kSubmitCompressed;
 static_assert(sizeof(RingEntry) == 16);
 
 struct alignas(64) RingIndex {
@@ -83,8 +96,12 @@ struct alignas(64) SegmentHeader {
   // every 250 ms while it runs; init_segment() starts it at 1. A client
   // that sees it unchanged for its daemon timeout reports the daemon as not
   // responding (stopped or hung). 0: a daemon without a heartbeat (the
-  // client then does not check). Was `reserved` (always 0): same layout.
+  // client then does not check).
   std::atomic<uint32_t> heartbeat{0};
+  // The job's partition size in bytes once the daemon knows it (at start for
+  // a single-node job, after the join for a multi-node one: the cluster's);
+  // 0 before. Written once by the daemon before any round begins.
+  std::atomic<uint32_t> partition_bytes{0};
   uint64_t clients_offset = 0;
   uint64_t rings_offset = 0;
   uint64_t tensors_offset = 0;

@@ -721,14 +721,20 @@ bytecomp_status bytecomp_tensor_buffer(bytecomp_client* c, uint32_t id, void** d
   });
 }
 
-bytecomp_status bytecomp_push_pull(bytecomp_client* c, uint32_t id, uint64_t iteration,
-                                   bytecomp_handle* out) {
+namespace {
+bytecomp_status push_pull(bytecomp_client* c, uint32_t id, uint64_t iteration,
+                          bytecomp_handle* out, uint32_t flags, const char* fn) {
   return guarded([&] {
     require_client(c);
     if (out == nullptr) fail(BYTECOMP_ERR_INVALID_ARGUMENT, "out_handle is NULL");
     *out = 0;
     std::lock_guard lock(c->mu);
-    require_started(c, "bytecomp_push_pull");
+    require_started(c, fn);
+    if ((flags & ipc::kSubmitCompressed) != 0 &&
+        c->header->partition_bytes.load(std::memory_order_acquire) == 0) {
+      fail(BYTECOMP_ERR_STATE, std::string(fn) + ": the daemon has not published the job's "
+                               "partition size yet (bytecomp_partition_bytes is 0): push dense");
+    }
     c->check_health();
     require_healthy(c);
     require_tensor(c, id);
@@ -745,7 +751,7 @@ bytecomp_status bytecomp_push_pull(bytecomp_client* c, uint32_t id, uint64_t ite
                " is not after the last one pushed (" + std::to_string(c->last_iteration[id]) +
                "); iterations of a tensor must increase");
     }
-    if (!c->submit->push({id, 0, iteration})) {
+    if (!c->submit->push({id, {flags}, iteration})) {
       fail(BYTECOMP_ERR_INTERNAL, "submit ring full although every tensor has at most one "
                                   "push in flight");
     }
@@ -760,6 +766,29 @@ bytecomp_status bytecomp_push_pull(bytecomp_client* c, uint32_t id, uint64_t ite
     c->pending[id] = h;
     c->last_iteration[id] = static_cast<int64_t>(iteration);
     *out = h;
+  });
+}
+
+}  // namespace
+
+bytecomp_status bytecomp_push_pull(bytecomp_client* c, uint32_t id, uint64_t iteration,
+                                   bytecomp_handle* out) {
+  return push_pull(c, id, iteration, out, 0, "bytecomp_push_pull");
+}
+
+bytecomp_status bytecomp_push_pull_compressed(bytecomp_client* c, uint32_t id, uint64_t iteration,
+                                              bytecomp_handle* out) {
+  return push_pull(c, id, iteration, out, ipc::kSubmitCompressed, "bytecomp_push_pull_compressed");
+}
+
+bytecomp_status bytecomp_partition_bytes(bytecomp_client* c, uint64_t* out) {
+  return guarded([&] {
+    require_client(c);
+    if (out == nullptr) fail(BYTECOMP_ERR_INVALID_ARGUMENT, "out_bytes is NULL");
+    *out = 0;
+    std::lock_guard lock(c->mu);
+    require_started(c, "bytecomp_partition_bytes");
+    *out = c->header->partition_bytes.load(std::memory_order_acquire);
   });
 }
 

@@ -189,9 +189,13 @@ std::string cpu_runtime_unsupported(const Option& o) {
   if (o.compress_before != Stage::kInter || o.decompress_after != Stage::kInter)
     return "the CPU runtime compresses after the intra-node reduce and decompresses before "
            "copying to clients: compress_before and decompress_after must be 'inter'";
-  if (o.comp_device != Device::kCpu || o.decomp_device != Device::kCpu)
-    return "GPU compression is not available in the CPU runtime: comp_device and "
-           "decomp_device must be 'cpu'";
+  // comp_device: gpu runs in the training process (bytecomp.torch's GPU
+  // placement pushes the compressed partitions, docs/gpu.md §2); a client
+  // that pushes dense has the daemon compress on its CPU pool instead. The
+  // aggregate is decoded by the daemon.
+  if (o.decomp_device != Device::kCpu)
+    return "GPU decompression is not available in the CPU runtime (the daemon decodes the "
+           "aggregate): decomp_device must be 'cpu'";
   return {};
 }
 

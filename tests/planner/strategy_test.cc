@@ -161,15 +161,18 @@ TEST(Strategy, CpuRuntimeRefusesWhatItCannotRun) {
   EXPECT_NO_THROW(s.check_cpu_runtime({{"fc.weight", 400}, {"a.bias", 4}, {"w", 4 << 20}}));
   Option gpu;
   gpu.compressor = "randomk";
-  gpu.comp_device = Device::kCuda;
+  gpu.comp_device = Device::kCuda;  // the client compresses (GPU placement)
   gpu.inter = Collective::kAllgather;
+  s.add_entry({"g", gpu});
+  EXPECT_NO_THROW(s.check_cpu_runtime({{"fc.weight", 400}, {"g", 4}}));
+  gpu.decomp_device = Device::kCuda;  // nobody decodes on the GPU yet
   s.add_entry({"g", gpu});
   try {
     s.check_cpu_runtime({{"fc.weight", 400}, {"g", 4}});
     ADD_FAILURE();
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("tensor 'g'"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("GPU compression"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("GPU decompression"), std::string::npos) << e.what();
   }
   Option o;
   o.compressor = "onebit";
@@ -295,6 +298,6 @@ TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
     c.check_cpu_runtime({{"fc.weight", 400}});
     ADD_FAILURE();
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("GPU compression"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("GPU decompression"), std::string::npos) << e.what();
   }
 }

@@ -107,5 +107,94 @@ class Library(unittest.TestCase):
         c.close()
 
 
+class FakeCompressor:
+    def __init__(self, spec, n, header=8):
+        self.spec, self.n, self.max_bytes = spec, n, header + n  # one byte per element
+        self.calls = []
+        self.closed = False
+
+    def compress(self, in_ptr, out_ptr, cap, iteration, seed, stream):
+        self.calls.append((in_ptr, out_ptr, cap, iteration, seed, stream))
+        return self.max_bytes
+
+    def close(self):
+        self.closed = True
+
+
+class FakeOps:
+    def __init__(self):
+        self.copies = []
+        self.n = 0
+
+    def scratch(self, nbytes):
+        self.n += 1
+
+        class S:
+            ptr = 0x1000 * self.n
+        return S()
+
+    def raw(self, stream):
+        return "raw:%s" % stream
+
+    def copy(self, host_bytes, offset, scratch, n, stream):
+        self.copies.append((offset, scratch.ptr, n, stream))
+
+
+class Codec(unittest.TestCase):
+    def test_one_compressor_per_daemon_partition_payloads_at_partition_offsets(self):
+        made, ops = [], FakeOps()
+
+        def make(spec, n):
+            made.append(FakeCompressor(spec, n))
+            return made[-1]
+        c = gpu.PartitionCodec("efsignsgd", 40000, 65536, "job.opt0", 3, make, ops)
+        self.assertEqual([m.n for m in made], [16384, 16384, 7232])
+        self.assertEqual(c.encode(0x10000, "hostbytes", 7, "side"),
+                         [16392, 16392, 7240])
+        self.assertEqual([x[0] for x in ops.copies], [0, 65536, 131072])
+        self.assertEqual({x[3] for x in ops.copies}, {"side"})
+        for i, m in enumerate(made):
+            in_ptr, _, cap, it, seed, stream = m.calls[0]
+            self.assertEqual(in_ptr, 0x10000 + i * 65536)
+            self.assertEqual((cap, it, stream), (m.max_bytes, 7, "raw:side"))
+        c.close()
+        self.assertTrue(all(m.closed for m in made))
+
+    def test_a_payload_larger_than_its_partition_is_refused(self):
+        made = []
+
+        def make(spec, n):
+            made.append(FakeCompressor(spec, n, header=4 * n))
+            return made[-1]
+        with self.assertRaises(_lib.UnsupportedError) as e:
+            gpu.PartitionCodec("efsignsgd", 7, 65536, "j", 0, make, FakeOps())
+        self.assertIn("more than the partition", str(e.exception))
+        self.assertTrue(all(m.closed for m in made))
+
+    def test_host_stand_in_round_trips_through_the_abi(self):
+        lib = gpu.library()
+        if lib is None or not hasattr(lib, "bytecomp_gpu_compressor_create_host"):
+            self.skipTest("libbytecomp_gpu with the host stand-in not built")
+        g = torch.linspace(-1, 1, 1000)
+        c = gpu.GpuCompressor("fp16", 1000, host=True)
+        out = torch.zeros(c.max_bytes, dtype=torch.uint8)
+        n = c.compress(g.data_ptr(), out.data_ptr(), c.max_bytes, 0, 0)
+        back = torch.zeros(1000)
+        c.decompress(out.data_ptr(), n, back.data_ptr(), False, 0, 0)
+        self.assertTrue(torch.equal(back, g.half().float()))
+        c.close()
+
+
+class Shards(unittest.TestCase):
+    def test_shard_layout_pads_to_a_multiple_of_the_local_ranks(self):
+        self.assertEqual(gpu.shard_layout(10, 4), (12, 3))
+        self.assertEqual(gpu.shard_layout(12, 4), (12, 3))
+        self.assertEqual(gpu.shard_layout(7, 1), (7, 7))
+        self.assertEqual(gpu.shard_layout(0, 2), (0, 0))
+        with self.assertRaises(ValueError):
+            gpu.shard_layout(5, 0)
+        self.assertEqual(gpu.shard_job("run.opt0", 3), "run.opt0.l3")
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -254,5 +254,36 @@ class Registration(unittest.TestCase):
         self.assertEqual(rt.calls, [])
 
 
+class Encoded(unittest.TestCase):
+    """GPU placement (StagedSlot.encode): the compression and the payload
+    copies run on the side stream after the gradient is ready, in place of
+    the dense copy; the daemon gets push_compressed, only after they ran."""
+
+    def test_encode_replaces_the_dense_copy_and_pushes_compressed(self):
+        dev = FakeDevice()
+        host = {0: torch.full((4,), -1.0), 1: torch.full((4,), -1.0)}
+        grads = {0: torch.zeros(4), 1: torch.zeros(4)}
+        daemon = FakeDaemon(host)
+        compressed = []
+
+        def push_compressed(key):
+            compressed.append((key, host[key].clone()))
+            return ("h", key, 0)
+        pipe = _staging.StagingPipeline(dev, daemon.push, daemon.wait, push_compressed)
+        slots = [pipe.new_slot(k, host[k]) for k in (0, 1)]
+
+        def encode(grad, side):  # "compress": negate, on the side stream
+            dev.enqueue(side, lambda: host[0].copy_(-grad))
+        slots[0].encode = encode
+        backward(dev, pipe, slots, grads, [3.0, 5.0], run_between=False)
+        self.assertEqual(compressed, [])  # nothing ran on the device yet
+        pipe.drain()
+        self.assertEqual([k for k, _ in compressed], [0])
+        self.assertTrue(torch.equal(compressed[0][1], torch.full((4,), -3.0)))
+        self.assertEqual([k for k, _ in daemon.pushed], [1])  # the dense one
+        self.assertTrue(torch.equal(daemon.pushed[0][1], torch.full((4,), 5.0)))
+        self.assertEqual(dev.log.count(("side", "copy")), 1)  # slot 1's only: 0 made none
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -192,6 +192,27 @@ BYTECOMP_API bytecomp_status bytecomp_push_pull(bytecomp_client* client, uint32_
                                                 uint64_t iteration,
                                                 bytecomp_handle* out_handle);
 
+/* Added in ABI 1.3 (symbol version BYTECOMP_1.3). The job's partition size
+ * in bytes, once the daemon published it (a single-node job: from
+ * bytecomp_start(); a multi-node job: once the daemon joined the cluster,
+ * before its first round completes); *out_bytes is 0 before (not an error). */
+BYTECOMP_API bytecomp_status bytecomp_partition_bytes(bytecomp_client* client,
+                                                      uint64_t* out_bytes);
+
+/* Added in ABI 1.3. As bytecomp_push_pull, but the buffer holds the gradient
+ * already compressed by the caller (e.g. on its GPU, docs/gpu.md): for each
+ * partition p (bytes [p * P, min((p + 1) * P, tensor bytes)) with P from
+ * bytecomp_partition_bytes, which must be non-zero), that range starts with
+ * the partition's payload in the CPU compressor library's wire format, of the
+ * compressor of the strategy in force for the iteration, with the caller's own
+ * error feedback. The daemon does not compress again; the result, as for
+ * bytecomp_push_pull, is the dense aggregate in the buffer. All local ranks
+ * push a round the same way; multi-node jobs accept it with one local rank
+ * per node. A payload the daemon cannot use aborts the job with the reason. */
+BYTECOMP_API bytecomp_status bytecomp_push_pull_compressed(bytecomp_client* client,
+                                                           uint32_t tensor_id, uint64_t iteration,
+                                                           bytecomp_handle* out_handle);
+
 /* Added in ABI 1.2 (symbol version BYTECOMP_1.2). Starts a broadcast: the
  * first `nbytes` bytes of the tensor's buffer of global rank `root_rank`
  * (node_rank * local_size + local_rank) are copied, raw (any dtype, no

@@ -58,6 +58,20 @@ BYTECOMP_API int bytecomp_gpu_supported(const char* name);
 BYTECOMP_API bytecomp_status bytecomp_gpu_compressor_create(const char* spec, uint64_t count,
                                                             bytecomp_gpu_compressor** out);
 
+/* The same compressor ABI over the CPU library on host pointers (`stream`
+ * ignored): the stand-in for the CUDA compressors where there is no GPU
+ * (host tests of the client-compressed path; same wire format, bit for bit
+ * what the daemon's CPU pool computes). Works in every build. */
+BYTECOMP_API bytecomp_status bytecomp_gpu_compressor_create_host(const char* spec, uint64_t count,
+                                                                 bytecomp_gpu_compressor** out);
+
+/* The shared seed the daemon compresses partition `partition` of tensor
+ * `tensor_id` of job `job` with (planner/strategy/partition.h): a client
+ * compressing the partition itself passes it, so seeded compressors
+ * (randomk) pick the same elements as a daemon on another node would. */
+BYTECOMP_API uint64_t bytecomp_gpu_partition_seed(const char* job, uint32_t tensor_id,
+                                                  uint32_t partition);
+
 BYTECOMP_API bytecomp_status bytecomp_gpu_max_compressed_bytes(bytecomp_gpu_compressor* c,
                                                                uint64_t* out_bytes);
 

@@ -176,6 +176,12 @@ def _declare(lib):
         lib.bytecomp_broadcast.restype = c.c_int
         lib.bytecomp_barrier.argtypes = [vp, c.POINTER(u64)]
         lib.bytecomp_barrier.restype = c.c_int
+    # ABI 1.3 (BYTECOMP_1.3): client-compressed push_pulls.
+    if hasattr(lib, "bytecomp_push_pull_compressed"):
+        lib.bytecomp_push_pull_compressed.argtypes = [vp, u32, u64, c.POINTER(u64)]
+        lib.bytecomp_push_pull_compressed.restype = c.c_int
+        lib.bytecomp_partition_bytes.argtypes = [vp, c.POINTER(u64)]
+        lib.bytecomp_partition_bytes.restype = c.c_int
 
 
 def library():
@@ -212,6 +218,12 @@ def library():
 def has_set_strategy():
     """Whether the loaded libbytecomp has bytecomp_set_strategy (ABI 1.1)."""
     return hasattr(library(), "bytecomp_set_strategy")
+
+
+def has_client_compression():
+    """Whether the loaded libbytecomp has bytecomp_push_pull_compressed and
+    bytecomp_partition_bytes (ABI 1.3)."""
+    return hasattr(library(), "bytecomp_push_pull_compressed")
 
 
 def has_collectives():
@@ -307,6 +319,23 @@ class Client:
         h = ctypes.c_uint64()
         self._check(self._lib.bytecomp_push_pull(self._c, tensor_id, iteration, ctypes.byref(h)))
         return h.value
+
+    def push_pull_compressed(self, tensor_id, iteration):
+        """bytecomp_push_pull_compressed: the buffer holds, at the start of
+        each partition's range, that partition's compressed payload."""
+        h = ctypes.c_uint64()
+        self._check(self._lib.bytecomp_push_pull_compressed(self._c, tensor_id, iteration,
+                                                            ctypes.byref(h)))
+        return h.value
+
+    def partition_bytes(self):
+        """The job's partition size (0 until the daemon published it), or 0
+        with a libbytecomp older than ABI 1.3."""
+        if not hasattr(self._lib, "bytecomp_partition_bytes"):
+            return 0
+        n = ctypes.c_uint64()
+        self._check(self._lib.bytecomp_partition_bytes(self._c, ctypes.byref(n)))
+        return n.value
 
     def _need_collectives(self, call):
         if not hasattr(self._lib, "bytecomp_broadcast"):

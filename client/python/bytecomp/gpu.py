@@ -110,6 +110,93 @@ def placement(doc, tensors, caps):
     return out
 
 
+# -- NCCL intra-node shard flow (docs/daemon.md "Intra-node on GPUs"; not
+# wired into DistributedOptimizer yet, docs/gpu.md §3) -------------------------
+def shard_layout(count, local_size):
+    """How a gradient of `count` float32 elements splits among `local_size`
+    local ranks for bytecomp_gpu_nccl_sum(shard=1) (a reduce-scatter needs a
+    multiple of the ranks): (padded count, elements per shard). Rank r's shard
+    is [r * per, (r + 1) * per) of the padded buffer; it is what rank r
+    declares to the daemon (in shard_job()), the padding summing to zero."""
+    if local_size < 1 or count < 0:
+        raise ValueError("shard_layout(%r, %r): count >= 0, local_size >= 1" %
+                         (count, local_size))
+    per = -(-count // local_size)
+    return per * local_size, per
+
+
+def shard_job(job, local_rank):
+    """The per-local-rank job a shard goes through the daemon in (local_size
+    1, so today's daemon sums each shard across nodes unchanged; it also
+    takes client-compressed pushes, one local rank per node)."""
+    return "%s.l%d" % (job, local_rank)
+
+
+def partition_seed(job, tensor_id, partition):
+    """The shared seed the daemon compresses a partition with."""
+    lib = library()
+    if lib is None or not hasattr(lib, "bytecomp_gpu_partition_seed"):
+        return 0
+    return lib.bytecomp_gpu_partition_seed(job.encode(), tensor_id, partition)
+
+
+class PartitionCodec:
+    """Compresses one tensor in the training process, partition by
+    partition of the daemon's partition size, straight into the tensor's
+    shared-memory buffer: each partition's payload at the start of its byte
+    range (bytecomp_push_pull_compressed's layout). One compressor (and
+    error-feedback state) per partition, as the daemon keeps.
+
+    `make(spec, count)` builds a partition's compressor (GpuCompressor on a
+    device, GpuCompressor(host=True) as the host stand-in); `ops` gives
+    scratch(nbytes) -> buffer with .ptr (device memory for the GPU; host for
+    the stand-in), raw(stream) -> the stream handle the compressor takes, and
+    copy(host_bytes, offset, scratch, nbytes, stream): scratch[:nbytes] ->
+    host_bytes[offset:] (a byte tensor over the shared buffer)."""
+
+    def __init__(self, spec, count, partition_bytes, job, tensor_id, make, ops):
+        if partition_bytes <= 0 or partition_bytes % 64:
+            raise ValueError("partition size %r: a positive multiple of 64" % (partition_bytes,))
+        self.spec = spec
+        self.count = count
+        self.partition_bytes = partition_bytes
+        self.parts = []  # (first element, count, compressor, scratch, seed)
+        per = partition_bytes // 4
+        first, index = 0, 0
+        while first < count:
+            n = min(per, count - first)
+            c = make(spec, n)
+            if c.max_bytes > n * 4:
+                c.close()
+                self.close()
+                raise _lib.UnsupportedError(
+                    "BYTECOMP_ERR_UNSUPPORTED",
+                    "%s of %d elements may need %d bytes, more than the partition's %d: "
+                    "compressed by the daemon instead" % (spec, n, c.max_bytes, n * 4))
+            self.parts.append((first, n, c, ops.scratch(c.max_bytes),
+                               partition_seed(job, tensor_id, index)))
+            first += n
+            index += 1
+        self._ops = ops
+
+    def encode(self, grad_ptr, host_bytes, iteration, stream=None):
+        """Enqueues, per partition, compress(float32 elements at grad_ptr)
+        -> scratch -> host_bytes at the partition's byte offset, on `stream`.
+        Returns the payload bytes per partition."""
+        lens = []
+        raw = self._ops.raw(stream)
+        for first, n, c, scratch, seed in self.parts:
+            ln = c.compress(grad_ptr + first * 4, scratch.ptr, c.max_bytes, iteration, seed, raw)
+            self._ops.copy(host_bytes, first * 4, scratch, ln, stream)
+            lens.append(ln)
+        return lens
+
+    def close(self):
+        for p in self.parts:
+            p[2].close()
+        self.parts = []
+
+
 # -- libbytecomp_gpu ----------------------------------------------------------------
 _gpu_lib = None
 
@@ -154,6 +241,12 @@ def library():
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p]
         lib.bytecomp_gpu_compressor_destroy.argtypes = [ctypes.c_void_p]
+        if hasattr(lib, "bytecomp_gpu_compressor_create_host"):
+            lib.bytecomp_gpu_compressor_create_host.argtypes = [
+                ctypes.c_char_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]
+            lib.bytecomp_gpu_partition_seed.argtypes = [ctypes.c_char_p, ctypes.c_uint32,
+                                                        ctypes.c_uint32]
+            lib.bytecomp_gpu_partition_seed.restype = ctypes.c_uint64
         lib.bytecomp_gpu_last_error.restype = ctypes.c_char_p
         _gpu_lib = lib
         return lib
@@ -188,16 +281,22 @@ class GpuCompressor:
     Pointers are device addresses (tensor.data_ptr()); stream a
     torch.cuda.Stream's cuda_stream (0: default stream)."""
 
-    def __init__(self, spec, count):
+    def __init__(self, spec, count, host=False):
+        """host=True: the CPU library behind the same calls on host pointers
+        (bytecomp_gpu_compressor_create_host), the stand-in where there is
+        no GPU."""
         lib = library()
         if lib is None:
             raise _lib.UnsupportedError("BYTECOMP_ERR_UNSUPPORTED",
                                         "libbytecomp_gpu not found (tried %s)" %
                                         ", ".join(_candidates()))
         self._lib = lib
+        self.host = bool(host)
         h = ctypes.c_void_p()
-        _check(lib, lib.bytecomp_gpu_compressor_create(spec.encode(), count, ctypes.byref(h)),
-               "GPU compressor %r for %d elements" % (spec, count))
+        create = lib.bytecomp_gpu_compressor_create_host if host else \
+            lib.bytecomp_gpu_compressor_create
+        _check(lib, create(spec.encode(), count, ctypes.byref(h)),
+               "%s compressor %r for %d elements" % ("host" if host else "GPU", spec, count))
         self._h = h
         self.spec = spec
         self.count = count

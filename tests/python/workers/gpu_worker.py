@@ -35,6 +35,7 @@ named = [("layer%d" % i, p) for i, p in enumerate(params)]
 opt = bc.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), named_parameters=named,
                               op=bc.Sum)
 mem0 = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+print("PLACED %d" % sum(1 for sl in opt._bc_slots if sl.place is not None), flush=True)
 
 
 def weights(rank, step, i, shape):

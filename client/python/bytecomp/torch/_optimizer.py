@@ -3,6 +3,8 @@ gradients live in shared memory and are pushed from autograd hooks.
 Internal: use it through bytecomp.torch."""
 
 import contextlib
+import os
+import time
 import warnings
 
 import torch
@@ -10,6 +12,7 @@ import yaml
 
 from bytecomp import _lib
 from bytecomp._lib import BytecompError, StateError
+from bytecomp import gpu as _gpu
 from bytecomp import strategy as _strategy
 from bytecomp.torch._collectives import (Average, Compression, Compressor, Sum,
                                          _check_process_set, global_process_set)
@@ -179,10 +182,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     lambda tid: self._bc_client.push_pull(tid, self._bc_iteration),
                     lambda tid, h: _wait(self._bc_client, h, self._bc_timeout_ms,
                                          "push_pull of gradient %r (step %d)",
-                                         by_tid[tid].name, self._bc_iteration + 1))
+                                         by_tid[tid].name, self._bc_iteration + 1),
+                    lambda tid: self._bc_client.push_pull_compressed(tid, self._bc_iteration))
                 for slot in self._bc_slots:
                     if slot.param.device.type == "cuda":
                         slot.staged = self._bc_staging.new_slot(slot.tid, slot.buf)
+            self._bytecomp_place(client)
         except BaseException:
             if getattr(self, "_bc_pinned", None) is not None:
                 _staging.unregister_host_range(self._bc_pinned)
@@ -204,6 +209,97 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 acc = slot.param.expand_as(slot.param).grad_fn.next_functions[0][0]
             acc.register_hook(hook)
             self._bc_hooks.append(acc)  # keep the accumulator alive
+
+    def _bytecomp_place(self, client):
+        """Which gradients this process compresses itself (the paper's GPU
+        placement, docs/gpu.md §2): where the strategy the daemons run says
+        `comp_device: gpu` for a float32 CUDA tensor and libbytecomp_gpu can
+        (bytecomp.gpu.placement). Sets slot.place (the compressor spec) and
+        self.placement_notes (why not, per tensor or for the whole job).
+        BYTECOMP_CLIENT_COMPRESS=host (tests) takes CPU tensors too, with the
+        CPU library standing in for the CUDA compressors behind the same ABI."""
+        s = self._bc_ctx.settings
+        host = os.environ.get("BYTECOMP_CLIENT_COMPRESS") == "host"
+        self.placement_notes = {}
+        st = self._bc_strategy if self._bc_strategy is not None else _strategy.load(s.strategy)
+        why = None
+        if st is None:
+            why = "uncompressed (no strategy)"
+        elif st.is_auto():
+            why = "mode: auto: the plans change at run time, the daemon compresses"
+        elif not _lib.has_client_compression():
+            why = "this libbytecomp has no bytecomp_push_pull_compressed (ABI 1.3)"
+        elif s.num_nodes > 1 and s.local_size > 1:
+            why = ("%d local ranks on %d nodes: compressed pushes need one local rank per node "
+                   "(the NCCL shard flow is not wired yet)" % (s.local_size, s.num_nodes))
+        if why is not None:
+            self.placement_notes["*"] = why
+            return
+        caps = _gpu.Capabilities(True, 1, lambda _n: True) if host else _gpu.capabilities()
+        tensors = []
+        for sl in self._bc_slots:
+            if sl.param.dtype != torch.float32:
+                continue
+            dev = "cuda" if host and sl.param.device.type == "cpu" else sl.param.device.type
+            tensors.append((sl.name, sl.param.numel() * 4, dev))
+        placed = _gpu.placement(st.doc, tensors, caps)
+        for sl in self._bc_slots:
+            where, spec, why = placed.get(sl.name, ("none", "none", "not float32"))
+            if where == "gpu":
+                sl.place = spec
+            else:
+                self.placement_notes[sl.name] = why
+        if any(sl.place is not None for sl in self._bc_slots):
+            # The payload layout follows the daemon's partitions: a multi-node
+            # job knows them once joined (every node starting meanwhile).
+            # Waiting here keeps the first iteration's gradients on the same
+            # placement (and error feedback) as the others.
+            deadline = time.monotonic() + s.start_timeout_ms / 1000.0
+            while client.partition_bytes() == 0:
+                if time.monotonic() > deadline:
+                    raise _lib.BytecompTimeout(
+                        "BYTECOMP_ERR_TIMEOUT",
+                        "the daemon did not publish the job's partition size within %d ms "
+                        "(the other nodes did not join?)" % s.start_timeout_ms)
+                time.sleep(0.002)
+            for sl in self._bc_slots:
+                self._bytecomp_codec(sl, client)  # a tensor that cannot goes back to the daemon
+
+    def _bytecomp_codec(self, slot, client=None):
+        """The slot's PartitionCodec (made at start, once the daemon
+        published the job's partition size); None: pushed dense."""
+        if slot.codec is not None or slot.place is None:
+            return slot.codec
+        pb = (client or self._bc_client).partition_bytes()
+        if pb == 0:
+            return None  # a multi-node job not joined yet: the daemon compresses
+        p = slot.param
+        try:
+            if p.device.type == "cuda":
+                slot.codec = _gpu.PartitionCodec(slot.place, p.numel(), pb, self._bc_job,
+                                                 slot.tid, _gpu.GpuCompressor,
+                                                 _TorchCudaCodecOps(p.device))
+            else:
+                slot.codec = _gpu.PartitionCodec(
+                    slot.place, p.numel(), pb, self._bc_job, slot.tid,
+                    lambda spec, n: _gpu.GpuCompressor(spec, n, host=True), _HostCodecOps())
+        except _lib.UnsupportedError as e:
+            # Every local rank decides the same way (same build, same sizes).
+            self.placement_notes[slot.name] = str(e)
+            slot.place = None
+            return None
+        return slot.codec
+
+    def _bytecomp_encoder(self, slot):
+        """StagedSlot.encode for a CUDA gradient compressed on the device."""
+        codec = self._bytecomp_codec(slot)
+        if codec is None:
+            return None
+        host_bytes = slot.buf.view(-1).view(torch.uint8)
+
+        def encode(grad, side):
+            codec.encode(grad.data_ptr(), host_bytes, self._bc_iteration, side)
+        return encode
 
     def _bytecomp_hook(self, slot):
         def hook(*_):
@@ -229,8 +325,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = torch.zeros_like(p)
                 if self._bc_predivide != 1.0:
                     p.grad.mul_(1.0 / self._bc_predivide)
+                if slot.place is not None and not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
             slot.handle = True  # staged: the pipeline holds the daemon's handle
             try:
+                slot.staged.encode = self._bytecomp_encoder(slot)
                 self._bc_staging.grad_ready(slot.staged, p.grad)
             except BytecompError as e:
                 self._bc_failed = e
@@ -250,7 +349,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 slot.buf.mul_(1.0 / self._bc_predivide)
         try:
-            slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration)
+            codec = self._bytecomp_codec(slot)
+            if codec is not None:
+                # In-process compression of a CPU gradient (the host stand-in):
+                # the payloads overwrite the buffer, so compress from a copy.
+                g = slot.buf.clone()
+                codec.encode(g.data_ptr(), slot.buf.view(-1).view(torch.uint8),
+                             self._bc_iteration, None)
+                slot.handle = self._bc_client.push_pull_compressed(slot.tid, self._bc_iteration)
+            else:
+                slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration)
         except BytecompError as e:
             self._bc_failed = e
             self._bc_ctx.failed = True
@@ -396,6 +504,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if s.param.grad is not None and s.param.grad.data_ptr() == s.buf.data_ptr():
                     s.param.grad = s.buf.clone()
                 s.buf = None
+                if s.codec is not None:
+                    if s.param.device.type == "cuda":
+                        torch.cuda.synchronize(s.param.device)  # no compress in flight
+                    s.codec.close()
+                    s.codec = None
         self._bc_slots = []
         if self._bc_pinned is not None:
             # No copy may still read or write the shared memory.
@@ -410,8 +523,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         client.close()
 
 
+class _Scratch:
+    __slots__ = ("t", "ptr")
+
+    def __init__(self, t):
+        self.t = t
+        self.ptr = t.data_ptr()
+
+
+class _TorchCudaCodecOps:
+    """bytecomp.gpu.PartitionCodec's device side: scratch in device memory,
+    payload copies device -> pinned shared memory on the side stream."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def scratch(self, nbytes):
+        return _Scratch(torch.empty(max(int(nbytes), 8), dtype=torch.uint8, device=self.device))
+
+    def raw(self, stream):
+        return stream.cuda_stream
+
+    def copy(self, host_bytes, offset, scratch, n, stream):
+        # The next iteration's compress into `scratch` and d2h into the host
+        # buffer run after this copy on the same (side) stream.
+        with torch.cuda.stream(stream):
+            host_bytes[offset:offset + n].copy_(scratch.t[:n], non_blocking=True)
+
+
+class _HostCodecOps:
+    """The host stand-in's side (BYTECOMP_CLIENT_COMPRESS=host)."""
+
+    def scratch(self, nbytes):
+        return _Scratch(torch.empty(max(int(nbytes), 8), dtype=torch.uint8))
+
+    def raw(self, stream):
+        return 0
+
+    def copy(self, host_bytes, offset, scratch, n, stream):
+        host_bytes[offset:offset + n].copy_(scratch.t[:n])
+
+
 class _Slot:
-    __slots__ = ("name", "param", "tid", "buf", "handle", "passes", "staged")
+    __slots__ = ("name", "param", "tid", "buf", "handle", "passes", "staged", "place", "codec")
 
     def __init__(self, name, param, tid, buf):
         self.name = name
@@ -421,6 +575,8 @@ class _Slot:
         self.handle = None
         self.passes = 0
         self.staged = None  # _staging.StagedSlot of a CUDA parameter
+        self.place = None  # compressor spec when this process compresses it (GPU placement)
+        self.codec = None  # its bytecomp.gpu.PartitionCodec, once made
 
 
 def _compression_strategy(compression):

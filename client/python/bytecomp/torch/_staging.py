@@ -107,7 +107,7 @@ class TorchCudaOps(StreamOps):
 class StagedSlot:
     """One staged tensor: its host buffer, its events and its daemon handle."""
 
-    __slots__ = ("key", "host", "ready", "d2h", "h2d", "handle", "state")
+    __slots__ = ("key", "host", "ready", "d2h", "h2d", "handle", "state", "encode")
 
     IDLE, COPYING, PUSHED, RETURNING = "idle", "copying", "pushed", "returning"
 
@@ -119,6 +119,11 @@ class StagedSlot:
         self.h2d = ops.new_event()
         self.handle = None
         self.state = StagedSlot.IDLE
+        # GPU placement (docs/gpu.md §2): encode(grad, stream) enqueues the
+        # compression on the device and the d2h copies of the payloads into
+        # `host` on `stream`, instead of the dense copy; the hand-off then
+        # pushes compressed. None: dense (the daemon compresses, if at all).
+        self.encode = None
 
 
 class StagingPipeline:
@@ -127,9 +132,10 @@ class StagingPipeline:
     push(key) -> handle starts the daemon's push_pull of a slot's host buffer;
     wait(key, handle) waits for it (raising on failure)."""
 
-    def __init__(self, ops, push, wait):
+    def __init__(self, ops, push, wait, push_compressed=None):
         self.ops = ops
         self._push = push
+        self._push_compressed = push_compressed
         self._wait = wait
         self._copying = []  # slots whose d2h copy is enqueued, not yet pushed (FIFO)
         self.host_syncs = 0  # host waits on the device (drain only), for tests and stats
@@ -146,7 +152,10 @@ class StagingPipeline:
         side = ops.side_stream()
         ops.record(slot.ready, ops.current_stream())
         ops.wait_event(side, slot.ready)
-        ops.copy_async(slot.host, grad, side)
+        if slot.encode is not None:
+            slot.encode(grad, side)
+        else:
+            ops.copy_async(slot.host, grad, side)
         ops.record(slot.d2h, side)
         slot.state = StagedSlot.COPYING
         self._copying.append(slot)
@@ -168,7 +177,10 @@ class StagingPipeline:
             self._hand_off(slot)
 
     def _hand_off(self, slot):
-        slot.handle = self._push(slot.key)
+        if slot.encode is not None:
+            slot.handle = self._push_compressed(slot.key)
+        else:
+            slot.handle = self._push(slot.key)
         slot.state = StagedSlot.PUSHED
 
     def copy_back(self, slot, grad):

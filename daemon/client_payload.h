@@ -1,0 +1,46 @@
+// Client-compressed partitions (ipc::kSubmitCompressed, docs/gpu.md §2): a
+// local rank that compressed its gradient itself (on its GPU, or with any
+// implementation of the same wire format) writes, at the start of each
+// partition's byte range of its tensor buffer, that partition's compressed
+// payload. The paths read those payloads here instead of summing dense
+// buffers and compressing:
+//   local  decodes every rank's payload and sums them (one node: the
+//          aggregate of the compressed gradients);
+//   ps     pushes rank 0's payload as is (one local rank per node);
+//   peer   contributes rank 0's payload as is (one local rank per node).
+// Everything a client wrote is checked before use (it may scribble anything
+// into shared memory): a valid header of the plan's algorithm, decoding to the
+// partition's element count, ending within the partition's bytes.
+//
+// Thread-safety: stateless functions; distinct partitions may be handled
+// concurrently.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+#include "compress/compressor.h"
+#include "daemon/scheduler.h"
+
+namespace bytecomp::daemon {
+
+// Local rank `rank`'s payload for task `t` in `buf` (its buffer of tensor
+// `tensor_name`), checked against compressor `c`. Throws Error(kMalformed)
+// naming tensor, partition, rank and what was wrong.
+std::span<const std::byte> client_payload(const Task& t, const std::string& tensor_name,
+                                          uint32_t rank, const char* buf,
+                                          const compress::Compressor& c);
+
+// Decodes every local rank's payload of task `t` and writes their sum (rank
+// 0's, then rank 1's added, ...) densely over rank 0's partition range.
+// Throws like client_payload().
+void decode_sum_to_first(const Task& t, const std::string& tensor_name,
+                         std::span<char* const> bufs, const compress::Compressor& c,
+                         const compress::CompressContext& cctx);
+
+// The job-failing message for a compressed submission a path cannot take.
+std::string compressed_refusal(const Task& t, const std::string& tensor_name,
+                               const std::string& why);
+
+}  // namespace bytecomp::daemon

@@ -1,0 +1,133 @@
+"""The NCCL intra-node shard flow's layout and ordering (bytecomp/torch/
+_nccl.py, issue 27) over simulated local ranks: each rank's side stream is a
+FIFO queue; a collective runs once every rank's queue reached it (as NCCL
+does); copies move real CPU tensor data when they run. The real
+communicator (NcclComm over libbytecomp_gpu) needs GPUs: scripts/gpu-check."""
+
+import unittest
+
+import torch
+
+from bytecomp import _lib
+from bytecomp.torch import _nccl
+
+
+class World:
+    """N ranks' side streams and the collectives among them."""
+
+    def __init__(self, n):
+        self.n = n
+        self.queues = [[] for _ in range(n)]
+        self.aborted = False
+
+    def run(self):
+        while True:
+            progressed = False
+            for q in self.queues:  # copies up to the next collective
+                while q and q[0][0] == "copy":
+                    _, dst, src = q.pop(0)
+                    dst.copy_(src)
+                    progressed = True
+            heads = [q[0] if q else None for q in self.queues]
+            if all(h is not None and h[0] != "copy" for h in heads):
+                kinds = {h[0] for h in heads}
+                assert len(kinds) == 1, "ranks disagree on the collective: %s" % kinds
+                bufs = [h[1] for h in heads]
+                count = heads[0][2]
+                per = count // self.n
+                if heads[0][0] == "rs":
+                    total = sum(b[:count].clone() for b in bufs)
+                    for r, b in enumerate(bufs):
+                        b[r * per:(r + 1) * per] = total[r * per:(r + 1) * per]
+                else:  # allgather
+                    parts = [b[r * per:(r + 1) * per].clone() for r, b in enumerate(bufs)]
+                    for b in bufs:
+                        for r, p in enumerate(parts):
+                            b[r * per:(r + 1) * per] = p
+                for q in self.queues:
+                    q.pop(0)
+                progressed = True
+            if not progressed:
+                return
+
+
+class Comm:
+    def __init__(self, world, rank, fail=False):
+        self.world, self.rank, self.fail = world, rank, fail
+
+    def sum(self, buf, count, shard, stream):
+        assert shard == 1 and stream == ("side", self.rank)
+        if self.fail:
+            raise _lib.BytecompError("BYTECOMP_ERR_PEER_LOST", "NCCL: a local rank died")
+        self.world.queues[self.rank].append(("rs", buf, count))
+
+    def allgather(self, buf, count, stream):
+        self.world.queues[self.rank].append(("ag", buf, count))
+
+    def abort(self):
+        self.world.aborted = True
+
+
+class Ops:
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+
+    def zeros(self, count, like):
+        return torch.zeros(count, dtype=like.dtype)
+
+    def copy_async(self, dst, src, stream):
+        self.world.queues[self.rank].append(("copy", dst, src))
+
+
+class ShardFlowTest(unittest.TestCase):
+    def test_every_rank_ends_with_the_sum_and_stages_only_its_shard(self):
+        n = 3
+        world = World(n)
+        flows = [_nccl.ShardFlow(Comm(world, r), Ops(world, r), r, n) for r in range(n)]
+        grads = [torch.arange(10, dtype=torch.float32) * (r + 1) for r in range(n)]
+        want = sum(g.clone() for g in grads)
+        shards = [f.before("w", g, ("side", r)) for r, (f, g) in enumerate(zip(flows, grads))]
+        world.run()
+        self.assertEqual([s.numel() for s in shards], [4, 4, 4])  # 10 padded to 12
+        for r, s in enumerate(shards):  # rank r holds the sum of its shard
+            full = torch.cat([want, torch.zeros(2)])
+            self.assertTrue(torch.equal(s, full[r * 4:(r + 1) * 4]), (r, s))
+        for s in shards:  # the daemon's inter-node sum (here: two identical nodes)
+            s.mul_(2)
+        for r, (f, g) in enumerate(zip(flows, grads)):
+            f.after("w", g, ("side", r))
+        world.run()
+        for g in grads:
+            self.assertTrue(torch.equal(g, want * 2), g)
+        # The buffers are reused next iteration; the padding stays zero.
+        self.assertIs(flows[0].layout("w", grads[0])[0], flows[0].layout("w", grads[0])[0])
+
+    def test_a_failing_collective_aborts_the_communicator_and_raises(self):
+        world = World(2)
+        f = _nccl.ShardFlow(Comm(world, 0, fail=True), Ops(world, 0), 0, 2)
+        with self.assertRaises(_lib.BytecompError):
+            f.before("w", torch.ones(4), ("side", 0))
+        self.assertTrue(world.aborted)
+
+    def test_refusals(self):
+        with self.assertRaises(ValueError):
+            _nccl.ShardFlow(None, None, 2, 2)
+        world = World(1)
+        f = _nccl.ShardFlow(Comm(world, 0), Ops(world, 0), 0, 1)
+        f.before("w", torch.ones(4), ("side", 0))
+        with self.assertRaises(ValueError):
+            f.layout("w", torch.ones(5))
+
+    def test_real_communicator_needs_nccl(self):
+        try:
+            _nccl.NcclComm._lib()
+        except _lib.UnsupportedError as e:
+            self.assertIn("NCCL", str(e))
+            return
+        if not torch.cuda.is_available():
+            self.skipTest("NCCL built, no CUDA device: scripts/gpu-check")
+        self.assertEqual(len(_nccl.NcclComm.make_id()), 128)
+
+
+if __name__ == "__main__":
+    unittest.main()
