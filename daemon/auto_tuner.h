@@ -145,6 +145,11 @@ class ReplanTrigger {
   std::vector<double> drifted_;
 };
 
+// The median of `v` (0 when empty).
+double median(std::vector<double> v);
+// Microseconds since `t0` (steady clock).
+double us_since(std::chrono::steady_clock::time_point t0);
+
 // Writes `text` to `dir`/`name` so that a reader, or another writer of the
 // same name (another node's daemon where the run directories resolve to one
 // shared folder, e.g. NFS home directories), never sees a partial file: a

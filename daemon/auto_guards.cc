@@ -1,0 +1,100 @@
+// The auto tuner's guards over a running job (daemon/auto_tuner.h): the
+// re-plan trigger (lasting drift, a bound per window) and the loss guard.
+// Pure: no I/O, driven by the tuner thread and by unit tests.
+#include "daemon/auto_tuner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace bytecomp::daemon {
+
+using Clock = std::chrono::steady_clock;
+using strategy::CompressorMeasure;
+using strategy::LinearFit;
+using strategy::NodeProfile;
+
+void ReplanTrigger::set_prediction(double predicted_us, uint64_t iteration) {
+  predicted_us_ = predicted_us;
+  since_ = iteration;
+  streak_ = 0;
+}
+
+std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double measured_us) {
+  if (predicted_us_ <= 0 || iteration < since_) return std::nullopt;
+  const double d = std::abs(measured_us - predicted_us_) / predicted_us_;
+  if (d <= drift_) {
+    streak_ = 0;
+    return std::nullopt;
+  }
+  if (streak_ == 0) drifted_.clear();
+  ++streak_;
+  drifted_.push_back(measured_us);
+  if (streak_ < needed_ || iteration < since_ + min_interval_) return std::nullopt;
+  while (!fired_.empty() && fired_.front() + per_ <= iteration) fired_.pop_front();
+  if (fired_.size() >= max_replans_) {
+    // Held back, not dropped: the streak goes on and fires once the oldest
+    // re-plan leaves the window (a link that really changed still gets one).
+    held_back_ = std::to_string(fired_.size()) + " re-plans in the last " + std::to_string(per_) +
+                 " iterations (replan.max " + std::to_string(max_replans_) + " per " +
+                 std::to_string(per_) + "): the next one waits until iteration " +
+                 std::to_string(fired_.front() + per_);
+    return std::nullopt;
+  }
+  held_back_.clear();
+  fired_.push_back(iteration);
+  std::ostringstream o;
+  o.precision(4);
+  o << "measured " << median(drifted_) / 1000.0 << " ms per iteration over the last " << streak_
+    << " iterations against " << predicted_us_ / 1000.0 << " ms predicted (drift "
+    << 100.0 * std::abs(median(drifted_) - predicted_us_) / predicted_us_ << "% > "
+    << 100.0 * drift_ << "%)";
+  predicted_us_ = 0;
+  streak_ = 0;
+  return o.str();
+}
+
+void LossGuard::report(uint64_t iteration, double loss) {
+  if (!std::isfinite(loss)) {
+    // Before the switch the uncompressed job diverged on its own: not the
+    // guard's to judge.
+    if (switched_ && iteration > switch_) non_finite_ = true;
+    return;
+  }
+  std::deque<double>& into = switched_ && iteration > switch_ ? after_ : before_;
+  into.push_back(loss);
+  while (into.size() > window_) into.pop_front();
+}
+
+void LossGuard::compressed_from(uint64_t iteration) {
+  if (switched_) return;
+  switched_ = true;
+  switch_ = iteration;
+}
+
+double LossGuard::baseline() const {
+  return before_.size() < kMinBaseline ? 0.0 : median(std::vector<double>(before_.begin(), before_.end()));
+}
+
+std::optional<std::string> LossGuard::check() {
+  if (!switched_ || fired_) return std::nullopt;
+  std::ostringstream o;
+  o.precision(4);
+  if (non_finite_) {
+    fired_ = true;
+    o << "a training process reported a non-finite loss after the switch at iteration "
+      << switch_;
+    return o.str();
+  }
+  if (before_.size() < kMinBaseline || after_.size() < window_) return std::nullopt;
+  const double base = baseline(), now = median(std::vector<double>(after_.begin(), after_.end()));
+  if (!(now > base + tolerance_ * std::abs(base))) return std::nullopt;
+  fired_ = true;
+  o << "the median loss of the last " << after_.size() << " reports after the switch at iteration "
+    << switch_ << " is " << now << ", above the uncompressed warm-up's " << base << " by "
+    << 100.0 * (now - base) / std::max(1e-12, std::abs(base)) << "% (loss_guard.tolerance "
+    << 100.0 * tolerance_ << "%)";
+  return o.str();
+}
+
+}  // namespace bytecomp::daemon
