@@ -8,8 +8,8 @@ One process trains on the global batch of a `--world`-process run (every
 rank's share concatenated): with exact averaging of equal shares that is
 the very update each process of the cluster applies. Per task and rate it
 reports the training loss per evaluation interval (mean), whether it falls
-steadily (no interval mean more than 10 % above the lowest before it, and
-the last below the first), the held-out accuracy at the end and the first
+steadily (finite, no interval mean above the lowest before it by more
+than 10 % of the first interval's mean, and the last below the first), the held-out accuracy at the end and the first
 step at which it reached the task's target. The chosen rate: the steady
 one with the best median final held-out accuracy (ties: the earliest to the
 target). Prints a table, then one JSON line.
@@ -17,6 +17,7 @@ target). Prints a table, then one JSON line.
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -57,10 +58,14 @@ def run(name, lr, seed, world, steps):
             evaluate(step + 1)
     k = st["eval_every"]
     means = [statistics.mean(losses[i:i + k]) for i in range(0, len(losses), k)]
-    worst = max((means[i] / min(means[:i]) for i in range(1, len(means))), default=1.0)
+    # A rise above the lowest interval mean so far, in units of the first
+    # interval's mean: late noise around a small loss is not a rise.
+    worst = max((max(0.0, means[i] - min(means[:i])) / means[0] for i in range(1, len(means))),
+                default=0.0)
+    finite = all(math.isfinite(m) for m in means)
     reached = next((e["step"] for e in evals if e["accuracy"] >= st["target"]), None)
     return {"interval_loss": means, "worst_rise": worst,
-            "steady": worst <= 1.10 and means[-1] < means[0],
+            "steady": finite and worst <= 0.10 and means[-1] < means[0],
             "final_accuracy": evals[-1]["accuracy"], "heldout_loss": evals[-1]["loss"],
             "step_to_target": reached, "evals": evals, "settings": st}
 
@@ -99,7 +104,7 @@ def main(argv=None):
         print("\n%s: world %d x batch %d, %d steps, eval every %d, target %.0f%%, seeds %s "
               "(chosen: %s)" % (name, a.world, st["batch"], st["steps"], st["eval_every"],
                                 st["target"], a.seeds, chosen))
-        print("| lr | steady | worst interval rise | train loss first -> last interval | "
+        print("| lr | steady | worst rise / first loss | train loss first -> last interval | "
               "held-out accuracy % | step to target |\n|---|---|---|---|---|---|")
         for lr in lrs:
             r = rows[lr]

@@ -31,12 +31,12 @@ import torch.nn.functional as F
 # evaluation every `eval_every` steps, target held-out accuracy (percent)
 # for time-to-accuracy. Chosen by lr_sweep on 2026-12-02 (docs/cluster.md).
 TRAIN = {
-    "digits": {"lr": 0.05, "momentum": 0.9, "schedule": "constant", "batch": 16,
-               "steps": 400, "eval_every": 20, "target": 95.0},
-    "cancer": {"lr": 0.01, "momentum": 0.9, "schedule": "constant", "batch": 16,
-               "steps": 240, "eval_every": 10, "target": 95.0},
-    "mlp": {"lr": 0.05, "momentum": 0.9, "schedule": "constant", "batch": 32,
-            "steps": 400, "eval_every": 20, "target": 80.0},
+    "digits": {"lr": 0.1, "momentum": 0.9, "schedule": "constant", "batch": 16,
+               "steps": 300, "eval_every": 20, "target": 95.0},
+    "cancer": {"lr": 0.03, "momentum": 0.9, "schedule": "constant", "batch": 16,
+               "steps": 200, "eval_every": 10, "target": 97.0},
+    "mlp": {"lr": 0.03, "momentum": 0.9, "schedule": "constant", "batch": 32,
+            "steps": 200, "eval_every": 20, "target": 65.0},
 }
 TASKS = ("digits", "cancer", "mlp")
 
