@@ -149,7 +149,19 @@ class Quick(unittest.TestCase):
             self.assertEqual(p.returncode, 0, stdout[-4000:] + stderr[-4000:])
             last = json.loads(stdout.strip().splitlines()[-1])
             self.assertEqual(set(last), {"results", "compute_only_ms", "goodput_vs_link",
-                                         "loss_rel_diff_vs_ddp", "broadcast_ms"})
+                                         "accuracy", "broadcast_ms"})
+            # The accuracy run (cancer, 60 steps, unshaped): exact averaging
+            # both ways learns, DDP and bc_none (the same sums) end alike, and
+            # the loss and accuracy curves are plotted.
+            acc = last["accuracy"]["cancer"]
+            self.assertEqual(sorted(acc), ["bc_none", "ddp_fp32"])
+            for s, r in acc.items():
+                self.assertIsNotNone(r, s)
+                self.assertGreater(r["final_accuracy"], 85.0, (s, r))
+                self.assertGreater(r["step_ms"], 0, (s, r))
+            self.assertLess(abs(acc["bc_none"]["final_accuracy"] -
+                                acc["ddp_fp32"]["final_accuracy"]), 2.0, acc)
+            self.assertTrue(os.path.getsize(os.path.join(out, "accuracy-cancer.png")) > 1000)
             # bc.broadcast_parameters vs DDP's broadcast, both timed, every bandwidth.
             self.assertEqual(sorted(last["broadcast_ms"]["resnet18"]), ["1gbit", "unshaped"])
             for bw, ways in last["broadcast_ms"]["resnet18"].items():

@@ -4,9 +4,12 @@ cluster of network namespaces with shaped links (docs/cluster.md).
 For every model and bandwidth one launch runs every system in the same
 training processes (bytecomp_harness.cluster_worker), on the cluster of
 bytecomp_harness.cluster (per node a bytecomp-server and a bytecompd from their
-YAML files, torchrun --nnodes N --node_rank i). Prints a table, writes
-results.json, results.md and a PNG plot into --out, and prints one JSON
-line last.
+YAML files, torchrun --nnodes N --node_rank i). Then per accuracy task
+(bytecomp_harness.tasks) one launch trains it --repeats times with every
+system: training loss and held-out accuracy against steps and time, time
+to the task's target. Prints the tables, writes results.json, results.md,
+cluster.png and accuracy-<task>.png into --out, and prints one JSON line
+last.
 """
 
 import argparse
@@ -23,6 +26,8 @@ import time
 
 from bytecomp_harness import netns
 from bytecomp_harness.cluster import ClusterError, NamespacedCluster, default_threads
+from bytecomp_harness.tasks import TASKS, TRAIN
+from bytecomp_harness.tasks import settings as task_settings
 from bytecomp.run import _can_connect, find_build_root, find_program
 
 DDP_SYSTEMS = ["ddp_fp32", "ddp_fp16", "ddp_powersgd"]
@@ -36,12 +41,13 @@ BANDWIDTHS = ["100mbit", "1gbit", "10gbit", "unshaped"]
 # Per-process batch and sequence length: the models' compute per step is
 # of the same order (a few GFLOP), so no model takes the whole budget.
 MODEL_DEFAULTS = {"resnet18": {"batch": 32, "seq": 16}, "transformer": {"batch": 2, "seq": 16},
-                  "lstm": {"batch": 4, "seq": 20}, "digits": {"batch": 16, "seq": 16}}
+                  "lstm": {"batch": 4, "seq": 20}}
 # Gradient float32 bytes per model (for the duration estimate only).
 MODEL_BYTES = {"resnet18": 4 * 11181642, "transformer": 4 * 23015434, "lstm": 4 * 11312672,
-               "digits": 4 * 166666}
+               "digits": 4 * 166666, "cancer": 4 * 147202, "mlp": 4 * 399370}
 # Seconds per sample on one free core (rough, this machine): the estimate only.
-COMPUTE_PER_SAMPLE = {"resnet18": 0.012, "transformer": 0.15, "lstm": 0.12, "digits": 0.0002}
+COMPUTE_PER_SAMPLE = {"resnet18": 0.012, "transformer": 0.15, "lstm": 0.12, "digits": 0.0002,
+                      "cancer": 0.0002, "mlp": 0.0004}
 # Share of float32 bytes each system sends (the estimate only).
 WIRE_SHARE = {"ddp_fp32": 1.0, "ddp_fp16": 0.5, "ddp_powersgd": 0.05, "bc_none": 1.0,
               "bc_fp16": 0.5, "bc_efsignsgd": 0.04, "bc_topk": 0.02, "bc_randomk": 0.01,
@@ -129,9 +135,10 @@ def load_ranks(out_dir):
     return ranks
 
 
-def summarize(ranks, system, world, loss_steps):
+def summarize(ranks, system, world):
     """One system of one launch: step time (median over the timed steps of
-    the slowest rank's), node means of bytes and service CPU, loss at k."""
+    the slowest rank's), node means of bytes and service CPU; for an
+    accuracy task its curves and time to the target (summarize_task)."""
     per = [r["systems"].get(system) for r in ranks]
     if len(per) < world or any(p is None for p in per):
         return {"error": "no result from %d of %d processes (the launch failed; see its "
@@ -156,13 +163,6 @@ def summarize(ranks, system, world, loss_steps):
         if srv:
             c += sum(srv) / len(nodes)
         out["service_cpu_ms_per_step"] = 1000 * c
-    if per[0].get("loss"):
-        # The same step k for every system: bc_auto's extra steps are not counted.
-        n = len(per[0]["loss"]) - per[0].get("auto_extra_steps", 0)
-        k = min(loss_steps, n) if loss_steps else n
-        lo = max(0, k - 5)
-        out["loss_at_k"] = statistics.mean(x for p in per for x in p["loss"][lo:k])
-        out["k"] = k
     if "bytes" in per[0]:
         out["bytes"] = per[0]["bytes"]
     auto = per[0].get("auto")
@@ -178,10 +178,63 @@ def summarize(ranks, system, world, loss_steps):
                                    % (sw, per[0].get("warmup", 0)))
     if "broadcast_s" in per[0]:
         out.update(summarize_broadcast(per))
-    if "time_to_accuracy_s" in per[0]:
-        for key in ("time_to_accuracy_s", "final_accuracy", "epochs", "target_accuracy"):
-            out[key] = per[0][key]
+    if "runs" in per[0]:
+        out.update(summarize_task(per))
     return out
+
+
+def summarize_task(per):
+    """An accuracy task's runs (cluster_worker.run_accuracy) for one system.
+    Per run: the step's time is the slowest rank's (a step is done when the
+    last rank has stepped), the time axis the sum of those over the steps so
+    far (training only: batch preparation and evaluations are not counted),
+    the training loss the mean over ranks, the held-out figures over every
+    rank's shard. Over the runs: medians; a run that never reached the
+    target counts as slower than any that did (the median is null when
+    most did not)."""
+    st = per[0]["settings"]
+    runs = []
+    for i in range(len(per[0]["runs"])):
+        rr = [p["runs"][i] for p in per]
+        step = [max(r["step_s"][j] for r in rr) for j in range(len(rr[0]["step_s"]))]
+        cum = [0.0]
+        for t in step:
+            cum.append(cum[-1] + t)
+        loss = [statistics.mean(r["loss"][j] for r in rr) for j in range(len(step))]
+        evals = rr[0]["evals"]
+        k = st["eval_every"]
+        curve = []
+        for e in evals:
+            lo = max(0, e["step"] - k)
+            curve.append({"step": e["step"], "time_s": cum[e["step"]],
+                          "train_loss": (statistics.mean(loss[lo:e["step"]])
+                                         if e["step"] else None),
+                          "heldout_loss": e["loss"], "accuracy": e["accuracy"]})
+        hit = next((c for c in curve if c["accuracy"] >= st["target"]), None)
+        runs.append({"seed": rr[0]["seed"], "curve": curve, "step_ms": 1000 * median(step),
+                     "final_accuracy": curve[-1]["accuracy"],
+                     "best_accuracy": max(c["accuracy"] for c in curve),
+                     "time_to_target_s": hit["time_s"] if hit else None,
+                     "step_to_target": hit["step"] if hit else None})
+
+    def med(key):
+        xs = [r[key] if r[key] is not None else math.inf for r in runs]
+        m = median(xs)
+        return None if m is None or m == math.inf else m
+    n = len(runs[0]["curve"])
+    curve = [{key: median([r["curve"][j][key] for r in runs])
+              if runs[0]["curve"][j][key] is not None else None
+              for key in ("step", "time_s", "train_loss", "heldout_loss", "accuracy")}
+             for j in range(n)]
+    return {"task": per[0]["task"], "settings": st, "momentum_params": per[0]["momentum_params"],
+            "repeats": len(runs), "runs": runs, "curve": curve,
+            "step_ms": median([r["step_ms"] for r in runs]),
+            "final_accuracy": median([r["final_accuracy"] for r in runs]),
+            "final_accuracy_range": [min(r["final_accuracy"] for r in runs),
+                                     max(r["final_accuracy"] for r in runs)],
+            "time_to_target_s": med("time_to_target_s"),
+            "step_to_target": med("step_to_target"),
+            "reached": sum(r["time_to_target_s"] is not None for r in runs)}
 
 
 def summarize_broadcast(per):
@@ -225,7 +278,7 @@ class Bench:
         self.compute = {}      # model -> bw -> ms
         self.compute_ends = {}  # model -> bw -> [start ms, end ms]
         self.goodput = {}      # bw -> {ratio, ...}
-        self.digits = {}       # system -> summary
+        self.accuracy = {}     # task -> system -> summary (summarize_task)
         self.broadcast = {}    # model -> bw -> {"ddp": ms, "bytecomp": ms} (or an error)
         self.notes = []
         self.t_start = time.monotonic()
@@ -235,30 +288,26 @@ class Bench:
 
     # -- planning --------------------------------------------------------------
     def steps_for(self, bw, model):
-        """Timed steps; at the fastest bandwidth the first model (the one the
-        loss comparison is about) runs --loss-steps in all."""
-        a = self.args
-        n = a.warmup + a.steps
-        if a.loss_steps and bw == self.loss_bandwidth() and model == a.models[0]:
-            n = max(n, a.loss_steps)
-        return n - a.warmup
-
-    def loss_bandwidth(self):
-        """The fastest bandwidth of the run: where the k-step losses are taken."""
-        return max(self.args.bandwidths, key=lambda b: netns.parse_rate(b) or math.inf)
+        """Timed steps (after the warm-up)."""
+        return self.args.steps
 
     def estimate_s(self, model, bw, systems):
         a = self.args
         rate = netns.parse_rate(bw)
         cores = os.cpu_count() or 1
         procs = a.nodes * a.nproc_per_node
-        batch = a.batch or MODEL_DEFAULTS[model]["batch"]
+        if model in TASKS:
+            st = task_settings(model, {"steps": a.accuracy_steps or None})
+            batch = st["batch"]
+        else:
+            batch = a.batch or MODEL_DEFAULTS[model]["batch"]
         compute = COMPUTE_PER_SAMPLE[model] * batch * max(1.0, procs / cores)
         wire = 2.0 * (a.nodes - 1) / a.nodes * MODEL_BYTES[model]
         total = 40.0  # torchrun, imports, process group
         for s in systems:
             comm = 0.0 if rate is None else wire * WIRE_SHARE.get(s, 1.0) * 8 / rate
-            steps = a.warmup + self.steps_for(bw, model)
+            steps = (st["steps"] * a.repeats if model in TASKS
+                     else a.warmup + self.steps_for(bw, model))
             if s == "bc_auto":  # its profile runs uncompressed
                 steps += a.auto_extra_steps
                 total += a.auto_extra_steps * wire * 8 / rate if rate else 0
@@ -272,6 +321,11 @@ class Bench:
 
     # -- running ---------------------------------------------------------------
     def launch(self, cluster, model, bw, systems, extra, tmp):
+        """`model`: a model of MODELS (step times) or a task of TASKS
+        (accuracy runs)."""
+        return self._launch(cluster, model, bw, systems, extra, tmp)
+
+    def _launch(self, cluster, model, bw, systems, extra, tmp):
         """Runs `systems` in one launch. A system that kills the training
         processes (e.g. a gloo abort) is recorded with the crash's message
         and the systems after it run in a fresh launch."""
@@ -308,10 +362,16 @@ class Bench:
     def _launch_once(self, cluster, model, bw, systems, extra, tmp, attempt):
         a = self.args
         out = os.path.join(tmp, "out-%s-%s-%d" % (model, bw, attempt))
-        d = MODEL_DEFAULTS[model]
-        args = ["--model", model, "--systems", ",".join(systems), "--warmup", str(a.warmup),
-                "--steps", str(self.steps_for(bw, model)), "--batch", str(a.batch or d["batch"]),
-                "--seq", str(d["seq"]), "--strategy-dir", os.path.join(tmp, "strategies"),
+        if model in TASKS:
+            what = ["--task", model, "--repeats", str(a.repeats),
+                    "--task-steps", str(a.accuracy_steps)]
+        else:
+            d = MODEL_DEFAULTS[model]
+            what = ["--model", model, "--warmup", str(a.warmup),
+                    "--steps", str(self.steps_for(bw, model)),
+                    "--batch", str(a.batch or d["batch"]), "--seq", str(d["seq"])]
+        args = what + ["--systems", ",".join(systems), "--seed", str(a.seed),
+                "--strategy-dir", os.path.join(tmp, "strategies"),
                 "--out", out, "--auto-compressors", a.auto_compressors,
                 "--auto-extra-steps", str(a.auto_extra_steps),
                 "--broadcast-reps", str(a.broadcast_reps)] + extra
@@ -326,15 +386,18 @@ class Bench:
             model, bw, "exit 0" if rc == 0 else "exit %s" % rc, time.monotonic() - t0))
         ranks = load_ranks(out)
         world = a.nodes * a.nproc_per_node
-        return {s: summarize(ranks, s, world, a.loss_steps) for s in systems}, rc, lines
+        return {s: summarize(ranks, s, world) for s in systems}, rc, lines
 
     def total_estimate_s(self, runnable):
         a = self.args
         total = sum(self.estimate_s(m, b, ["compute", "compute_end"] + runnable)
                     for m in a.models for b in a.bandwidths)
-        if a.digits:
-            total += self.estimate_s("digits", a.digits, runnable) + 60
+        for t in a.accuracy_tasks:
+            total += self.estimate_s(t, a.accuracy_bandwidth, self.accuracy_systems(runnable))
         return total
+
+    def accuracy_systems(self, runnable):
+        return [s for s in (self.args.accuracy_systems or runnable) if s in runnable]
 
     def run(self):
         a = self.args
@@ -385,13 +448,13 @@ class Bench:
                     self.results.setdefault(model, {})[bw] = {
                         s: res[s] for s in runnable}
                     self.log("elapsed %.0f min" % ((time.monotonic() - self.t_start) / 60))
-            if a.digits:
-                res, rc = self.launch(cluster, "digits", a.digits,
-                                      [x for x in runnable if x not in RISKY] +
-                                      [x for x in runnable if x in RISKY],
-                                      ["--target-accuracy", str(a.target_accuracy),
-                                       "--max-epochs", str(a.max_epochs)], tmp)
-                self.digits = res
+            acc = self.accuracy_systems(runnable)
+            for t in a.accuracy_tasks:
+                res, rc = self.launch(cluster, t, a.accuracy_bandwidth,
+                                      [x for x in acc if x not in RISKY] +
+                                      [x for x in acc if x in RISKY], [], tmp)
+                self.accuracy[t] = res
+                self.log("elapsed %.0f min" % ((time.monotonic() - self.t_start) / 60))
         if not a.keep_strategies:
             import shutil
             shutil.rmtree(tmp, ignore_errors=True)
@@ -484,50 +547,48 @@ class Bench:
                     if any(d.values()) else None) for m, d in self.compute.items()}
         good = {bw: (round(g["ratio"], 3) if g.get("ratio") is not None else None)
                 for bw, g in self.goodput.items()}
-        loss = {}
-        lb = self.loss_bandwidth()
-        for s in self.args.systems:
-            vals = []
-            for m in list(self.results)[:1]:
-                r = self.results[m].get(lb, {}).get(s)
-                ref = self.results[m].get(lb, {}).get("ddp_fp32")
-                if r and ref and r.get("loss_at_k") is not None and ref.get("loss_at_k"):
-                    vals.append((r["loss_at_k"] - ref["loss_at_k"]) / ref["loss_at_k"])
-            loss[s] = round(median(vals), 4) if vals else None
+        acc = {}
+        for t, systems in self.accuracy.items():
+            acc[t] = {}
+            for sname, r in systems.items():
+                if not r or "error" in r or "curve" not in r:
+                    acc[t][sname] = None
+                    continue
+                acc[t][sname] = {
+                    "final_accuracy": round(r["final_accuracy"], 2),
+                    "time_to_target_s": (round(r["time_to_target_s"], 3)
+                                         if r["time_to_target_s"] is not None else None),
+                    "step_to_target": r["step_to_target"], "target": r["settings"]["target"],
+                    "reached": r["reached"], "repeats": r["repeats"],
+                    "step_ms": round(r["step_ms"], 2)}
         return {"results": res, "compute_only_ms": comp, "goodput_vs_link": good,
-                "loss_rel_diff_vs_ddp": loss, "broadcast_ms": self.broadcast_json()}
+                "accuracy": acc, "broadcast_ms": self.broadcast_json()}
 
     def table(self):
         a = self.args
         rows = ["| model | bandwidth | system | step ms | / compute | vs DDP fp32 | vs DDP fp16 "
-                "| bytes sent / node / step | daemon+server CPU ms / step | loss@k (k) | "
-                "loss vs DDP fp32 |", "|" + "---|" * 11]
+                "| bytes sent / node / step | daemon+server CPU ms / step |", "|" + "---|" * 9]
         for m, bws in self.results.items():
             for bw, systems in bws.items():
                 comp = self.compute[m].get(bw)
                 ends = self.compute_ends.get(m, {}).get(bw, [])
-                rows.append("| %s | %s | compute-only | %s (start/end %s) | 1.00 | | | | | | |"
+                rows.append("| %s | %s | compute-only | %s (start/end %s) | 1.00 | | | | |"
                             % (m, bw, fmt(comp), "/".join("%.0f" % x for x in ends)))
                 ref32 = systems.get("ddp_fp32", {}).get("step_ms")
                 ref16 = systems.get("ddp_fp16", {}).get("step_ms")
-                lref = systems.get("ddp_fp32", {}).get("loss_at_k")
                 for s in a.systems:
                     r = systems.get(s)
                     if not r or r.get("step_ms") is None:
-                        rows.append("| %s | %s | %s | null: %s | | | | | | | |" % (
+                        rows.append("| %s | %s | %s | null: %s | | | | | |" % (
                             m, bw, s, self.reason(s, r)))
                         continue
                     t = r["step_ms"]
-                    l = r.get("loss_at_k")
-                    rows.append("| %s | %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s |" % (
+                    rows.append("| %s | %s | %s | %.1f | %s | %s | %s | %s | %s |" % (
                         m, bw, s, t, fmt(t / comp if comp else None, "%.2f"),
                         fmt(ref32 / t if ref32 else None, "%.2f"),
                         fmt(ref16 / t if ref16 else None, "%.2f"),
                         human_bytes(r.get("bytes_per_node_step")),
-                        fmt(r.get("service_cpu_ms_per_step")),
-                        "%s (%d)" % (fmt(l, "%.4f"), r.get("k", 0)),
-                        fmt((l - lref) / lref * 100 if l is not None and lref else None,
-                            "%+.1f%%")))
+                        fmt(r.get("service_cpu_ms_per_step"))))
         out = "\n".join(rows)
         if self.goodput:
             out += ("\n\nUncompressed push/pull goodput per node (payload / round time / link "
@@ -539,18 +600,7 @@ class Bench:
                     fmt(g.get("ratio"), "%.3f", "null: %s" % g.get("error")),
                     fmt(g.get("wire_vs_link"), "%.3f"))
         out += self.broadcast_table()
-        if self.digits:
-            out += ("\n\nDigits MLP at %s, target %.0f%% test accuracy:\n\n| system | time to "
-                    "accuracy s | final accuracy %% | epochs |\n|---|---|---|---|\n" %
-                    (a.digits, a.target_accuracy))
-            for s in a.systems:
-                r = self.digits.get(s)
-                if not r or "error" in r:
-                    out += "| %s | null: %s | | |\n" % (s, self.reason(s, r))
-                    continue
-                out += "| %s | %s | %.2f | %d |\n" % (
-                    s, fmt(r["time_to_accuracy_s"], "%.2f", "not reached"),
-                    r["final_accuracy"], r["epochs"])
+        out += self.accuracy_table()
         autos = [(m, bw, systems["bc_auto"]["auto"]) for m, bws in self.results.items()
                  for bw, systems in bws.items() if (systems.get("bc_auto") or {}).get("auto")]
         if autos:
@@ -566,6 +616,93 @@ class Bench:
                     au.get("switch_iteration", "-"), au.get("note") or au.get("error") or "")
         return out
 
+    def accuracy_table(self):
+        """Per task: the settings, and per system the median final held-out
+        accuracy (range over the runs), the step and training time at which
+        it first reached the target, the median step time."""
+        a = self.args
+        out = ""
+        for t, systems in self.accuracy.items():
+            st = task_settings(t, {"steps": a.accuracy_steps or None})
+            out += ("\n\nAccuracy: %s at %s, %d nodes x %d, batch %d per process, SGD lr %g "
+                    "(%s) momentum %g, %d steps, held-out evaluation every %d, target %.0f%%; "
+                    "medians of %d run(s) (seeds %d..%d):\n\n| system | SGD momentum on "
+                    "(params) | final held-out accuracy %% (range) | best %% | step to target | "
+                    "time to target s | vs DDP fp32 | step ms | reached |\n|---|---|---|---|---|"
+                    "---|---|---|---|\n" % (
+                        t, a.accuracy_bandwidth, a.nodes, a.nproc_per_node, st["batch"],
+                        st["lr"], st["schedule"], st["momentum"], st["steps"], st["eval_every"],
+                        st["target"], a.repeats, a.seed, a.seed + a.repeats - 1))
+            ref = (systems.get("ddp_fp32") or {}).get("time_to_target_s")
+            for s in self.accuracy_systems(a.systems):
+                r = systems.get(s)
+                if not r or "error" in r or "curve" not in r:
+                    out += "| %s | null: %s | | | | | | | |\n" % (s, self.reason(s, r))
+                    continue
+                mp = r["momentum_params"]
+                tt = r["time_to_target_s"]
+                out += "| %s | %d of %d | %.2f (%.2f-%.2f) | %.2f | %s | %s | %s | %.1f | %d/%d |\n" % (
+                    s, mp["sgd_momentum"], mp["sgd_momentum"] + mp["none"], r["final_accuracy"],
+                    r["final_accuracy_range"][0], r["final_accuracy_range"][1],
+                    median([x["best_accuracy"] for x in r["runs"]]),
+                    fmt(r["step_to_target"], "%d", "not reached"),
+                    fmt(tt, "%.2f", "not reached"),
+                    fmt(tt / ref if tt is not None and ref else None, "%.2f"),
+                    r["step_ms"], r["reached"], r["repeats"])
+        return out
+
+    def plot_accuracy(self, out_dir):
+        """Per task accuracy-<task>.png: training loss (mean over each
+        evaluation interval) and held-out accuracy against steps and against
+        training time, every system (medians over the runs)."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return []
+        paths = []
+        for t, systems in self.accuracy.items():
+            ok = [(s, r) for s, r in systems.items() if r and "curve" in r]
+            if not ok:
+                continue
+            fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+            for s, r in ok:
+                c = r["curve"]
+                style = "--" if s.startswith("ddp") else "-"
+                tl = [(x["step"], x["time_s"], x["train_loss"]) for x in c
+                      if x["train_loss"] is not None]
+                axes[0][0].plot([x[0] for x in tl], [x[2] for x in tl], style, label=s)
+                axes[0][1].plot([x[1] for x in tl], [x[2] for x in tl], style, label=s)
+                axes[1][0].plot([x["step"] for x in c], [x["accuracy"] for x in c], style,
+                                label=s)
+                axes[1][1].plot([x["time_s"] for x in c], [x["accuracy"] for x in c], style,
+                                label=s)
+            target = ok[0][1]["settings"]["target"]
+            for ax in axes[1]:
+                ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
+                ax.set_ylabel("held-out accuracy %")
+            for ax in axes[0]:
+                ax.set_ylabel("training loss (interval mean)")
+                ax.set_yscale("log")
+            for ax in (axes[0][0], axes[1][0]):
+                ax.set_xlabel("step")
+            for ax in (axes[0][1], axes[1][1]):
+                ax.set_xlabel("training time s (slowest rank, evaluations excluded)")
+            for ax in axes.flat:
+                ax.grid(True, alpha=0.3)
+            axes[1][1].legend(fontsize=7)
+            st = ok[0][1]["settings"]
+            fig.suptitle("%s, %d nodes at %s, lr %g %s, momentum %g; medians of %d run(s)" % (
+                t, self.args.nodes, self.args.accuracy_bandwidth, st["lr"], st["schedule"],
+                st["momentum"], self.args.repeats))
+            fig.tight_layout()
+            path = os.path.join(out_dir, "accuracy-%s.png" % t)
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
+        return paths
+
     def plot(self, path):
         try:
             import matplotlib
@@ -576,7 +713,7 @@ class Bench:
                      "python3-matplotlib)" % e)
             return None
         models = list(self.results)
-        panels = len(models) + (1 if self.digits else 0)
+        panels = len(models)
         fig, axes = plt.subplots(1, max(1, panels), figsize=(5.5 * max(1, panels), 4.5),
                                  squeeze=False)
         for ax, m in zip(axes[0], models):
@@ -599,16 +736,6 @@ class Bench:
             ax.grid(True, which="both", alpha=0.3)
         if models:
             axes[0][0].legend(fontsize=7)
-        if self.digits:
-            ax = axes[0][len(models)]
-            names = [s for s in self.args.systems
-                     if self.digits.get(s, {}).get("time_to_accuracy_s") is not None]
-            ax.bar(range(len(names)), [self.digits[s]["time_to_accuracy_s"] for s in names])
-            ax.set_xticks(range(len(names)))
-            ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-            ax.set_title("digits: time to %.0f%% at %s" % (self.args.target_accuracy,
-                                                          self.args.digits))
-            ax.set_ylabel("seconds")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -627,16 +754,21 @@ def parse(argv):
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per system (>= 10)")
-    ap.add_argument("--loss-steps", type=int, default=50,
-                    help="k: at the fastest bandwidth every system runs k steps and the loss "
-                         "after k steps is compared (0: off)")
     ap.add_argument("--batch", type=int, default=0, help="per process (default: per model)")
     ap.add_argument("--threads", type=int, default=0,
                     help="OMP_NUM_THREADS per training process (default cores / processes)")
-    ap.add_argument("--digits", default="100mbit",
-                    help="bandwidth of the digits time-to-accuracy check ('' or 'off': skip)")
-    ap.add_argument("--target-accuracy", type=float, default=95.0)
-    ap.add_argument("--max-epochs", type=int, default=20)
+    ap.add_argument("--accuracy-tasks", default=",".join(TASKS),
+                    help="accuracy runs (bytecomp_harness.tasks: %s; '' or 'off': none): "
+                         "training loss and held-out accuracy against steps and time, time "
+                         "to the task's target" % ", ".join(TASKS))
+    ap.add_argument("--accuracy-bandwidth", default="100mbit")
+    ap.add_argument("--accuracy-systems", default="",
+                    help="systems of the accuracy runs (default: --systems)")
+    ap.add_argument("--accuracy-steps", type=int, default=0,
+                    help="training steps per accuracy run (default: the task's)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="accuracy runs per task and system (seeds --seed, --seed+1, ...)")
+    ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--pushpull-rounds", type=int, default=5)
     ap.add_argument("--broadcast-reps", type=int, default=3,
                     help="timed broadcasts of the model's state per way and launch (0: off)")
@@ -649,7 +781,8 @@ def parse(argv):
                     help="bc_auto: untimed steps before its timed ones (profile, plan, switch)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: resnet18, 1gbit and unshaped, 2 nodes, small batch, "
-                         "no loss run, no digits (under 3 minutes on a quiet machine)")
+                         "one 60-step accuracy run of cancer unshaped with ddp_fp32 and "
+                         "bc_none (under 4 minutes on a quiet machine)")
     ap.add_argument("--build-root", default=None)
     ap.add_argument("--out", default=None, help="directory for results.json, results.md, "
                     "cluster.png (default build/bench-cluster)")
@@ -659,22 +792,35 @@ def parse(argv):
     a = ap.parse_args(argv)
     if a.quick:
         a.nodes, a.models, a.bandwidths = 2, "resnet18", "1gbit,unshaped"
-        a.warmup, a.steps, a.loss_steps, a.digits = 1, 10, 0, ""
+        a.warmup, a.steps = 1, 10
+        a.accuracy_tasks, a.accuracy_bandwidth = "cancer", "unshaped"
+        a.accuracy_systems, a.accuracy_steps, a.repeats = "ddp_fp32,bc_none", 60, 1
         a.batch = a.batch or 4
         a.pushpull_rounds = 3
         a.broadcast_reps = min(a.broadcast_reps, 2)
     a.models = [m for m in a.models.split(",") if m]
     a.bandwidths = [b for b in a.bandwidths.split(",") if b]
     a.systems = [s for s in a.systems.split(",") if s]
-    if a.digits in ("off", "none"):
-        a.digits = ""
+    a.accuracy_tasks = [t for t in a.accuracy_tasks.split(",") if t and t not in ("off",
+                                                                                 "none")]
+    a.accuracy_systems = [s for s in a.accuracy_systems.split(",") if s]
+    if a.quick:  # the smoke run's pair, as far as --systems has it
+        a.accuracy_systems = [s for s in a.accuracy_systems if s in a.systems] or a.systems
+    for t in a.accuracy_tasks:
+        if t not in TRAIN:
+            ap.error("--accuracy-tasks: %r is not one of %s" % (t, ", ".join(TRAIN)))
+    for s in a.accuracy_systems:
+        if s not in a.systems:
+            ap.error("--accuracy-systems: %r is not in --systems" % s)
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
     for m in a.models:
         if m not in MODELS:
             ap.error("--models: %r is not one of %s" % (m, ", ".join(MODELS)))
     for s in a.systems:
         if s not in ALL_SYSTEMS:
             ap.error("--systems: %r is not one of %s" % (s, ", ".join(ALL_SYSTEMS)))
-    for b in a.bandwidths + ([a.digits] if a.digits else []):
+    for b in a.bandwidths + ([a.accuracy_bandwidth] if a.accuracy_tasks else []):
         try:
             netns.parse_rate(b)
         except ValueError as e:
@@ -735,14 +881,16 @@ def main(argv=None):
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump({"summary": summary, "details": bench.results, "compute": bench.compute,
                    "compute_start_end": bench.compute_ends,
-                   "goodput": bench.goodput, "digits": bench.digits,
+                   "goodput": bench.goodput, "accuracy": bench.accuracy,
                    "args": {k: v for k, v in vars(a).items()}}, f, indent=1, default=str)
     png = bench.plot(os.path.join(a.out, "cluster.png"))
+    pngs = bench.plot_accuracy(a.out)
     print()
     print(header)
     print(table)
     print()
-    print("bench-cluster: results in %s%s" % (a.out, ", plot %s" % png if png else ""))
+    print("bench-cluster: results in %s%s%s" % (a.out, ", plot %s" % png if png else "",
+                                               "".join(", %s" % x for x in pngs)))
     print(json.dumps(summary))
     return 0
 

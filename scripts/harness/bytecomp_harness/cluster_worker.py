@@ -6,7 +6,11 @@ emulated cluster, started per node by torchrun.
 
 Runs every system of --systems one after the other in the same processes
 (same model init, same batches per rank: synthetic, fixed seed), so all
-systems see the same machine load and the same data:
+systems see the same machine load and the same data. With --task instead of
+--model it trains a task of bytecomp_harness.tasks (held-out data, the
+task's swept learning rate) --repeats times per system and records the
+training loss per step and the held-out loss and accuracy every few steps
+(run_accuracy). Systems:
 
   compute        no communication: the compute-only bound (compute_end:
                  the same again, last, so the bound sees the launch's load)
@@ -14,7 +18,9 @@ systems see the same machine load and the same data:
   ddp_fp16       DDP + fp16_compress_hook
   ddp_powersgd   DDP + powerSGD_hook (rank 1, from the 3rd step)
   bc_*           bytecomp.torch DistributedOptimizer with the strategy file
-                 DIR/../strategies/<system>.yaml (or --strategy-dir)
+                 DIR/../strategies/<system>.yaml (or --strategy-dir); SGD
+                 momentum on every tensor except those the strategy gives to
+                 a compressor with a momentum of its own (dgc: optimizer_for)
   bc_auto        the same with strategy="auto" (--auto-compressors,
                  --auto-exclude): the runtime profiles, plans and applies;
                  the result records the decision of the daemons' run
@@ -41,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-MODELS = ("resnet18", "transformer", "lstm", "digits", "mlp")
+MODELS = ("resnet18", "transformer", "lstm", "mlp")
 
 
 # -- workloads ---------------------------------------------------------------
@@ -91,9 +97,6 @@ class Mlp(torch.nn.Module):
 def build_model(name):
     if name == "mlp":
         return Mlp()
-    if name == "digits":
-        from bytecomp.examples.digits import MLP
-        return MLP()
     if name == "resnet18":
         import torchvision
         return torchvision.models.resnet18(num_classes=10)
@@ -200,11 +203,65 @@ class Counters:
 
 
 # -- systems -----------------------------------------------------------------
-def momentum_of(system):
-    """SGD momentum 0.9, except under dgc: its momentum correction (u = 0.9 u
-    + g on the daemons) is the momentum, as the DGC paper prescribes; SGD
-    momentum on top of it would apply momentum twice."""
-    return 0.0 if system == "bc_dgc" else 0.9
+# Compressors whose algorithm has a momentum of its own (the daemons apply
+# u = m u + g before selecting): SGD momentum on the tensors they compress
+# would apply momentum twice.
+OWN_MOMENTUM = ("dgc", "signum")
+
+
+def resolve_option(strategy, name, nbytes):
+    """The option a strategy file (docs/strategy-format.md) gives tensor
+    `name` of `nbytes`: exact entry, else the first rule whose glob and byte
+    window match, else the default; as planner/strategy resolves it."""
+    import fnmatch
+
+    def size(v):
+        if v is None or isinstance(v, int):
+            return v
+        units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+        for u, m in units.items():
+            if str(v).endswith(u):
+                return int(str(v)[:-len(u)]) * m
+        return int(v)
+    for e in strategy.get("entries") or []:
+        if e.get("tensor") == name:
+            return e.get("option") or {}
+    for r in strategy.get("rules") or []:
+        lo, hi = size(r.get("min_bytes")), size(r.get("max_bytes"))
+        if (fnmatch.fnmatchcase(name, r.get("match", "*")) and (lo is None or nbytes >= lo)
+                and (hi is None or nbytes <= hi)):
+            return r.get("option") or {}
+    return strategy.get("default") or {}
+
+
+def optimizer_for(system, model, lr, momentum, args):
+    """SGD with `momentum` on every parameter, except the tensors that the
+    system's strategy gives to a compressor with its own momentum (dgc:
+    its momentum correction is the momentum, as the DGC paper prescribes):
+    those get none. Under bc_dgc the tensors below its 64 KiB window stay
+    uncompressed and keep SGD momentum."""
+    own = []
+    path = os.path.join(args.strategy_dir, system + ".yaml") if system.startswith("bc_") else ""
+    if path and os.path.isfile(path):
+        import yaml
+        with open(path) as f:
+            strategy = yaml.safe_load(f) or {}
+        own = [p for n, p in model.named_parameters()
+               if resolve_option(strategy, n, p.numel() * p.element_size()).get(
+                   "compressor") in OWN_MOMENTUM]
+    ids = {id(p) for p in own}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    groups = [{"params": rest, "momentum": momentum}]
+    if own:
+        groups.append({"params": own, "momentum": 0.0})
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum)
+
+
+def momentum_split(opt):
+    """(parameters with SGD momentum, parameters without) of an optimizer."""
+    groups = getattr(opt, "param_groups", [])
+    return (sum(len(g["params"]) for g in groups if g.get("momentum")),
+            sum(len(g["params"]) for g in groups if not g.get("momentum")))
 
 
 def wrap(system, model, opt, args):
@@ -329,7 +386,7 @@ def run_training(system, args, rank, counters):
     torch.manual_seed(args.seed)
     model = build_model(args.model)
     batches = make_batches(args.model, rank, args.batch, args.pool, args.seed, args.seq)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum_of(system))
+    opt = optimizer_for(system, model, args.lr, 0.9, args)
     fwd, opt = wrap(system, model, opt, args)
     # bc_auto's extra steps come before the timed ones: its profile, plan
     # and switch are not what is timed.
@@ -377,53 +434,70 @@ def run_training(system, args, rank, counters):
     return r
 
 
-def run_digits(system, args, rank, size):
-    """The demo's digits MLP (sklearn digits) trained until the test accuracy
-    reaches --target-accuracy (or --max-epochs): time-to-accuracy counts the
-    training loops only (the slowest rank's), not the evaluations."""
-    from bytecomp.examples.digits import load_data
-    torch.manual_seed(args.seed)
-    x_train, y_train, x_test, y_test = load_data()
-    model = build_model("digits")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum_of(system))
-    fwd, opt = wrap(system, model, opt, args)
-    global_batch = args.batch * size
-    steps = len(y_train) // global_batch
-    train_s, reached, history = 0.0, None, []
-    try:
-        for epoch in range(args.max_epochs):
-            perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(
-                args.seed * 1000 + epoch))
-            fwd.train()
-            t0 = time.perf_counter()
-            for s in range(steps):
-                idx = perm[s * global_batch + rank * args.batch:
-                           s * global_batch + (rank + 1) * args.batch]
-                opt.zero_grad()
-                loss = F.cross_entropy(fwd(x_train[idx]), y_train[idx])
-                loss.backward()
-                opt.step()
-                if system == "bc_auto":
-                    opt.report_loss(loss)  # the loss guard's input, as a user would
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            train_s += float(dt.item())
-            model.eval()
-            with torch.no_grad():
-                shard = slice(rank, len(y_test), size)
-                correct = (model(x_test[shard]).argmax(1) == y_test[shard]).sum().double()
-            correct = correct.reshape(1)
-            dist.all_reduce(correct)
-            acc = 100.0 * float(correct.item()) / len(y_test)
-            history.append(acc)
-            if acc >= args.target_accuracy:
-                reached = train_s
-                break
-    finally:
-        release(opt)
-    return {"accuracy": history, "final_accuracy": history[-1] if history else None,
-            "time_to_accuracy_s": reached, "train_s": train_s, "epochs": len(history),
-            "target_accuracy": args.target_accuracy}
+def train_task(task, st, system, fwd, model, opt, rank, world):
+    """One training run of `task` with settings `st` (tasks.TRAIN): per step
+    this rank's time (zero_grad + forward + backward + step: what is timed,
+    not the batch's preparation nor the evaluations) and training loss; every
+    st["eval_every"] steps (and before the first) the held-out loss and
+    accuracy, over every rank's shard (gloo all_reduce)."""
+    from bytecomp_harness.tasks import lr_at
+    times, losses, evals = [], [], []
+
+    def evaluate(step):
+        model.eval()
+        loss, correct, n = task.evaluate(model, rank, world)
+        model.train()
+        t = torch.tensor([loss, correct, n], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(t)
+        evals.append({"step": step, "loss": float(t[0] / t[2]),
+                      "accuracy": 100.0 * float(t[1] / t[2])})
+
+    evaluate(0)
+    for step in range(st["steps"]):
+        x, y = task.batch(step, rank, world, st["batch"])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(st, step)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(fwd(x), y)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if system == "bc_auto":
+            opt.report_loss(loss)  # the loss guard's input, as a user would
+        losses.append(float(loss.item()))
+        if (step + 1) % st["eval_every"] == 0 or step + 1 == st["steps"]:
+            evaluate(step + 1)
+    return {"step_s": times, "loss": losses, "evals": evals}
+
+
+def run_accuracy(system, args, rank, size):
+    """--task: args.repeats training runs of the task (seeds seed, seed+1,
+    ...) with the system, each from the same initial model of its seed.
+    Records the settings used and, per parameter group, whether SGD
+    momentum applies."""
+    from bytecomp_harness.tasks import Task, settings
+    st = settings(args.task, {"steps": args.task_steps or None})
+    runs = []
+    for r in range(args.repeats):
+        seed = args.seed + r
+        task = Task(args.task, seed)
+        torch.manual_seed(seed)
+        model = task.model()
+        opt = optimizer_for(system, model, st["lr"], st["momentum"], args)
+        split = momentum_split(opt)
+        fwd, opt = wrap(system, model, opt, args)
+        try:
+            run = train_task(task, st, system, fwd, model, opt, rank, size)
+        finally:
+            release(opt)
+        run["seed"] = seed
+        runs.append(run)
+        if system.startswith("ddp_"):
+            dist.barrier()
+    return {"task": args.task, "settings": st, "runs": runs,
+            "momentum_params": {"sgd_momentum": split[0], "none": split[1]}}
 
 
 def run_pushpull(args, counters):
@@ -497,14 +571,17 @@ def run_broadcast(args, rank):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="worker of scripts/bench-cluster")
-    ap.add_argument("--model", required=True, choices=MODELS)
+    ap.add_argument("--model", choices=MODELS, help="step-time runs")
+    ap.add_argument("--task", default="", help="accuracy runs instead: a task of "
+                    "bytecomp_harness.tasks (digits, cancer, mlp) with its training settings")
+    ap.add_argument("--task-steps", type=int, default=0,
+                    help="--task: training steps (default: the task's)")
+    ap.add_argument("--repeats", type=int, default=1, help="--task: runs per system")
     ap.add_argument("--systems", required=True, help="comma-separated, run in this order")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     ap.add_argument("--batch", type=int, default=32, help="per process")
     ap.add_argument("--seq", type=int, default=16, help="sequence length (transformer, lstm)")
-    ap.add_argument("--target-accuracy", type=float, default=95.0, help="digits: percent")
-    ap.add_argument("--max-epochs", type=int, default=20, help="digits")
     ap.add_argument("--pool", type=int, default=16, help="distinct batches per rank")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=1)
@@ -531,6 +608,8 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=300.0,
                     help="gloo collectives' timeout (DDP and the barriers between systems)")
     args = ap.parse_args(argv)
+    if bool(args.model) == bool(args.task):
+        ap.error("give either --model or --task")
     systems = [s for s in args.systems.split(",") if s]
 
     rank = int(os.environ["RANK"])
@@ -555,8 +634,8 @@ def main(argv=None):
                 r = run_pushpull(args, counters)
             elif system == "broadcast":
                 r = run_broadcast(args, rank)
-            elif args.model == "digits":
-                r = run_digits(system, args, rank, int(os.environ["WORLD_SIZE"]))
+            elif args.task:
+                r = run_accuracy(system, args, rank, int(os.environ["WORLD_SIZE"]))
             else:
                 r = run_training(system, args, rank, counters)
         except Exception as e:  # noqa: BLE001 - recorded in the table; the next system runs
@@ -578,10 +657,10 @@ def main(argv=None):
                     ",".join("%.2f" % x for x in r["broadcast_s"]["ddp"]),
                     ",".join("%.2f" % x for x in r["broadcast_s"]["bytecomp"]))
             else:
-                what = "accuracy %.2f%% after %d epochs, time to %.0f%%: %s s" % (
-                    r["final_accuracy"], r["epochs"], r["target_accuracy"],
-                    "%.2f" % r["time_to_accuracy_s"] if r["time_to_accuracy_s"] else "not reached")
-            print("cluster_worker: %s %s: %s (%.1f s)" % (args.model, system, what,
+                what = "held-out accuracy %s after %d steps" % (
+                    ", ".join("%.1f%%" % run["evals"][-1]["accuracy"] for run in r["runs"]),
+                    r["settings"]["steps"])
+            print("cluster_worker: %s %s: %s (%.1f s)" % (args.model or args.task, system, what,
                                                          r["wall_s"]), flush=True)
     dist.barrier()
     if any(s.startswith("bc_") or s == "broadcast" for s in systems):
