@@ -387,7 +387,7 @@ void AutoTuner::run() {
     if (const strategy::Timeline::Entry latest = ps_->timeline().latest();
         latest.first != seen_change_) {
       seen_change_ = latest.first;
-      current_yaml_ = latest.yaml;
+      current_yaml_ = *latest.yaml;
       {
         std::lock_guard vl(mu_);
         view_.strategy_yaml = current_yaml_;

@@ -26,7 +26,7 @@ Timeline::Timeline(uint64_t start_iteration, std::vector<TensorPlan> plans, std:
     : tensors_(plans.size()) {
   by_first_[start_iteration] =
       Entry{start_iteration, std::make_shared<const std::vector<TensorPlan>>(std::move(plans)),
-            std::move(yaml)};
+            std::make_shared<const std::string>(std::move(yaml))};
 }
 
 Timeline::Entry Timeline::at(uint64_t iteration, std::atomic<int64_t>* frozen) const {
@@ -67,7 +67,7 @@ Status Timeline::add(uint64_t iteration, std::vector<TensorPlan> plans, std::str
   }
   by_first_[iteration] =
       Entry{iteration, std::make_shared<const std::vector<TensorPlan>>(std::move(plans)),
-            std::move(yaml)};
+            std::make_shared<const std::string>(std::move(yaml))};
   if (added != nullptr) *added = true;
   return Status::Ok();
 }

@@ -49,7 +49,9 @@ class Timeline {
   struct Entry {
     uint64_t first = 0;  // first iteration the plans apply to
     Plans plans;
-    std::string yaml;    // the strategy they were made from ("" = default)
+    // The strategy they were made from ("" = default). Shared, so that a
+    // reader on the data path (the engine, once per round) copies no text.
+    std::shared_ptr<const std::string> yaml;
   };
 
   Timeline(uint64_t start_iteration, std::vector<TensorPlan> plans, std::string yaml = {});

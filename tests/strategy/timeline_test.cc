@@ -37,7 +37,7 @@ TEST(Timeline, EachIterationReadsTheLastEntryAtOrBeforeIt) {
     EXPECT_EQ(tl.at(it).first, 8u) << it;
     EXPECT_EQ(tl.plan(0, it).spec().name, "fp16") << it;
     EXPECT_FALSE(tl.plan(1, it).compressed_push()) << it;
-    EXPECT_EQ(tl.at(it).yaml, kFp16);
+    EXPECT_EQ(*tl.at(it).yaml, kFp16);
   }
   EXPECT_EQ(tl.latest().first, 8u);
   EXPECT_THROW(tl.plan(2, 8), bytecomp::Error);
