@@ -7,6 +7,21 @@
 
 namespace bytecomp::daemon {
 
+void check_forwardable(const Task& t, const std::string& tensor_name, bool plan_compresses,
+                       size_t local_ranks) {
+  if (!plan_compresses) {
+    throw Error(ErrorCode::kInvalidArgument,
+                compressed_refusal(t, tensor_name, "the plan in force does not compress it"));
+  }
+  if (local_ranks != 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                compressed_refusal(t, tensor_name,
+                                   "a multi-node job takes compressed pushes from one local "
+                                   "rank per node (" + std::to_string(local_ranks) +
+                                       " here; docs/gpu.md: the NCCL shard flow)"));
+  }
+}
+
 std::string compressed_refusal(const Task& t, const std::string& tensor_name,
                                const std::string& why) {
   return "tensor '" + tensor_name + "' partition " + std::to_string(t.index) + " (iteration " +

@@ -43,4 +43,11 @@ void decode_sum_to_first(const Task& t, const std::string& tensor_name,
 std::string compressed_refusal(const Task& t, const std::string& tensor_name,
                                const std::string& why);
 
+// A multi-node path's preconditions for forwarding a client-compressed
+// partition as is: the plan in force compresses it, and one local rank
+// (whose payload is then the node's) pushed it. Throws
+// Error(kInvalidArgument) naming the task otherwise.
+void check_forwardable(const Task& t, const std::string& tensor_name, bool plan_compresses,
+                       size_t local_ranks);
+
 }  // namespace bytecomp::daemon

@@ -118,17 +118,7 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
   const uint32_t index = t.index;
   const auto n = static_cast<size_t>(t.count);
   if (t.compressed) {
-    if (!t.plan->compressor) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  compressed_refusal(t, spec.name, "the plan in force does not compress it"));
-    }
-    if (bufs.size() != 1) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  compressed_refusal(t, spec.name,
-                                     "a multi-node job takes compressed pushes from one local "
-                                     "rank per node (" + std::to_string(bufs.size()) +
-                                         " here; docs/gpu.md: the NCCL shard flow)"));
-    }
+    check_forwardable(t, spec.name, t.plan->compressor != nullptr, bufs.size());
   } else {
     ctx_.reducer->sum_to_first(spec.dtype, bufs, t.begin, t.end);
   }

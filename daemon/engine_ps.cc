@@ -53,17 +53,8 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
   if (t.compressed) {
     // Pushed as the client compressed it (its own error feedback): with one
     // local rank its payload is the node's.
-    if (!part.plan.compressed_push() || !part.compressor) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  compressed_refusal(t, spec.name, "the plan in force pushes it uncompressed"));
-    }
-    if (bufs.size() != 1) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  compressed_refusal(t, spec.name,
-                                     "a multi-node job takes compressed pushes from one local "
-                                     "rank per node (" + std::to_string(bufs.size()) +
-                                         " here; docs/gpu.md: the NCCL shard flow)"));
-    }
+    check_forwardable(t, spec.name, part.plan.compressed_push() && part.compressor != nullptr,
+                      bufs.size());
     const std::span<const std::byte> p = client_payload(t, spec.name, 0, bufs[0], *part.compressor);
     if (ctx_.bytes) ctx_.bytes->add(n * 4, p.size());
     payload = transport::Buffer::copy_of(p.data(), p.size());
