@@ -486,13 +486,24 @@ JobSetup from_message(const transport::Message& m) {
   return from_record<JobSetup>(m, [](std::string_view b) { return JobSetup{decode_admission(b)}; });
 }
 
-template <>
-transport::Message to_message(const Push& m) {
+namespace {
+
+// A data message's header: its type, the job, the partition and the iteration.
+template <class M>
+transport::Message data_message(const M& m) {
   transport::Message out;
-  out.header.type = kPush;
+  out.header.type = M::kType;
   out.header.aux = m.uid;
   out.header.key = m.key;
   out.header.arg = m.iteration;
+  return out;
+}
+
+}  // namespace
+
+template <>
+transport::Message to_message(const Push& m) {
+  transport::Message out = data_message(m);
   out.payloads.push_back(m.data);
   return out;
 }
@@ -504,11 +515,7 @@ Push from_message(const transport::Message& m) {
 
 template <>
 transport::Message to_message(const Pull& m) {
-  transport::Message out;
-  out.header.type = kPull;
-  out.header.aux = m.uid;
-  out.header.key = m.key;
-  out.header.arg = m.iteration;
+  transport::Message out = data_message(m);
   return out;
 }
 template <>
@@ -519,11 +526,7 @@ Pull from_message(const transport::Message& m) {
 
 template <>
 transport::Message to_message(const Broadcast& m) {
-  transport::Message out;
-  out.header.type = kBroadcast;
-  out.header.aux = m.uid;
-  out.header.key = m.key;
-  out.header.arg = m.iteration;
+  transport::Message out = data_message(m);
   out.header.flags = m.is_root ? kBroadcastRoot : 0;
   out.payloads.push_back(encode(m.meta));
   if (m.is_root) out.payloads.push_back(m.data);

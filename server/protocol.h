@@ -205,8 +205,11 @@ struct Barrier {
   template <class Self>
   static auto fields(Self& m) { return std::tuple{field("seq", m.seq)}; }
 };
-struct SetStrategy {  // a node asks to switch every party from `iteration` on
-  static constexpr MsgType kType = kSetStrategy;
+// A strategy change from `iteration` on: asked by a node (SetStrategy),
+// announced to every node, which applies it and answers (StrategyUpdate).
+template <MsgType T>
+struct StrategyChangeMsg {
+  static constexpr MsgType kType = T;
   uint32_t uid = 0;
   uint64_t iteration = 0;
   std::string yaml;
@@ -215,6 +218,23 @@ struct SetStrategy {  // a node asks to switch every party from `iteration` on
     return std::tuple{field("iteration", m.iteration), field("strategy", m.yaml)};
   }
 };
+using SetStrategy = StrategyChangeMsg<kSetStrategy>;
+using StrategyUpdate = StrategyChangeMsg<kStrategyUpdate>;
+
+// A job ends or is aborted, with why: a server asks the coordinator to abort
+// (AbortRequest), the coordinator ends the job on the servers (JobEnd, ""
+// for a normal end) and tells the nodes (JobAborted).
+template <MsgType T>
+struct JobNotice {
+  static constexpr MsgType kType = T;
+  uint32_t uid = 0;
+  std::string reason;
+  template <class Self>
+  static auto fields(Self& m) { return std::tuple{field("reason", m.reason)}; }
+};
+using AbortRequest = JobNotice<kAbortRequest>;
+using JobEnd = JobNotice<kJobEnd>;
+using JobAborted = JobNotice<kJobAborted>;
 struct Leave {  // this node is done; `abort`: its part failed (reason says why)
   static constexpr MsgType kType = kLeave;
   uint32_t uid = 0;
@@ -248,23 +268,9 @@ struct ServerHello {
   static constexpr MsgType kType = kServerHello;
   ServerInfo info;
 };
-struct AbortRequest {
-  static constexpr MsgType kType = kAbortRequest;
-  uint32_t uid = 0;
-  std::string reason;
-  template <class Self>
-  static auto fields(Self& m) { return std::tuple{field("reason", m.reason)}; }
-};
 struct JobSetup {  // the admission (its rank is ignored by servers)
   static constexpr MsgType kType = kJobSetup;
   Admission admission;
-};
-struct JobEnd {
-  static constexpr MsgType kType = kJobEnd;
-  uint32_t uid = 0;
-  std::string reason;  // "" = the job ended normally
-  template <class Self>
-  static auto fields(Self& m) { return std::tuple{field("reason", m.reason)}; }
 };
 struct StrategyPrepare {  // `cancel`: drop the change prepared for `iteration`
   static constexpr MsgType kType = kStrategyPrepare;
@@ -277,23 +283,6 @@ struct StrategyPrepare {  // `cancel`: drop the change prepared for `iteration`
     return std::tuple{field("iteration", m.iteration), field("cancel", m.cancel),
                       field("strategy", m.yaml)};
   }
-};
-struct StrategyUpdate {  // every node applies the change, then answers
-  static constexpr MsgType kType = kStrategyUpdate;
-  uint32_t uid = 0;
-  uint64_t iteration = 0;
-  std::string yaml;
-  template <class Self>
-  static auto fields(Self& m) {
-    return std::tuple{field("iteration", m.iteration), field("strategy", m.yaml)};
-  }
-};
-struct JobAborted {
-  static constexpr MsgType kType = kJobAborted;
-  uint32_t uid = 0;
-  std::string reason;
-  template <class Self>
-  static auto fields(Self& m) { return std::tuple{field("reason", m.reason)}; }
 };
 struct AutoProfileRequest {  // a re-plan: profile again
   static constexpr MsgType kType = kAutoProfileRequest;
