@@ -163,8 +163,8 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
   }
   reply_ctl(c, ErrorCode::kInvalidArgument,
             "unknown command '" + cmd +
-                "' (accepted: status, jobs, strategy, trace, loss, gpu_profile, servers, metrics, reload, "
-                "drain)");
+                "' (accepted: status, jobs, strategy, trace, loss, gpu_profile, servers, "
+                "metrics, reload, drain)");
 }
 
 void Daemon::ask_servers(Conn& c) {

@@ -281,6 +281,28 @@ class AutoGpuProfile(unittest.TestCase):
         self.assertIn("version: 1", text)
         self.assertIn("compress_us", text)
 
+    def test_the_benchs_calls_through_the_abi_on_the_host_stand_in(self):
+        """TorchCudaBench's compress/decompress calls (argument order,
+        buffers, iterations) on the CPU library behind the same ABI: fp16
+        comes back as the input's fp16 rounding, the payload sizes fit."""
+        lib = gpu.library()
+        if lib is None or not hasattr(lib, "bytecomp_gpu_compressor_create_host"):
+            self.skipTest("libbytecomp_gpu with the host stand-in not built")
+        bench = gpu_profile.TorchCudaBench(None, host=True)
+        got = gpu_profile.measure(["fp16", "efsignsgd"], bench, sizes=(4096, 65536), reps=3)
+        x, out = bench.last  # efsignsgd's last call: signs times one scale
+        self.assertEqual(torch.unique(out.abs()).numel(), 1, out)
+        self.assertGreater(float(out.abs()[0]), 0.0)
+        bench("fp16", 4096)
+        x, out = bench.last
+        self.assertTrue(torch.equal(out, x.half().float()))
+        fp16 = {p["n"]: p["bytes"] for p in got["fp16"]}
+        self.assertGreaterEqual(fp16[65536], 2 * 65536)
+        self.assertLess(fp16[65536], 2 * 65536 + 256)
+        self.assertLess(got["efsignsgd"][1]["bytes"], 65536 // 8 + 256)
+        self.assertTrue(all(p["compress_us"] > 0 for p in got["efsignsgd"]))
+        bench.close()
+
 
 class Shards(unittest.TestCase):
     def test_shard_layout_pads_to_a_multiple_of_the_local_ranks(self):

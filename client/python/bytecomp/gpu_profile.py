@@ -80,36 +80,53 @@ def report_text(note, measured):
 class TorchCudaBench:
     """bench(spec, n) on one CUDA device: a compressor per (spec, n) kept
     across calls (its error-feedback state, as in training), timed with CUDA
-    events on the current stream."""
+    events on the current stream. host=True: the same calls on the host
+    stand-in (the CPU library behind libbytecomp_gpu's ABI, CPU tensors,
+    wall-clock timing), which the tests run where there is no GPU."""
 
-    def __init__(self, device):
+    def __init__(self, device, host=False):
         import torch
         self._torch = torch
-        self.device = device
-        self.name = torch.cuda.get_device_name(device)
+        self.host = bool(host)
+        self.device = torch.device("cpu") if host else device
+        self.name = "the host stand-in" if host else torch.cuda.get_device_name(device)
         self._made = {}
+        self.last = None  # (input, decompressed) of the latest call, for tests
 
     def __call__(self, spec, n):
         torch = self._torch
         key = (spec, n)
         if key not in self._made:
-            c = _gpu.GpuCompressor(spec, n)
+            c = _gpu.GpuCompressor(spec, n, host=self.host)
             g = torch.Generator(device=self.device).manual_seed(12345)
             x = torch.randn(n, device=self.device, generator=g)
             self._made[key] = (c, x, torch.empty(max(c.max_bytes, 8), dtype=torch.uint8,
                                                  device=self.device),
                                torch.empty(n, device=self.device), [0])
         c, x, wire, out, it = self._made[key]
-        stream = torch.cuda.current_stream(self.device)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        ev[0].record(stream)
-        ln = c.compress(x.data_ptr(), wire.data_ptr(), c.max_bytes, it[0], n, stream.cuda_stream)
-        ev[1].record(stream)
-        c.decompress(wire.data_ptr(), ln, out.data_ptr(), False, it[0], n, stream.cuda_stream)
-        ev[2].record(stream)
-        ev[2].synchronize()
+        if self.host:
+            import time
+            t0 = time.perf_counter()
+            ln = c.compress(x.data_ptr(), wire.data_ptr(), c.max_bytes, it[0], n, 0)
+            t1 = time.perf_counter()
+            c.decompress(wire.data_ptr(), ln, out.data_ptr(), False, it[0], n, 0)
+            t2 = time.perf_counter()
+            times = ((t1 - t0) * 1e6, (t2 - t1) * 1e6)
+        else:
+            stream = torch.cuda.current_stream(self.device)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record(stream)
+            ln = c.compress(x.data_ptr(), wire.data_ptr(), c.max_bytes, it[0], n,
+                            stream.cuda_stream)
+            ev[1].record(stream)
+            c.decompress(wire.data_ptr(), ln, out.data_ptr(), False, it[0], n,
+                         stream.cuda_stream)
+            ev[2].record(stream)
+            ev[2].synchronize()
+            times = (ev[0].elapsed_time(ev[1]) * 1000.0, ev[1].elapsed_time(ev[2]) * 1000.0)
         it[0] += 1
-        return ev[0].elapsed_time(ev[1]) * 1000.0, ev[1].elapsed_time(ev[2]) * 1000.0, ln
+        self.last = (x, out)
+        return times[0], times[1], ln
 
     def close(self):
         for c, *_ in self._made.values():
