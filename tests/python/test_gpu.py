@@ -188,6 +188,32 @@ class IntraNode(unittest.TestCase):
     def test_host_stand_in_rank_killed(self):
         self.shard_flow("cpu", "host", kill=True)
 
+    def sharded_digests(self, env):
+        rc, out = self.run_worker("digest", "cpu", steps=4, strategy=EFSIGN_GPU, nproc=2,
+                                  nodes=2, env=env)
+        self.assertEqual(rc, 0, out)
+        d = sorted(re.findall(r"DIGEST (\d+) ([0-9a-f]+)", out))
+        self.assertEqual(len(d), 16, out)
+        by_step = {}
+        for step, h in d:
+            by_step.setdefault(step, set()).add(h)
+        self.assertTrue(all(len(v) == 1 for v in by_step.values()), out)  # all 4 ranks agree
+        return {k: v.pop() for k, v in by_step.items()}, re.findall(r"PLACED (\d+)", out)
+
+    def test_shards_compressed_in_the_process_equal_the_daemons(self):
+        """The shard flow with the GPU placement: each rank's shard job has
+        one local rank per node, so the shards may be pushed compressed
+        (here by the host stand-in of the CUDA kernels). The aggregates equal
+        the same sharded run compressed by the daemons, bit for bit."""
+        env = helpers.child_env(BYTECOMP_INTRA_NODE="host")
+        daemon, placed = self.sharded_digests(env)
+        self.assertEqual(placed, ["0"] * 4)
+        env["BYTECOMP_CLIENT_COMPRESS"] = "host"
+        client, placed = self.sharded_digests(env)
+        self.assertEqual(len(set(placed)), 1, placed)
+        self.assertGreater(int(placed[0]), 0, placed)
+        self.assertEqual(client, daemon)
+
     def test_refusals(self):
         env = helpers.child_env(BYTECOMP_INTRA_NODE="nccl")
         rc, out = self.run_worker("exact", "cpu", steps=1, nproc=2, nodes=1, env=env)
