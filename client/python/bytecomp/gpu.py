@@ -110,8 +110,8 @@ def placement(doc, tensors, caps):
     return out
 
 
-# -- NCCL intra-node shard flow (docs/daemon.md "Intra-node on GPUs"; not
-# wired into DistributedOptimizer yet, docs/gpu.md §3) -------------------------
+# -- NCCL intra-node shard flow (docs/daemon.md "Intra-node on GPUs";
+# BYTECOMP_INTRA_NODE=nccl in DistributedOptimizer, docs/gpu.md §3) -----------
 def shard_layout(count, local_size):
     """How a gradient of `count` float32 elements splits among `local_size`
     local ranks for bytecomp_gpu_nccl_sum(shard=1) (a reduce-scatter needs a
