@@ -16,8 +16,9 @@ Node 0's agent hosts the rendezvous store (`--rdzv_conf is_host=1`: every
 namespace has the machine's hostname, so torchrun cannot tell by name).
 torchrun numbers the nodes of a c10d rendezvous by (hostname, agent pid):
 here node 0's agent is started first, so it is group rank 0, as its daemon
-(node id 100) is nodes[0]; `wait_for` fails at once with the daemon's
-refusal if it ever is not.
+(node id 100) is nodes[0]. Were it not, every worker would fail with its
+daemon's refusal ("node rank 1 is daemon 101 in internode.nodes, but this
+is 100"), which `wait_for` shows in the lines it reports.
 """
 
 import os

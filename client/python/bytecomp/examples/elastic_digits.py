@@ -117,6 +117,10 @@ def main():
     start = 0
     if rank == 0:
         os.makedirs(args.checkpoint_dir, exist_ok=True)
+        # What a rank 0 killed while saving left (never a checkpoint: only
+        # the rename makes one).
+        for tmp in glob.glob(os.path.join(args.checkpoint_dir, ".ckpt-*.tmp")):
+            os.unlink(tmp)
         start, path = latest_checkpoint(args.checkpoint_dir)
         if path:
             ckpt = torch.load(path)
