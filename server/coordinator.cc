@@ -286,6 +286,26 @@ void Coordinator::on_register(Incoming in, proto::Register m) {
                     " of the node list is a server id");
   uint32_t rank = static_cast<uint32_t>(self_it - spec.nodes.begin());
 
+  // A node registers a job's name again while it is a member of the running
+  // job of that name that has not left it: its daemon no longer runs that
+  // job (a daemon refuses a job id it runs, and a leave or abort it sent
+  // came first: one sender's messages are handled in order). Restarted by
+  // systemd faster than peer_timeout, it was never seen lost, and the other
+  // nodes may have left already: the job would stay forever. It is over.
+  uint32_t stale = 0;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [uid, r] : running_)
+      if (r.adm.name == spec.name && !r.left.count(in.from) &&
+          std::find(r.adm.nodes.begin(), r.adm.nodes.end(), in.from) != r.adm.nodes.end())
+        stale = uid;
+  }
+  if (stale != 0)
+    abort_running(stale, node_name(in.from) + " registered job '" + spec.name +
+                              "' again while a member of its running job (uid " +
+                              std::to_string(stale) +
+                              "): its daemon no longer runs that job (restarted?)");
+
   std::vector<Incoming> fail;
   std::string fail_why;
   std::vector<std::function<void()>> after;

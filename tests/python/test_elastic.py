@@ -68,7 +68,7 @@ class ElasticRestarts(unittest.TestCase):
                 if os.environ.get("BYTECOMP_TEST_ECHO") else None)
         net = FaultNet(heartbeat_ms=500, peer_timeout_ms=1500, request_ms=4000,
                        admission_ms=30000, build_root=helpers.BUILD_ROOT, echo=echo,
-                       log_level=os.environ.get("BYTECOMP_TEST_LOG", "warn"))
+                       log_level=os.environ.get("BYTECOMP_TEST_LOG", "info"))
         tag = net.net.tag
         sup = None
         launches = []
@@ -140,6 +140,14 @@ class ElasticRestarts(unittest.TestCase):
             self.assertEqual(sorted(a), sorted(b))
             for k in a:
                 self.assertTrue(torch.equal(a[k], b[k]), k)
+        except BaseException:
+            # What the services said last (their lines stay in memory): the
+            # agents' lines are in the error already.
+            for p in net.services():
+                print("---- %s (%s), last lines:\n%s" % (p.label, "running" if p.alive() else
+                                                       "exited %s" % p.returncode,
+                                                       "\n".join(p.tail(40))))
+            raise
         finally:
             if sup:
                 sup.stop()

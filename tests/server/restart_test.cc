@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -24,31 +25,33 @@ namespace {
 
 class CoordinatorRestart : public td::ServerFixture {
  protected:
-  // Both nodes join `spec`, retried (bounded) while it is refused; nullptr
-  // pair and `last` the last refusal when it never gets admitted.
+  // Both nodes join `spec`, each retrying on its own (bounded) while it is
+  // refused, as every node's ranks do (bytecomp.torch's init()); a null
+  // pair and `last` the last refusal when they never get admitted.
   std::pair<std::shared_ptr<PsJob>, std::shared_ptr<PsJob>> join_until(
       PsClient& a, PsClient& b, const JobSpec& spec, std::chrono::seconds bound,
       std::string& last) {
-    auto until = std::chrono::steady_clock::now() + bound;
-    while (std::chrono::steady_clock::now() < until) {
-      try {
-        auto fa = std::async(std::launch::async, [&] { return a.join(spec); });
-        std::shared_ptr<PsJob> jb;
-        std::string why;
+    const auto until = std::chrono::steady_clock::now() + bound;
+    std::mutex mu;
+    auto one = [&](PsClient& c) -> std::shared_ptr<PsJob> {
+      while (std::chrono::steady_clock::now() < until) {
         try {
-          jb = b.join(spec);
+          return c.join(spec);
         } catch (const Error& e) {
-          why = e.what();
+          {
+            std::lock_guard lk(mu);
+            last = e.what();
+          }
+          std::this_thread::sleep_for(100ms);
         }
-        auto ja = fa.get();
-        if (!why.empty()) throw Error(ErrorCode::kUnavailable, why);
-        return {ja, jb};
-      } catch (const Error& e) {
-        last = e.what();
-        std::this_thread::sleep_for(200ms);
       }
-    }
-    return {};
+      return nullptr;
+    };
+    auto fa = std::async(std::launch::async, [&] { return one(a); });
+    auto jb = one(b);
+    auto ja = fa.get();
+    if (!ja || !jb) return {};
+    return {ja, jb};
   }
 
   // One exact iteration of a job over both servers: every partition of 'w'
@@ -128,6 +131,56 @@ TEST_P(CoordinatorRestart, WithinPeerTimeoutTheOtherServerForgetsItsJobsAndRegis
   nb->leave();
   const std::string log1 = server1_->err();
   EXPECT_NE(log1.find("coordinator 0 restarted"), std::string::npos) << log1;
+}
+
+// A daemon restarted faster than peer_timeout: node 100 left the job
+// cleanly (its ranks exited after an error), node 101's daemon died without
+// a word and came back at once, so nobody saw it lost. Its registration of
+// the same name ends the old job instead of being refused "already running"
+// until the old job ends, which it never would.
+TEST_P(CoordinatorRestart, ANodeWhoseDaemonRestartedEndsItsStaleJobByRegisteringAgain) {
+  start_server(5000);
+  auto a = client(100);
+  auto b = client(101);
+  JobSpec spec;
+  spec.name = "elastic.ctl";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"w", 1000, compress::DType::kFloat32}};
+  auto [ja, jb] = join_both(*a, *b, spec);
+  ASSERT_TRUE(ja && jb);
+  const uint32_t old_uid = ja->info().uid;
+  ASSERT_TRUE(ja->leave().ok());
+  b->close();  // no leave, no abort: the daemon died
+  b.reset();
+  auto b2 = client(101);  // restarted at once, same node id
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string last;
+  auto [na, nb] = join_until(*a, *b2, spec, 10s, last);
+  ASSERT_TRUE(na && nb) << "no job admitted after node 101's restart: " << last;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  EXPECT_NE(na->info().uid, old_uid);
+  std::vector<float> d(1000, 1.0f);
+  for (PsJob* j : {na.get(), nb.get()}) {
+    std::promise<Status> pushed;
+    j->push(partition_key(0, 0), 0, transport::Buffer::copy_of(d.data(), d.size() * 4),
+            [&](const Status& st) { pushed.set_value(st); });
+    EXPECT_TRUE(pushed.get_future().get().ok());
+  }
+  std::promise<std::pair<Status, transport::Buffer>> pulled;
+  na->pull(partition_key(0, 0), 0,
+           [&](const Status& st, transport::Buffer r) { pulled.set_value({st, r}); });
+  auto [st, sum] = pulled.get_future().get();
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  float first = 0;
+  std::memcpy(&first, sum.data(), 4);
+  EXPECT_EQ(first, 2.0f);
+  na->leave();
+  nb->leave();
+  const std::string log = server_->err();
+  EXPECT_NE(log.find("node 101 registered job 'elastic.ctl' again while a member of its running "
+                     "job (uid " + std::to_string(old_uid) + ")"),
+            std::string::npos)
+      << log;
 }
 
 }  // namespace
