@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <random>
 #include <type_traits>
 
 #include "server/server_impl.h"
@@ -14,8 +15,27 @@ using transport::Clock;
 using transport::Incoming;
 using transport::Message;
 
+namespace {
+
+// Nonzero, different in every run of a coordinator (systemd restarts one in
+// 100 ms, faster than any peer_timeout: nobody saw it lost).
+uint64_t new_incarnation() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (uint64_t{rd()} << 32) ^ rd();
+  return v;
+}
+
+}  // namespace
+
 Coordinator::Coordinator(ParameterServer::Impl& srv)
-    : srv_(srv), auto_([&srv](NodeId n, Message m) { srv.tp->send(n, std::move(m), nullptr); }) {
+    : srv_(srv),
+      incarnation_(new_incarnation()),
+      // Job uids start at a random point of [1, 2^31): a restarted
+      // coordinator reuses none of the uids that nodes and servers may
+      // still hold (or hear late aborts of) from its previous run.
+      next_uid_(1 + static_cast<uint32_t>(incarnation_ % 0x7fffffffu)),
+      auto_([&srv](NodeId n, Message m) { srv.tp->send(n, std::move(m), nullptr); }) {
   ServerInfo self{srv.cfg.node_id, srv.tp->local_addresses().at(0), srv.cfg.engine_threads};
   servers_[self.id] = self;
   timer_ = std::thread([this] { timer_loop(); });
@@ -224,14 +244,25 @@ void Coordinator::on_hello(Incoming in, proto::ServerHello m) {
                                              "node " + std::to_string(in.from) +
                                                  " is not a server of the cluster config"));
   std::vector<std::function<void()>> after;
+  bool known = false;
   {
     std::lock_guard lk(mu_);
+    auto it = servers_.find(info.id);
+    known = it != servers_.end() && it->second.address == info.address &&
+            it->second.engine_threads == info.engine_threads;
     servers_[info.id] = info;
     for (auto& [name, p] : pending_) try_admit_locked(p, after);
   }
-  BC_LOG(LogCoord(), kInfo) << "server " << info.id << " registered (" << info.address << ", "
-                            << info.engine_threads << " engine threads)";
-  srv_.reply(in, proto::ok_reply());
+  // Servers say hello again every second (a restarted coordinator learns of
+  // them so); only news is worth a line.
+  if (known)
+    BC_LOG(LogCoord(), kDebug) << "server " << info.id << " said hello again";
+  else
+    BC_LOG(LogCoord(), kInfo) << "server " << info.id << " registered (" << info.address << ", "
+                              << info.engine_threads << " engine threads)";
+  // The answer carries this run's incarnation: a server that sees it change
+  // drops the jobs of the previous run (ParameterServer::Impl::hello_loop).
+  srv_.reply(in, proto::ok_reply(Buffer::copy_of(&incarnation_, sizeof incarnation_)));
   for (auto& f : after) f();
 }
 
@@ -254,6 +285,26 @@ void Coordinator::on_register(Incoming in, proto::Register m) {
       return refuse("job '" + spec.name + "': node " + std::to_string(n) +
                     " of the node list is a server id");
   uint32_t rank = static_cast<uint32_t>(self_it - spec.nodes.begin());
+
+  // A node registers a job's name again while it is a member of the running
+  // job of that name that has not left it: its daemon no longer runs that
+  // job (a daemon refuses a job id it runs, and a leave or abort it sent
+  // came first: one sender's messages are handled in order). Restarted by
+  // systemd faster than peer_timeout, it was never seen lost, and the other
+  // nodes may have left already: the job would stay forever. It is over.
+  uint32_t stale = 0;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [uid, r] : running_)
+      if (r.adm.name == spec.name && !r.left.count(in.from) &&
+          std::find(r.adm.nodes.begin(), r.adm.nodes.end(), in.from) != r.adm.nodes.end())
+        stale = uid;
+  }
+  if (stale != 0)
+    abort_running(stale, node_name(in.from) + " registered job '" + spec.name +
+                              "' again while a member of its running job (uid " +
+                              std::to_string(stale) +
+                              "): its daemon no longer runs that job (restarted?)");
 
   std::vector<Incoming> fail;
   std::string fail_why;

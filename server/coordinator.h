@@ -91,7 +91,8 @@ class Coordinator {
   bool stopping_ = false;
   std::thread timer_;
   std::map<NodeId, ServerInfo> servers_;  // registered
-  uint32_t next_uid_ = 1;
+  const uint64_t incarnation_;  // this run's, told to servers in every hello's answer
+  uint32_t next_uid_;
   std::map<std::string, Pending> pending_;
   std::map<uint32_t, Running> running_;
   AutoPlanner auto_;  // after srv_: its SendFn uses the transport

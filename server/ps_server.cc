@@ -6,6 +6,7 @@
 #include "server/ps_server.h"
 
 #include <cstdio>
+#include <cstring>
 #include <optional>
 
 #include "server/server_impl.h"
@@ -84,24 +85,57 @@ void ParameterServer::Impl::start() {
 }
 
 void ParameterServer::Impl::hello_loop() {
+  // Registered, the server says hello again every second: a coordinator
+  // that systemd restarted faster than peer_timeout was never seen lost, yet
+  // it knows neither this server nor the jobs this server still holds for
+  // its previous run. Its answer's incarnation tells (coordinator.cc).
+  constexpr auto kAgain = std::chrono::milliseconds(1000);
+  uint64_t incarnation = 0;  // the coordinator's, 0 = not known yet
   std::unique_lock lk(hello_mu);
   while (!stopping) {
     if (!hello_needed) {
-      hello_cv.wait(lk);
-      continue;
+      hello_cv.wait_for(lk, kAgain);
+      if (stopping) break;
     }
     lk.unlock();
+    // The jobs set up before asking: those of the run that answers with a
+    // new incarnation may only be newer than this.
+    std::vector<uint32_t> before;
+    {
+      std::shared_lock jl(jobs_mu);
+      for (auto& [uid, j] : jobs) before.push_back(uid);
+    }
     const proto::ServerHello hello{
         ServerInfo{cfg.node_id, tp->local_addresses().at(0), cfg.engine_threads}};
     transport::Response r =
         tp->call(cfg.cluster.coordinator, proto::to_message(hello), transport::Millis{2000});
     Status st = r.status.ok() ? proto::reply_status(r.response) : r.status;
+    uint64_t now = 0;
+    if (st.ok()) {
+      const std::string payload = proto::joined(r.response);
+      if (payload.size() == sizeof now) std::memcpy(&now, payload.data(), sizeof now);
+    }
+    if (st.ok() && now != 0 && incarnation != 0 && now != incarnation && !before.empty()) {
+      const std::string why = "coordinator " + std::to_string(cfg.cluster.coordinator) +
+                              " restarted (its jobs ended with it)";
+      BC_LOG(LogServer(), kWarn) << why << ": ending " << before.size() << " job(s) of its "
+                                 << "previous run";
+      for (uint32_t uid : before) end_job(uid, ErrorCode::kAborted, why);
+    } else if (st.ok() && now != 0 && incarnation != 0 && now != incarnation) {
+      BC_LOG(LogServer(), kWarn) << "coordinator " << cfg.cluster.coordinator << " restarted";
+    }
     lk.lock();
     if (st.ok()) {
+      if (now != 0) incarnation = now;
+      if (hello_needed)
+        BC_LOG(LogServer(), kInfo) << "registered with coordinator " << cfg.cluster.coordinator;
       hello_needed = false;
-      BC_LOG(LogServer(), kInfo) << "registered with coordinator " << cfg.cluster.coordinator;
     } else {
-      BC_LOG(LogServer(), kDebug) << "coordinator not reached yet: " << st.to_string();
+      if (!hello_needed)
+        BC_LOG(LogServer(), kDebug) << "hello to coordinator " << cfg.cluster.coordinator
+                                    << " failed: " << st.to_string();
+      else
+        BC_LOG(LogServer(), kDebug) << "coordinator not reached yet: " << st.to_string();
       hello_cv.wait_for(lk, std::chrono::milliseconds(300));
     }
   }

@@ -485,9 +485,14 @@ TEST_P(TwoNodes, MalformedPeerMessagesToALiveDaemonAreRefused) {
   EXPECT_NE(send(1, {data}).find("payloads"), std::string::npos);
   EXPECT_NE(send(1, {bt::Buffer::copy_of(std::string(32, '\x7f')), data}).find("version"),
             std::string::npos);
-  // The coordinator numbers jobs from 1: uid 1 is the running job, which
-  // node 102 is no part of.
-  for (uint32_t uid = 1; uid <= 3; ++uid) {
+  // The running job, which node 102 is no part of (its uid from the
+  // daemon's log: the coordinator numbers jobs from a random point), and
+  // uids of no job.
+  const std::string dlog = nodes_[0]->daemon().output();
+  std::smatch u;
+  ASSERT_TRUE(std::regex_search(dlog, u, std::regex("admitted \\(uid ([0-9]+)"))) << dlog;
+  const uint32_t running = static_cast<uint32_t>(std::stoul(u[1]));
+  for (uint32_t uid : {running, running + 1, running - 1}) {
     const std::string why = send(uid, {bd::encode_peer_header(h), data});
     EXPECT_TRUE(why.find("not a peer") != std::string::npos ||
                 why.find("no job with uid") != std::string::npos)

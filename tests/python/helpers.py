@@ -71,9 +71,9 @@ class Daemon:
     """A real bytecompd with its own socket and shm instance, for tests that
     drive the Python API in-process. Stop with stop() (SIGTERM)."""
 
-    def __init__(self, setup_timeout_ms=10000):
+    def __init__(self, setup_timeout_ms=10000, socket=None):
         self.dir = tempfile.mkdtemp(prefix="bc-pytest-")
-        self.socket = os.path.join(self.dir, "ctl.sock")
+        self.socket = socket or os.path.join(self.dir, "ctl.sock")
         self.instance = "py%dx%s" % (os.getpid(), uuid.uuid4().hex[:6])
         cfg = os.path.join(self.dir, "daemon.yaml")
         with open(cfg, "w") as f:

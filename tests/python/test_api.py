@@ -2,6 +2,7 @@
 shared memory, and every misuse raises with a message saying what to do."""
 
 import os
+import threading
 import time
 import unittest
 import uuid
@@ -110,8 +111,35 @@ class Api(unittest.TestCase):
         self.raises(bytecomp.EnvironmentConfigError, "RANK is not set", bc.init)
         os.environ["RANK"] = "0"
         os.environ["BYTECOMP_SOCKET"] = os.path.join(self.daemon.dir, "nobody-here.sock")
-        self.raises(bytecomp.DaemonUnavailableError, "is the daemon running?", bc.init)
+        os.environ["BYTECOMP_START_TIMEOUT_MS"] = "800"
+        t0 = time.monotonic()
+        e = self.raises(bytecomp.DaemonUnavailableError, "is the daemon running?", bc.init)
+        # init() waited for a daemon (one that systemd restarts) that never came.
+        self.assertGreaterEqual(time.monotonic() - t0, 0.8)
+        self.assertIn("init() waited BYTECOMP_START_TIMEOUT_MS=800 ms for a daemon to answer",
+                      str(e))
         self.assertFalse(bc.is_initialized())
+
+    def test_init_waits_for_a_daemon_that_comes_up(self):
+        """An elastic restart's new workers can start before systemd has
+        restarted the node's daemon: init() waits for it (bounded)."""
+        sock = os.path.join(self.daemon.dir, "late.sock")
+        late = []
+        th = threading.Thread(target=lambda: (time.sleep(1.0), late.append(
+            helpers.Daemon(setup_timeout_ms=3000, socket=sock))))
+        os.environ["BYTECOMP_SOCKET"] = sock
+        os.environ["BYTECOMP_START_TIMEOUT_MS"] = "20000"
+        th.start()
+        try:
+            t0 = time.monotonic()
+            bc.init()
+            self.assertGreater(time.monotonic() - t0, 0.9)
+            self.assertEqual(bc.allreduce(torch.tensor([3.0]), average=False).item(), 3.0)
+            bc.shutdown()
+        finally:
+            th.join(30)
+            for d in late:
+                self.assertEqual(d.stop(), [])
 
     def test_other_local_ranks_never_come(self):
         os.environ.update({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

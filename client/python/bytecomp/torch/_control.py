@@ -59,6 +59,10 @@ class MismatchError(_lib.InvalidArgumentError):
 # The daemon's and the coordinator's refusal of a job id whose previous job
 # has not ended yet (daemon/daemon.cc, server/coordinator.cc).
 _STILL_RUNNING = "is already running"
+# No daemon at the socket (client/src/client.cc): between a daemon's death
+# and its restart by systemd, which an elastic restart of the workers can
+# overtake.
+_NO_DAEMON = "cannot connect to bytecompd"
 # Pauses between init()'s attempts to join while the previous job of the
 # same id is still ending: doubling from the first to the last (each refusal
 # is a warning in the daemon's log), bounded by BYTECOMP_START_TIMEOUT_MS.
@@ -426,17 +430,21 @@ def _join(settings):
     peer may still be leaving the previous job of the same id (its daemon,
     or the coordinator, still lists it): Horovod's `shutdown(); init()`
     works, so wait for it to end, within BYTECOMP_START_TIMEOUT_MS, instead
-    of failing at once."""
+    of failing at once. The same for a node daemon that is not there (yet):
+    after an elastic restart (torchrun --max_restarts) caused by its death,
+    the new workers may start before systemd has restarted it."""
     deadline = time.monotonic() + settings.start_timeout_ms / 1000.0
     pause = _REJOIN_PAUSE_S[0]
     while True:
         try:
             return _Context(settings)
         except _lib.BytecompError as e:
-            if _STILL_RUNNING not in e.message or time.monotonic() >= deadline:
-                if _STILL_RUNNING in e.message:
+            waited = {_STILL_RUNNING: "for it to end", _NO_DAEMON: "for a daemon to answer"}
+            why = next((w for k, w in waited.items() if k in e.message), None)
+            if why is None or time.monotonic() >= deadline:
+                if why is not None:
                     raise type(e)(e.status, "%s (init() waited BYTECOMP_START_TIMEOUT_MS=%d ms "
-                                  "for it to end)" % (e.message, settings.start_timeout_ms)) \
+                                  "%s)" % (e.message, settings.start_timeout_ms, why)) \
                         from None
                 raise
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
