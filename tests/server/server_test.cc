@@ -482,7 +482,7 @@ TEST_P(ServerTest, AsyncAbortReachesTheCoordinatorWhenTheClientGoesAtOnce) {
 // a restarted coordinator numbers jobs from 1 again: the next job of the
 // reused uid failed on that node at its join with the old job's reason
 // (found by scripts/chaos: kill-rank, kill-coordinator, new job).
-TEST_P(ServerTest, AStaleAbortDoesNotFailALaterJobOfTheSameUidAfterACoordinatorRestart) {
+TEST_P(ServerTest, AStaleAbortDoesNotFailALaterJobAndNoUidIsReusedAfterACoordinatorRestart) {
   start_server();
   auto a = client(100), b = client(101);
   JobSpec spec;
