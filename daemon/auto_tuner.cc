@@ -68,9 +68,6 @@ void AutoTuner::report_loss(double loss) {
   cv_.notify_all();
 }
 
-// The uncompressed strategy a rollback returns to: what the warm-up ran.
-static const char* const kUncompressedYaml = "version: 1\ndefault: {compressor: none}\n";
-
 bool AutoTuner::compresses(const std::string& yaml) const {
   if (yaml.empty()) return false;
   try {
@@ -89,10 +86,28 @@ void AutoTuner::check_loss() {
   if (!o_.spec.loss_guard || state_ == State::kRolledBack) return;
   const std::optional<std::string> why = loss_guard_.check();
   if (!why) return;
-  const std::string text = "loss guard: " + *why + "; rolling back to uncompressed";
-  BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": " << text;
+  roll_back(Rollback{ps_->info().rank, *why}, true);
+}
+
+// `own`: this node's guard fired, and it asks the coordinator for the
+// rollback (any node may: each judges its own ranks' losses, and a guard
+// that fired on one node alone must still roll the whole job back).
+// Otherwise another node's rollback reached this node through the job's
+// timeline. Either way the node ends rolled back with the same text.
+void AutoTuner::roll_back(const Rollback& r, bool own) {
+  const std::string text = "loss guard of node " + std::to_string(r.node_rank) + ": " + r.why +
+                           "; rolling back to uncompressed on every node";
+  if (own) {
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": " << text;
+    // Two guards firing at once: the second finds the first's change and
+    // does not ask again (a request racing it is refused by the coordinator,
+    // which admits one change at a time).
+    if (!rollback_of(*ps_->timeline().latest().yaml))
+      engine_->request_strategy(rollback_yaml(r.node_rank, r.why));
+  } else {
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": rolled back by " << text;
+  }
   write_file("rollback.txt", text + "\n");
-  if (ps_->info().rank == 0) engine_->request_strategy(kUncompressedYaml);
   state_ = State::kRolledBack;
   trigger_.clear();
   std::lock_guard lk(mu_);
@@ -392,7 +407,9 @@ void AutoTuner::run() {
         std::lock_guard vl(mu_);
         view_.strategy_yaml = current_yaml_;
       }
-      if (state_ == State::kApplied && !have_switch_) {
+      if (const std::optional<Rollback> r = rollback_of(current_yaml_)) {
+        if (state_ != State::kRolledBack) roll_back(*r, false);
+      } else if (state_ == State::kApplied && !have_switch_) {
         switch_iteration_ = latest.first;
         have_switch_ = true;
         trigger_.set_prediction(predicted_us_, switch_iteration_ + 1);
