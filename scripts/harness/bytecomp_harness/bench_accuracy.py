@@ -138,6 +138,7 @@ def accuracy_table(a, accuracy, systems_order, reason):
         per_epoch = steps_per_epoch(t, a.nodes * a.nproc_per_node, st["batch"])
         out += ("\n\nAccuracy: %s at %s, %d nodes x %d, batch %d per process, SGD lr %g "
                 "(%s) momentum %g, %d steps%s, held-out evaluation every %d, target %.0f%%; "
+                "compressors other than fp16 on tensors of at least %d bytes; "
                 "medians of %d run(s) (seeds %d..%d):\n\n| system | SGD momentum on "
                 "(params) | final held-out accuracy %% (range) | best %% | step to target | "
                 "epoch to target | time to target s | vs DDP fp32 | step ms | reached |\n"
@@ -146,7 +147,8 @@ def accuracy_table(a, accuracy, systems_order, reason):
                     st["lr"], st["schedule"], st["momentum"], st["steps"],
                     " (%.1f epochs of %d steps)" % (st["steps"] / per_epoch, per_epoch)
                     if per_epoch else "", st["eval_every"],
-                    st["target"], a.repeats, a.seed, a.seed + a.repeats - 1))
+                    st["target"], getattr(a, "compress_min_bytes", None) or 65536, a.repeats,
+                    a.seed, a.seed + a.repeats - 1))
         ref = (systems.get("ddp_fp32") or {}).get("time_to_target_s")
         autos = []
         for s in systems_order:

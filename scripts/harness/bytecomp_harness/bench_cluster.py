@@ -64,17 +64,20 @@ STRATEGIES = {
 }
 
 
-def strategy_yaml(system):
+def strategy_yaml(system, min_bytes=None):
     """The strategy file of a ByteComp system (docs/strategy-format.md):
     bytecomp.torch's control tensor always uncompressed; every tensor of at
-    least the size in STRATEGIES compressed on the daemons' CPUs, the
+    least the size in STRATEGIES (or `min_bytes`, for every system that
+    does not compress every tensor) compressed on the daemons' CPUs, the
     servers decompress-sum-recompress their shard."""
     head = ("version: 1\nmeta: {written_by: \"bench-cluster\", system: \"%s\"}\n"
             "default: {compressor: none}\nrules:\n  - match: \"bytecomp.*\"\n"
             "    option: {compressor: none}\n" % system)
     if system == "bc_none":
         return head
-    comp, params, ef, min_bytes = STRATEGIES[system]
+    comp, params, ef, own_min = STRATEGIES[system]
+    if min_bytes is None or not own_min:
+        min_bytes = own_min
     rule = "  - match: \"*\"\n"
     if min_bytes:
         rule += "    min_bytes: %d\n" % min_bytes
@@ -363,7 +366,7 @@ class Bench:
         for s in BC_SYSTEMS:
             if s != "bc_auto":
                 with open(os.path.join(tmp, "strategies", s + ".yaml"), "w") as f:
-                    f.write(strategy_yaml(s))
+                    f.write(strategy_yaml(s, a.compress_min_bytes))
         if a.keep_strategies:
             self.log("strategies in %s" % os.path.join(tmp, "strategies"))
         cluster = NamespacedCluster(a.nodes, a.nproc_per_node, servers=a.servers,
@@ -623,6 +626,9 @@ def parse(argv):
     ap.add_argument("--partition-bytes", default="1MiB",
                     help="the servers' and daemons' partition size (default 1MiB, as "
                          "bytecomp-run)")
+    ap.add_argument("--compress-min-bytes", type=int, default=None,
+                    help="smallest tensor bc_efsignsgd, bc_topk, bc_randomk and bc_dgc compress "
+                         "(default 65536; bc_fp16 compresses every tensor)")
     ap.add_argument("--auto-compressors", default="efsignsgd",
                     help="bc_auto: the compressors its planner may use (comma-separated specs)")
     ap.add_argument("--auto-extra-steps", type=int, default=12,
