@@ -46,7 +46,9 @@ std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double mea
   if (fired_.size() >= max_replans_) {
     // Held back, not dropped: the streak goes on and fires once the oldest
     // re-plan leaves the window (a link that really changed still gets one).
-    held_back_ = std::to_string(fired_.size()) + " re-plans in the last " + std::to_string(per_) +
+    held_back_ = "measured " + std::to_string(median(drifted_) / 1000.0) + " ms against " +
+                 std::to_string(reference_us_ / 1000.0) + " ms; " +
+                 std::to_string(fired_.size()) + " re-plans in the last " + std::to_string(per_) +
                  " iterations (replan.max " + std::to_string(max_replans_) + " per " +
                  std::to_string(per_) + "): the next one waits until iteration " +
                  std::to_string(fired_.front() + per_);

@@ -317,6 +317,7 @@ void AutoTuner::handle(const server::AutoEvent& e) {
                              << " (epoch " << epoch_ << "): " << e.text;
     probe_link();
     measure_compressors();
+    reprofile_after_probe_ = true;
     state_ = State::kProfiling;
     std::lock_guard lk(mu_);
     view_.state = "profiling";
@@ -440,7 +441,15 @@ void AutoTuner::run() {
       if (fresh && state_ == State::kApplied && have_switch_ && it > switch_iteration_ &&
           ps_->info().rank == 0) {
         const std::string before = trigger_.held_back();
+        const double reference = trigger_.reference_us();
         auto why = trigger_.observe(it, samples_.at(it).iteration_us);
+        if (reference <= 0 && trigger_.reference_us() > 0 &&
+            trigger_.reference_us() != predicted_us_)
+          BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": re-plan reference "
+                                   << trigger_.reference_us() / 1000.0
+                                   << " ms per iteration, measured up to iteration " << it
+                                   << " under the re-planned strategy (predicted "
+                                   << predicted_us_ / 1000.0 << " ms)";
         if (!trigger_.held_back().empty() && trigger_.held_back() != before)
           BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": lasting drift, re-plan held back: "
                                    << trigger_.held_back();
@@ -452,6 +461,16 @@ void AutoTuner::run() {
               BC_LOG(LogAuto(), kInfo) << "job " << job << ": re-plan refused: " << st.message();
           });
         }
+      }
+    }
+    if (reprofile_after_probe_) {
+      reprofile_after_probe_ = false;
+      // +2: the iteration after the latest complete one may have begun
+      // while the probe still ran.
+      if (last_iteration_ + 2 > profile_from_) {
+        profile_from_ = last_iteration_ + 2;
+        BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": link probed; the profile starts at "
+                                 << "iteration " << profile_from_;
       }
     }
     check_loss();

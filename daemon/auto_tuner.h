@@ -143,6 +143,8 @@ class ReplanTrigger {
   std::optional<std::string> observe(uint64_t iteration, double measured_us);
   // Why the last lasting drift did not re-plan ("" when none was held back).
   const std::string& held_back() const { return held_back_; }
+  // What drift is measured against now (0: no prediction, or settling).
+  double reference_us() const { return predicted_us_ > 0 ? reference_us_ : 0.0; }
 
  private:
   double drift_;
@@ -288,6 +290,10 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   ReplanTrigger trigger_;
   LossGuard loss_guard_;
   uint64_t last_iteration_ = 0;  // latest complete iteration seen (stamps losses)
+  // A re-profile's window starts after its own link probe and compressor
+  // measurement: iterations that ran while the probe loaded the link are not
+  // the strategy's (issue 29: 163 ms profiled against 45 ms running).
+  bool reprofile_after_probe_ = false;
   bool loss_reported_ = false;
 
   mutable std::mutex mu_;
