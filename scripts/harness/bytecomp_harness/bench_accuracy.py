@@ -147,7 +147,7 @@ def accuracy_table(a, accuracy, systems_order, reason):
                     st["lr"], st["schedule"], st["momentum"], st["steps"],
                     " (%.1f epochs of %d steps)" % (st["steps"] / per_epoch, per_epoch)
                     if per_epoch else "", st["eval_every"],
-                    st["target"], getattr(a, "compress_min_bytes", None) or 65536, a.repeats,
+                    st["target"], a.compress_min_bytes, a.repeats,
                     a.seed, a.seed + a.repeats - 1))
         ref = (systems.get("ddp_fp32") or {}).get("time_to_target_s")
         autos = []

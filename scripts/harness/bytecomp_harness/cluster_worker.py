@@ -238,7 +238,7 @@ def optimizer_for(system, model, lr, momentum, args):
     """SGD with `momentum` on every parameter, except the tensors that the
     system's strategy gives to a compressor with its own momentum (dgc:
     its momentum correction is the momentum, as the DGC paper prescribes):
-    those get none. Under bc_dgc the tensors below its 64 KiB window stay
+    those get none. Under bc_dgc the tensors below its size window stay
     uncompressed and keep SGD momentum."""
     own = []
     path = os.path.join(args.strategy_dir, system + ".yaml") if system.startswith("bc_") else ""
