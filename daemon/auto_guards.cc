@@ -36,6 +36,7 @@ std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double mea
   const double d = std::abs(measured_us - reference_us_) / reference_us_;
   if (d <= drift_) {
     streak_ = 0;
+    held_back_.clear();  // the streak it held back is over
     return std::nullopt;
   }
   if (streak_ == 0) drifted_.clear();

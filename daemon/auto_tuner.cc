@@ -450,7 +450,7 @@ void AutoTuner::run() {
                                    << " ms per iteration, measured up to iteration " << it
                                    << " under the re-planned strategy (predicted "
                                    << predicted_us_ / 1000.0 << " ms)";
-        if (!trigger_.held_back().empty() && trigger_.held_back() != before)
+        if (!trigger_.held_back().empty() && before.empty())  // once per held-back streak
           BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": lasting drift, re-plan held back: "
                                    << trigger_.held_back();
         if (why) {

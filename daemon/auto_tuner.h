@@ -141,7 +141,8 @@ class ReplanTrigger {
   // A measured iteration; a reason when it is time to re-plan (which the
   // trigger counts against the per-N bound).
   std::optional<std::string> observe(uint64_t iteration, double measured_us);
-  // Why the last lasting drift did not re-plan ("" when none was held back).
+  // Why the current lasting drift does not re-plan ("" when none is held
+  // back: no drift, or the streak ended).
   const std::string& held_back() const { return held_back_; }
   // What drift is measured against now (0: no prediction, or settling).
   double reference_us() const { return predicted_us_ > 0 ? reference_us_ : 0.0; }

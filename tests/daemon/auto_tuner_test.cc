@@ -168,6 +168,16 @@ TEST(AutoTuner, ReplanTriggerBoundsRePlansPerWindow) {
   ASSERT_TRUE(why.has_value());
   EXPECT_NE(why->find("against 1 ms measured after the last re-plan"), std::string::npos) << *why;
   EXPECT_EQ(t.held_back(), "");
+  // A held-back streak that ends is no longer held back (the daemon logs
+  // each held-back streak once).
+  t.set_prediction(1000, 200);
+  EXPECT_FALSE(t.observe(200, 1000).has_value());
+  EXPECT_FALSE(t.observe(201, 1000).has_value());
+  EXPECT_FALSE(t.observe(202, 5000).has_value());
+  EXPECT_FALSE(t.observe(203, 5000).has_value());
+  EXPECT_NE(t.held_back().find("waits until iteration 206"), std::string::npos) << t.held_back();
+  EXPECT_FALSE(t.observe(204, 1000).has_value());
+  EXPECT_EQ(t.held_back(), "");
 }
 
 TEST(AutoTuner, AfterARePlanASteadyJobIsNotRePlannedForTheModelsError) {
