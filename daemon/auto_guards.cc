@@ -7,6 +7,8 @@
 #include <cmath>
 #include <sstream>
 
+#include "planner/strategy/strategy.h"
+
 namespace bytecomp::daemon {
 
 using Clock = std::chrono::steady_clock;
@@ -18,13 +20,23 @@ void ReplanTrigger::set_prediction(double predicted_us, uint64_t iteration) {
   predicted_us_ = predicted_us;
   since_ = iteration;
   streak_ = 0;
+  settling_.clear();
+  // After a re-plan the reference is measured (see the class comment).
+  reference_us_ = replanned_ ? 0.0 : predicted_us;
 }
 
 std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double measured_us) {
   if (predicted_us_ <= 0 || iteration < since_) return std::nullopt;
-  const double d = std::abs(measured_us - predicted_us_) / predicted_us_;
+  if (reference_us_ <= 0) {
+    settling_.push_back(measured_us);
+    if (settling_.size() < std::max<size_t>({min_interval_, needed_, 1})) return std::nullopt;
+    reference_us_ = median(settling_);
+    return std::nullopt;
+  }
+  const double d = std::abs(measured_us - reference_us_) / reference_us_;
   if (d <= drift_) {
     streak_ = 0;
+    held_back_.clear();  // the streak it held back is over
     return std::nullopt;
   }
   if (streak_ == 0) drifted_.clear();
@@ -35,7 +47,9 @@ std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double mea
   if (fired_.size() >= max_replans_) {
     // Held back, not dropped: the streak goes on and fires once the oldest
     // re-plan leaves the window (a link that really changed still gets one).
-    held_back_ = std::to_string(fired_.size()) + " re-plans in the last " + std::to_string(per_) +
+    held_back_ = "measured " + std::to_string(median(drifted_) / 1000.0) + " ms against " +
+                 std::to_string(reference_us_ / 1000.0) + " ms; " +
+                 std::to_string(fired_.size()) + " re-plans in the last " + std::to_string(per_) +
                  " iterations (replan.max " + std::to_string(max_replans_) + " per " +
                  std::to_string(per_) + "): the next one waits until iteration " +
                  std::to_string(fired_.front() + per_);
@@ -46,12 +60,41 @@ std::optional<std::string> ReplanTrigger::observe(uint64_t iteration, double mea
   std::ostringstream o;
   o.precision(4);
   o << "measured " << median(drifted_) / 1000.0 << " ms per iteration over the last " << streak_
-    << " iterations against " << predicted_us_ / 1000.0 << " ms predicted (drift "
-    << 100.0 * std::abs(median(drifted_) - predicted_us_) / predicted_us_ << "% > "
+    << " iterations against " << reference_us_ / 1000.0 << " ms "
+    << (replanned_ ? "measured after the last re-plan" : "predicted") << " (drift "
+    << 100.0 * std::abs(median(drifted_) - reference_us_) / reference_us_ << "% > "
     << 100.0 * drift_ << "%)";
+  replanned_ = true;
   predicted_us_ = 0;
+  reference_us_ = 0;
   streak_ = 0;
   return o.str();
+}
+
+namespace {
+constexpr const char* kRollbackWriter = "bytecompd loss guard";
+}
+
+std::string rollback_yaml(uint32_t node_rank, const std::string& why) {
+  strategy::Strategy s = strategy::Strategy::parse("version: 1\ndefault: {compressor: none}\n",
+                                                   "loss guard rollback");
+  s.meta["written_by"] = kRollbackWriter;
+  s.meta["node"] = std::to_string(node_rank);
+  s.meta["reason"] = why;
+  return s.to_yaml();
+}
+
+std::optional<Rollback> rollback_of(const std::string& yaml) {
+  if (yaml.find(kRollbackWriter) == std::string::npos) return std::nullopt;  // the common case
+  try {
+    const strategy::Strategy s = strategy::Strategy::parse(yaml, "job strategy");
+    const auto w = s.meta.find("written_by"), n = s.meta.find("node"), r = s.meta.find("reason");
+    if (w == s.meta.end() || w->second != kRollbackWriter || n == s.meta.end()) return std::nullopt;
+    return Rollback{static_cast<uint32_t>(std::stoul(n->second)),
+                    r == s.meta.end() ? std::string() : r->second};
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
 }
 
 void LossGuard::report(uint64_t iteration, double loss) {

@@ -73,9 +73,6 @@ void AutoTuner::report_gpu(strategy::GpuReport report) {
   gpu_ = std::move(report);  // the latest process's report stands
 }
 
-// The uncompressed strategy a rollback returns to: what the warm-up ran.
-static const char* const kUncompressedYaml = "version: 1\ndefault: {compressor: none}\n";
-
 bool AutoTuner::compresses(const std::string& yaml) const {
   if (yaml.empty()) return false;
   try {
@@ -94,10 +91,28 @@ void AutoTuner::check_loss() {
   if (!o_.spec.loss_guard || state_ == State::kRolledBack) return;
   const std::optional<std::string> why = loss_guard_.check();
   if (!why) return;
-  const std::string text = "loss guard: " + *why + "; rolling back to uncompressed";
-  BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": " << text;
+  roll_back(Rollback{ps_->info().rank, *why}, true);
+}
+
+// `own`: this node's guard fired, and it asks the coordinator for the
+// rollback (any node may: each judges its own ranks' losses, and a guard
+// that fired on one node alone must still roll the whole job back).
+// Otherwise another node's rollback reached this node through the job's
+// timeline. Either way the node ends rolled back with the same text.
+void AutoTuner::roll_back(const Rollback& r, bool own) {
+  const std::string text = "loss guard of node " + std::to_string(r.node_rank) + ": " + r.why +
+                           "; rolling back to uncompressed on every node";
+  if (own) {
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": " << text;
+    // Two guards firing at once: the second finds the first's change and
+    // does not ask again (a request racing it is refused by the coordinator,
+    // which admits one change at a time).
+    if (!rollback_of(*ps_->timeline().latest().yaml))
+      engine_->request_strategy(rollback_yaml(r.node_rank, r.why));
+  } else {
+    BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": rolled back by " << text;
+  }
   write_file("rollback.txt", text + "\n");
-  if (ps_->info().rank == 0) engine_->request_strategy(kUncompressedYaml);
   state_ = State::kRolledBack;
   trigger_.clear();
   std::lock_guard lk(mu_);
@@ -312,6 +327,7 @@ void AutoTuner::handle(const server::AutoEvent& e) {
                              << " (epoch " << epoch_ << "): " << e.text;
     probe_link();
     measure_compressors();
+    reprofile_after_probe_ = true;
     state_ = State::kProfiling;
     std::lock_guard lk(mu_);
     view_.state = "profiling";
@@ -402,7 +418,9 @@ void AutoTuner::run() {
         std::lock_guard vl(mu_);
         view_.strategy_yaml = current_yaml_;
       }
-      if (state_ == State::kApplied && !have_switch_) {
+      if (const std::optional<Rollback> r = rollback_of(current_yaml_)) {
+        if (state_ != State::kRolledBack) roll_back(*r, false);
+      } else if (state_ == State::kApplied && !have_switch_) {
         switch_iteration_ = latest.first;
         have_switch_ = true;
         trigger_.set_prediction(predicted_us_, switch_iteration_ + 1);
@@ -433,8 +451,16 @@ void AutoTuner::run() {
       if (fresh && state_ == State::kApplied && have_switch_ && it > switch_iteration_ &&
           ps_->info().rank == 0) {
         const std::string before = trigger_.held_back();
+        const double reference = trigger_.reference_us();
         auto why = trigger_.observe(it, samples_.at(it).iteration_us);
-        if (!trigger_.held_back().empty() && trigger_.held_back() != before)
+        if (reference <= 0 && trigger_.reference_us() > 0 &&
+            trigger_.reference_us() != predicted_us_)
+          BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": re-plan reference "
+                                   << trigger_.reference_us() / 1000.0
+                                   << " ms per iteration, measured up to iteration " << it
+                                   << " under the re-planned strategy (predicted "
+                                   << predicted_us_ / 1000.0 << " ms)";
+        if (!trigger_.held_back().empty() && before.empty())  // once per held-back streak
           BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": lasting drift, re-plan held back: "
                                    << trigger_.held_back();
         if (why) {
@@ -445,6 +471,16 @@ void AutoTuner::run() {
               BC_LOG(LogAuto(), kInfo) << "job " << job << ": re-plan refused: " << st.message();
           });
         }
+      }
+    }
+    if (reprofile_after_probe_) {
+      reprofile_after_probe_ = false;
+      // +2: the iteration after the latest complete one may have begun
+      // while the probe still ran.
+      if (last_iteration_ + 2 > profile_from_) {
+        profile_from_ = last_iteration_ + 2;
+        BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": link probed; the profile starts at "
+                                 << "iteration " << profile_from_;
       }
     }
     check_loss();

@@ -115,6 +115,15 @@ std::vector<size_t> probe_order(size_t servers, uint32_t rank);
 // `per_iterations` iterations; the coordinator's decide() then keeps the
 // running strategy unless the new plan clears the min_gain bar against it
 // (planner/online.h Decision::kept_current).
+//
+// What "drift" is measured against: until the first re-plan, the
+// prediction (one re-plan corrects a model that got this job wrong); after
+// it, the iteration time measured under the re-planned strategy (the median
+// of its first max(min_interval, iterations) iterations). A model that
+// still mispredicts the same steady job then never re-plans it again
+// (issue 29: 4 nodes on a steady 100 Mbit/s link, predicted 167 ms after
+// the re-plan, measured 38 ms, asked again every `per_iterations`); a link
+// or load that really changes moves the measurement and does.
 class ReplanTrigger {
  public:
   ReplanTrigger(double drift, uint32_t iterations, uint32_t min_interval,
@@ -124,12 +133,19 @@ class ReplanTrigger {
   // A prediction in force from `iteration` (a strategy change there).
   void set_prediction(double predicted_us, uint64_t iteration);
   // No prediction (a failed plan, or a re-plan under way).
-  void clear() { predicted_us_ = 0; streak_ = 0; }
+  void clear() {
+    predicted_us_ = 0;
+    reference_us_ = 0;
+    streak_ = 0;
+  }
   // A measured iteration; a reason when it is time to re-plan (which the
   // trigger counts against the per-N bound).
   std::optional<std::string> observe(uint64_t iteration, double measured_us);
-  // Why the last lasting drift did not re-plan ("" when none was held back).
+  // Why the current lasting drift does not re-plan ("" when none is held
+  // back: no drift, or the streak ended).
   const std::string& held_back() const { return held_back_; }
+  // What drift is measured against now (0: no prediction, or settling).
+  double reference_us() const { return predicted_us_ > 0 ? reference_us_ : 0.0; }
 
  private:
   double drift_;
@@ -143,6 +159,9 @@ class ReplanTrigger {
   uint64_t since_ = 0;
   uint32_t streak_ = 0;
   std::vector<double> drifted_;
+  bool replanned_ = false;        // fired at least once in this job's life
+  double reference_us_ = 0;       // what drift is measured against (0: settling)
+  std::vector<double> settling_;  // after a re-plan: the first iterations measured
 };
 
 // The median of `v` (0 when empty).
@@ -197,6 +216,21 @@ class LossGuard {
   bool non_finite_ = false;
 };
 
+// The strategy a loss-guard rollback switches the job to: every tensor
+// uncompressed (what the warm-up ran), with `meta` naming the node whose
+// guard fired and why. The guard of any node may fire (each judges its own
+// ranks' losses); the change it requests applies on every node, and every
+// node recognises it in the job's timeline by this mark (rollback_of), so
+// the whole job is rolled back whichever node judged it diverged.
+std::string rollback_yaml(uint32_t node_rank, const std::string& why);
+struct Rollback {
+  uint32_t node_rank = 0;
+  std::string why;
+};
+// The rollback `yaml` (a strategy in force) stands for; nullopt for any
+// other strategy.
+std::optional<Rollback> rollback_of(const std::string& yaml);
+
 class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
  public:
   struct Options {
@@ -240,6 +274,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
  private:
   enum class State { kIdle, kProfiling, kWaiting, kApplied, kFailed, kRolledBack };
   void check_loss();
+  void roll_back(const Rollback& r, bool own);
   bool compresses(const std::string& yaml) const;
   void run();
   void probe_link();
@@ -259,6 +294,10 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   ReplanTrigger trigger_;
   LossGuard loss_guard_;
   uint64_t last_iteration_ = 0;  // latest complete iteration seen (stamps losses)
+  // A re-profile's window starts after its own link probe and compressor
+  // measurement: iterations that ran while the probe loaded the link are not
+  // the strategy's (issue 29: 163 ms profiled against 45 ms running).
+  bool reprofile_after_probe_ = false;
   bool loss_reported_ = false;
 
   mutable std::mutex mu_;

@@ -3,6 +3,8 @@
 // re-plan trigger and its minimum interval; and real compressor calls.
 #include "daemon/auto_tuner.h"
 
+#include "planner/strategy/strategy.h"
+
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -16,6 +18,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <regex>
 #include <sstream>
 #include <ctime>
@@ -152,14 +155,58 @@ TEST(AutoTuner, ReplanTriggerBoundsRePlansPerWindow) {
   EXPECT_FALSE(t.observe(5, 5000).has_value());
   ASSERT_TRUE(t.observe(6, 5000).has_value());
   EXPECT_EQ(t.held_back(), "");
-  // The next prediction drifts at once: held back by the bound until
-  // iteration 6 + 100, then it fires.
+  // After the re-plan the reference is what the first 2 iterations measure
+  // (1 ms); then the link changes (5 ms) at once: held back by the bound
+  // until iteration 6 + 100, then it fires.
   t.set_prediction(1000, 10);
-  for (uint64_t i = 10; i < 106; ++i) EXPECT_FALSE(t.observe(i, 5000).has_value()) << i;
+  EXPECT_FALSE(t.observe(10, 1000).has_value());
+  EXPECT_FALSE(t.observe(11, 1000).has_value());
+  for (uint64_t i = 12; i < 106; ++i) EXPECT_FALSE(t.observe(i, 5000).has_value()) << i;
   EXPECT_NE(t.held_back().find("waits until iteration 106"), std::string::npos) << t.held_back();
   EXPECT_NE(t.held_back().find("replan.max 1 per 100"), std::string::npos) << t.held_back();
-  EXPECT_TRUE(t.observe(106, 5000).has_value());
+  auto why = t.observe(106, 5000);
+  ASSERT_TRUE(why.has_value());
+  EXPECT_NE(why->find("against 1 ms measured after the last re-plan"), std::string::npos) << *why;
   EXPECT_EQ(t.held_back(), "");
+  // A held-back streak that ends is no longer held back (the daemon logs
+  // each held-back streak once).
+  t.set_prediction(1000, 200);
+  EXPECT_FALSE(t.observe(200, 1000).has_value());
+  EXPECT_FALSE(t.observe(201, 1000).has_value());
+  EXPECT_FALSE(t.observe(202, 5000).has_value());
+  EXPECT_FALSE(t.observe(203, 5000).has_value());
+  EXPECT_NE(t.held_back().find("waits until iteration 206"), std::string::npos) << t.held_back();
+  EXPECT_FALSE(t.observe(204, 1000).has_value());
+  EXPECT_EQ(t.held_back(), "");
+}
+
+TEST(AutoTuner, AfterARePlanASteadyJobIsNotRePlannedForTheModelsError) {
+  // Issue 29, digits on 4 nodes at a steady 100 Mbit/s: predicted 67 ms,
+  // measured 38 ms: one re-plan; the re-plan predicted 167 ms and the job
+  // still measured 38 ms. Before the fix the trigger compared with 167 ms
+  // and asked again every `per` iterations (held back until 1030, then a
+  // second re-plan on an unchanged link). The defaults: drift 25 %, 5 in a
+  // row, 20 iterations after the change, 1 per 1000.
+  ReplanTrigger t(0.25, 5, 20, 1, 1000);
+  t.set_prediction(66980, 9);
+  int fired = 0;
+  uint64_t it = 9;
+  for (; it < 33; ++it) fired += t.observe(it, 38000 + 500.0 * (it % 3)).has_value();
+  EXPECT_EQ(fired, 1) << "the model's first error is corrected once";
+  // The re-plan's decision comes into force at 40 with a prediction as wrong.
+  t.set_prediction(167480, 40);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> noise(-0.15, 0.15);  // a loaded host's jitter
+  for (it = 40; it < 5000; ++it) {
+    double ms = 38000 * (1 + noise(rng));
+    if (it % 20 == 0) ms *= 4;  // an evaluation pause every 20 steps
+    EXPECT_FALSE(t.observe(it, ms).has_value()) << it;
+  }
+  EXPECT_EQ(t.held_back(), "") << "no lasting drift at all, so nothing was held back";
+  // A real change of the link (the iteration now takes 80 ms) re-plans.
+  bool again = false;
+  for (; it < 5010 && !again; ++it) again = t.observe(it, 80000).has_value();
+  EXPECT_TRUE(again);
 }
 
 TEST(AutoTuner, LossGuardRollsBackWhenTheLossDivergesAfterTheSwitch) {
@@ -198,6 +245,31 @@ TEST(AutoTuner, LossGuardRollsBackWhenTheLossDivergesAfterTheSwitch) {
   k.compressed_from(1);
   for (int i = 2; i < 10; ++i) k.report(i, 100.0);
   EXPECT_FALSE(k.check().has_value());
+}
+
+TEST(AutoTuner, ALossGuardRollbackIsUncompressedAndRecognisedByEveryNode) {
+  // Issue 29: a guard that fired on node 1 alone marked node 1 rolled back
+  // and changed nothing (only node rank 0 asked). Now any node asks with
+  // this strategy, and every node knows it as a rollback from the timeline.
+  const std::string why = "the median loss of the last 20 reports is 2.5, above 1.3 by 92% "
+                          "(loss_guard.tolerance 25%): \"quoted\"";
+  const std::string yaml = rollback_yaml(1, why);
+  const strategy::Strategy s = strategy::Strategy::parse(yaml, "rollback");
+  for (const char* t : {"fc1.weight", "fc2.bias", "bytecomp.ctl"})
+    EXPECT_FALSE(s.resolve(t, 1 << 20).compressed()) << t;
+  const std::optional<Rollback> r = rollback_of(yaml);
+  ASSERT_TRUE(r.has_value()) << yaml;
+  EXPECT_EQ(r->node_rank, 1u);
+  EXPECT_EQ(r->why, why);
+  EXPECT_EQ(rollback_of(rollback_yaml(0, "x"))->node_rank, 0u);
+  // Any other strategy, uncompressed ones included, is no rollback.
+  EXPECT_FALSE(rollback_of("").has_value());
+  EXPECT_FALSE(rollback_of("version: 1\ndefault: {compressor: none}\n").has_value());
+  EXPECT_FALSE(rollback_of("version: 1\nmeta: {written_by: \"planner\", node: \"1\"}\n"
+                           "default: {compressor: none}\n").has_value());
+  // The mark alone in a comment is not enough: it must be the strategy's meta.
+  EXPECT_FALSE(rollback_of("version: 1  # bytecompd loss guard\ndefault: {compressor: none}\n")
+                   .has_value());
 }
 
 TEST(AutoTuner, TheProbeSkipsServersOnThisHost) {

@@ -132,31 +132,37 @@ class AutoOnNamespaces(unittest.TestCase):
         self.assertTrue(opts["head.bias"].startswith("none"), opts)
         self.assertIn("bytecomp-plan explain", seen["shown"])
 
-    def test_diverging_loss_rolls_back_to_uncompressed(self):
+    def test_diverging_loss_on_one_node_rolls_the_job_back(self):
         """The loss guard (docs/auto.md "Loss rollback"): on the slow link
-        the job switches to compression; the workers then report 10x their
-        first step's loss (a stand-in for compression that hurts training:
-        this small pool's real loss falls to 1e-4 within 40 steps), so the
-        median of 5 post-switch reports exceeds the uncompressed warm-up's
-        by far more than 25 %: node 0 rolls the job back to uncompressed,
-        both nodes record why, bytecompctl shows it, and the last steps run
-        uncompressed again (as slow as the profiled ones)."""
+        the job switches to compression; then node 1's worker alone reports
+        10x its first step's loss (a stand-in for compression that hurts
+        training: this small pool's real loss falls to 1e-4 within 40
+        steps), so node 1's median of 5 post-switch reports exceeds its
+        uncompressed warm-up's by far more than 25 % while node 0's losses
+        stay healthy. Node 1's guard asks for the rollback, the whole job
+        switches back to uncompressed (before issue 29's fix only node 0
+        could ask, and node 1 marked itself rolled back with nothing
+        changed), both nodes record why, node 0's bytecompctl shows it,
+        and the last steps run uncompressed again (as slow as the profiled
+        ones) on both nodes."""
         seen = {}
         ranks = self.run_cluster("10mbit", "bc_auto", 40, seen,
-                                 extra=["--auto-loss-window", "5", "--auto-fake-divergence", "10"],
+                                 extra=["--auto-loss-window", "5", "--auto-fake-divergence", "10",
+                                        "--auto-fake-divergence-nodes", "1"],
                                  watch=self.watch_rollback)
-        a = ranks[0]["systems"]["bc_auto"]["auto"]
-        self.assertNotIn("error", a, a)
-        self.assertTrue(a["compressed"], a)  # it did switch to compression first
-        self.assertIn("rollback", a, a)
-        self.assertIn("loss guard", a["rollback"])
-        self.assertIn("rolling back to uncompressed", a["rollback"])
-        self.assertIn("json", seen, "bytecompctl never showed the rollback in force")
-        self.assertIn("loss guard", seen["json"]["auto"]["message"], seen["json"])
-        # The last steps are uncompressed again: link-bound like the profile.
-        steps = ranks[0]["systems"]["bc_auto"]["step_s"]
-        tail = sorted(steps[-5:])
-        self.assertGreater(tail[2], a["profiled_s"] / 2, (a, steps))
+        for d in ranks:
+            a = d["systems"]["bc_auto"]["auto"]
+            self.assertNotIn("error", a, a)
+            self.assertTrue(a["compressed"], a)  # it did switch to compression first
+            self.assertIn("rollback", a, (d["rank"], a))
+            self.assertIn("loss guard of node 1", a["rollback"])
+            self.assertIn("rolling back to uncompressed on every node", a["rollback"])
+            # The last steps are uncompressed again: link-bound like the profile.
+            steps = d["systems"]["bc_auto"]["step_s"]
+            tail = sorted(steps[-5:])
+            self.assertGreater(tail[2], a["profiled_s"] / 2, (d["rank"], a, steps))
+        self.assertIn("json", seen, "bytecompctl never showed the rollback in force on node 0")
+        self.assertIn("loss guard of node 1", seen["json"]["auto"]["message"], seen["json"])
 
     def test_unshaped_link_stays_uncompressed_and_exact(self):
         """No shaping, and a batch whose compute outweighs the gradient's

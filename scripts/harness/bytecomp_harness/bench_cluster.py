@@ -15,7 +15,6 @@ last.
 import argparse
 import datetime
 import json
-import math
 import os
 import signal
 import statistics
@@ -24,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from bytecomp_harness import netns
+from bytecomp_harness import bench_accuracy, netns
 from bytecomp_harness.cluster import ClusterError, NamespacedCluster, default_threads
 from bytecomp_harness.tasks import TASKS, TRAIN
 from bytecomp_harness.tasks import settings as task_settings
@@ -55,27 +54,36 @@ WIRE_SHARE = {"ddp_fp32": 1.0, "ddp_fp16": 0.5, "ddp_powersgd": 0.05, "bc_none":
 
 _OPTION = ("{compressor: %s, params: {%s}, error_feedback: %s, comp_device: cpu, "
            "decomp_device: cpu, inter: alltoall_allgather}")
+# The smallest tensor the sparsifiers and efsignsgd compress: auto's
+# guard.min_bytes. Until issue 29 it was 64 KiB, which on digits also
+# compressed the input layer fc1.weight (128 KiB); dgc, topk and efsignsgd
+# then ended 1.4-7 points below DDP fp32 on 4 nodes, and within 0.5 points
+# with it uncompressed (docs/cluster.md, "Which tensors a compressor covers").
+COMPRESS_MIN_BYTES = 256 << 10
 # (compressor, params, error feedback, smallest tensor compressed)
 STRATEGIES = {
     "bc_fp16": ("fp16", "", "false", 0),
-    "bc_efsignsgd": ("efsignsgd", "", "false", 65536),
-    "bc_topk": ("topk", 'ratio: "0.01"', "true", 65536),
-    "bc_randomk": ("randomk", 'ratio: "0.01"', "true", 65536),
-    "bc_dgc": ("dgc", 'ratio: "0.01"', "false", 65536),
+    "bc_efsignsgd": ("efsignsgd", "", "false", COMPRESS_MIN_BYTES),
+    "bc_topk": ("topk", 'ratio: "0.01"', "true", COMPRESS_MIN_BYTES),
+    "bc_randomk": ("randomk", 'ratio: "0.01"', "true", COMPRESS_MIN_BYTES),
+    "bc_dgc": ("dgc", 'ratio: "0.01"', "false", COMPRESS_MIN_BYTES),
 }
 
 
-def strategy_yaml(system):
+def strategy_yaml(system, min_bytes=None):
     """The strategy file of a ByteComp system (docs/strategy-format.md):
     bytecomp.torch's control tensor always uncompressed; every tensor of at
-    least the size in STRATEGIES compressed on the daemons' CPUs, the
+    least the size in STRATEGIES (or `min_bytes`, for every system that
+    does not compress every tensor) compressed on the daemons' CPUs, the
     servers decompress-sum-recompress their shard."""
     head = ("version: 1\nmeta: {written_by: \"bench-cluster\", system: \"%s\"}\n"
             "default: {compressor: none}\nrules:\n  - match: \"bytecomp.*\"\n"
             "    option: {compressor: none}\n" % system)
     if system == "bc_none":
         return head
-    comp, params, ef, min_bytes = STRATEGIES[system]
+    comp, params, ef, own_min = STRATEGIES[system]
+    if min_bytes is None or not own_min:
+        min_bytes = own_min
     rule = "  - match: \"*\"\n"
     if min_bytes:
         rule += "    min_bytes: %d\n" % min_bytes
@@ -179,62 +187,8 @@ def summarize(ranks, system, world):
     if "broadcast_s" in per[0]:
         out.update(summarize_broadcast(per))
     if "runs" in per[0]:
-        out.update(summarize_task(per))
+        out.update(bench_accuracy.summarize_task(per))
     return out
-
-
-def summarize_task(per):
-    """An accuracy task's runs (cluster_worker.run_accuracy) for one system.
-    Per run: the step's time is the slowest rank's (a step is done when the
-    last rank has stepped), the time axis the sum of those over the steps so
-    far (training only: batch preparation and evaluations are not counted),
-    the training loss the mean over ranks, the held-out figures over every
-    rank's shard. Over the runs: medians; a run that never reached the
-    target counts as slower than any that did (the median is null when
-    most did not)."""
-    st = per[0]["settings"]
-    runs = []
-    for i in range(len(per[0]["runs"])):
-        rr = [p["runs"][i] for p in per]
-        step = [max(r["step_s"][j] for r in rr) for j in range(len(rr[0]["step_s"]))]
-        cum = [0.0]
-        for t in step:
-            cum.append(cum[-1] + t)
-        loss = [statistics.mean(r["loss"][j] for r in rr) for j in range(len(step))]
-        evals = rr[0]["evals"]
-        k = st["eval_every"]
-        curve = []
-        for e in evals:
-            lo = max(0, e["step"] - k)
-            curve.append({"step": e["step"], "time_s": cum[e["step"]],
-                          "train_loss": (statistics.mean(loss[lo:e["step"]])
-                                         if e["step"] else None),
-                          "heldout_loss": e["loss"], "accuracy": e["accuracy"]})
-        hit = next((c for c in curve if c["accuracy"] >= st["target"]), None)
-        runs.append({"seed": rr[0]["seed"], "curve": curve, "step_ms": 1000 * median(step),
-                     "final_accuracy": curve[-1]["accuracy"],
-                     "best_accuracy": max(c["accuracy"] for c in curve),
-                     "time_to_target_s": hit["time_s"] if hit else None,
-                     "step_to_target": hit["step"] if hit else None})
-
-    def med(key):
-        xs = [r[key] if r[key] is not None else math.inf for r in runs]
-        m = median(xs)
-        return None if m is None or m == math.inf else m
-    n = len(runs[0]["curve"])
-    curve = [{key: median([r["curve"][j][key] for r in runs])
-              if runs[0]["curve"][j][key] is not None else None
-              for key in ("step", "time_s", "train_loss", "heldout_loss", "accuracy")}
-             for j in range(n)]
-    return {"task": per[0]["task"], "settings": st, "momentum_params": per[0]["momentum_params"],
-            "repeats": len(runs), "runs": runs, "curve": curve,
-            "step_ms": median([r["step_ms"] for r in runs]),
-            "final_accuracy": median([r["final_accuracy"] for r in runs]),
-            "final_accuracy_range": [min(r["final_accuracy"] for r in runs),
-                                     max(r["final_accuracy"] for r in runs)],
-            "time_to_target_s": med("time_to_target_s"),
-            "step_to_target": med("step_to_target"),
-            "reached": sum(r["time_to_target_s"] is not None for r in runs)}
 
 
 def summarize_broadcast(per):
@@ -297,7 +251,7 @@ class Bench:
         cores = os.cpu_count() or 1
         procs = a.nodes * a.nproc_per_node
         if model in TASKS:
-            st = task_settings(model, {"steps": a.accuracy_steps or None})
+            st = task_settings(model, {"steps": a.accuracy_steps or None, "lr": a.accuracy_lr or None})
             batch = st["batch"]
         else:
             batch = a.batch or MODEL_DEFAULTS[model]["batch"]
@@ -364,7 +318,7 @@ class Bench:
         out = os.path.join(tmp, "out-%s-%s-%d" % (model, bw, attempt))
         if model in TASKS:
             what = ["--task", model, "--repeats", str(a.repeats),
-                    "--task-steps", str(a.accuracy_steps)]
+                    "--task-steps", str(a.accuracy_steps), "--task-lr", str(a.accuracy_lr)]
         else:
             d = MODEL_DEFAULTS[model]
             what = ["--model", model, "--warmup", str(a.warmup),
@@ -418,7 +372,7 @@ class Bench:
         for s in BC_SYSTEMS:
             if s != "bc_auto":
                 with open(os.path.join(tmp, "strategies", s + ".yaml"), "w") as f:
-                    f.write(strategy_yaml(s))
+                    f.write(strategy_yaml(s, a.compress_min_bytes))
         if a.keep_strategies:
             self.log("strategies in %s" % os.path.join(tmp, "strategies"))
         cluster = NamespacedCluster(a.nodes, a.nproc_per_node, servers=a.servers,
@@ -547,20 +501,7 @@ class Bench:
                     if any(d.values()) else None) for m, d in self.compute.items()}
         good = {bw: (round(g["ratio"], 3) if g.get("ratio") is not None else None)
                 for bw, g in self.goodput.items()}
-        acc = {}
-        for t, systems in self.accuracy.items():
-            acc[t] = {}
-            for sname, r in systems.items():
-                if not r or "error" in r or "curve" not in r:
-                    acc[t][sname] = None
-                    continue
-                acc[t][sname] = {
-                    "final_accuracy": round(r["final_accuracy"], 2),
-                    "time_to_target_s": (round(r["time_to_target_s"], 3)
-                                         if r["time_to_target_s"] is not None else None),
-                    "step_to_target": r["step_to_target"], "target": r["settings"]["target"],
-                    "reached": r["reached"], "repeats": r["repeats"],
-                    "step_ms": round(r["step_ms"], 2)}
+        acc = bench_accuracy.accuracy_json(self.accuracy)
         return {"results": res, "compute_only_ms": comp, "goodput_vs_link": good,
                 "accuracy": acc, "broadcast_ms": self.broadcast_json()}
 
@@ -600,7 +541,8 @@ class Bench:
                     fmt(g.get("ratio"), "%.3f", "null: %s" % g.get("error")),
                     fmt(g.get("wire_vs_link"), "%.3f"))
         out += self.broadcast_table()
-        out += self.accuracy_table()
+        out += bench_accuracy.accuracy_table(a, self.accuracy, self.accuracy_systems(a.systems),
+                                             self.reason)
         autos = [(m, bw, systems["bc_auto"]["auto"]) for m, bws in self.results.items()
                  for bw, systems in bws.items() if (systems.get("bc_auto") or {}).get("auto")]
         if autos:
@@ -615,93 +557,6 @@ class Bench:
                     fmt(au["predicted_s"] * 1000 if au.get("predicted_s") else None),
                     au.get("switch_iteration", "-"), au.get("note") or au.get("error") or "")
         return out
-
-    def accuracy_table(self):
-        """Per task: the settings, and per system the median final held-out
-        accuracy (range over the runs), the step and training time at which
-        it first reached the target, the median step time."""
-        a = self.args
-        out = ""
-        for t, systems in self.accuracy.items():
-            st = task_settings(t, {"steps": a.accuracy_steps or None})
-            out += ("\n\nAccuracy: %s at %s, %d nodes x %d, batch %d per process, SGD lr %g "
-                    "(%s) momentum %g, %d steps, held-out evaluation every %d, target %.0f%%; "
-                    "medians of %d run(s) (seeds %d..%d):\n\n| system | SGD momentum on "
-                    "(params) | final held-out accuracy %% (range) | best %% | step to target | "
-                    "time to target s | vs DDP fp32 | step ms | reached |\n|---|---|---|---|---|"
-                    "---|---|---|---|\n" % (
-                        t, a.accuracy_bandwidth, a.nodes, a.nproc_per_node, st["batch"],
-                        st["lr"], st["schedule"], st["momentum"], st["steps"], st["eval_every"],
-                        st["target"], a.repeats, a.seed, a.seed + a.repeats - 1))
-            ref = (systems.get("ddp_fp32") or {}).get("time_to_target_s")
-            for s in self.accuracy_systems(a.systems):
-                r = systems.get(s)
-                if not r or "error" in r or "curve" not in r:
-                    out += "| %s | null: %s | | | | | | | |\n" % (s, self.reason(s, r))
-                    continue
-                mp = r["momentum_params"]
-                tt = r["time_to_target_s"]
-                out += "| %s | %d of %d | %.2f (%.2f-%.2f) | %.2f | %s | %s | %s | %.1f | %d/%d |\n" % (
-                    s, mp["sgd_momentum"], mp["sgd_momentum"] + mp["none"], r["final_accuracy"],
-                    r["final_accuracy_range"][0], r["final_accuracy_range"][1],
-                    median([x["best_accuracy"] for x in r["runs"]]),
-                    fmt(r["step_to_target"], "%d", "not reached"),
-                    fmt(tt, "%.2f", "not reached"),
-                    fmt(tt / ref if tt is not None and ref else None, "%.2f"),
-                    r["step_ms"], r["reached"], r["repeats"])
-        return out
-
-    def plot_accuracy(self, out_dir):
-        """Per task accuracy-<task>.png: training loss (mean over each
-        evaluation interval) and held-out accuracy against steps and against
-        training time, every system (medians over the runs)."""
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return []
-        paths = []
-        for t, systems in self.accuracy.items():
-            ok = [(s, r) for s, r in systems.items() if r and "curve" in r]
-            if not ok:
-                continue
-            fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-            for s, r in ok:
-                c = r["curve"]
-                style = "--" if s.startswith("ddp") else "-"
-                tl = [(x["step"], x["time_s"], x["train_loss"]) for x in c
-                      if x["train_loss"] is not None]
-                axes[0][0].plot([x[0] for x in tl], [x[2] for x in tl], style, label=s)
-                axes[0][1].plot([x[1] for x in tl], [x[2] for x in tl], style, label=s)
-                axes[1][0].plot([x["step"] for x in c], [x["accuracy"] for x in c], style,
-                                label=s)
-                axes[1][1].plot([x["time_s"] for x in c], [x["accuracy"] for x in c], style,
-                                label=s)
-            target = ok[0][1]["settings"]["target"]
-            for ax in axes[1]:
-                ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
-                ax.set_ylabel("held-out accuracy %")
-            for ax in axes[0]:
-                ax.set_ylabel("training loss (interval mean)")
-                ax.set_yscale("log")
-            for ax in (axes[0][0], axes[1][0]):
-                ax.set_xlabel("step")
-            for ax in (axes[0][1], axes[1][1]):
-                ax.set_xlabel("training time s (slowest rank, evaluations excluded)")
-            for ax in axes.flat:
-                ax.grid(True, alpha=0.3)
-            axes[1][1].legend(fontsize=7)
-            st = ok[0][1]["settings"]
-            fig.suptitle("%s, %d nodes at %s, lr %g %s, momentum %g; medians of %d run(s)" % (
-                t, self.args.nodes, self.args.accuracy_bandwidth, st["lr"], st["schedule"],
-                st["momentum"], self.args.repeats))
-            fig.tight_layout()
-            path = os.path.join(out_dir, "accuracy-%s.png" % t)
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            paths.append(path)
-        return paths
 
     def plot(self, path):
         try:
@@ -766,6 +621,8 @@ def parse(argv):
                     help="systems of the accuracy runs (default: --systems)")
     ap.add_argument("--accuracy-steps", type=int, default=0,
                     help="training steps per accuracy run (default: the task's)")
+    ap.add_argument("--accuracy-lr", type=float, default=0,
+                    help="learning rate of every accuracy run (default: each task's swept one)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="accuracy runs per task and system (seeds --seed, --seed+1, ...)")
     ap.add_argument("--seed", type=int, default=1)
@@ -775,6 +632,9 @@ def parse(argv):
     ap.add_argument("--partition-bytes", default="1MiB",
                     help="the servers' and daemons' partition size (default 1MiB, as "
                          "bytecomp-run)")
+    ap.add_argument("--compress-min-bytes", type=int, default=COMPRESS_MIN_BYTES,
+                    help="smallest tensor bc_efsignsgd, bc_topk, bc_randomk and bc_dgc compress "
+                         "(default %d; bc_fp16 compresses every tensor)" % COMPRESS_MIN_BYTES)
     ap.add_argument("--auto-compressors", default="efsignsgd",
                     help="bc_auto: the compressors its planner may use (comma-separated specs)")
     ap.add_argument("--auto-extra-steps", type=int, default=12,
@@ -884,7 +744,7 @@ def main(argv=None):
                    "goodput": bench.goodput, "accuracy": bench.accuracy,
                    "args": {k: v for k, v in vars(a).items()}}, f, indent=1, default=str)
     png = bench.plot(os.path.join(a.out, "cluster.png"))
-    pngs = bench.plot_accuracy(a.out)
+    pngs = bench_accuracy.plot_accuracy(a, bench.accuracy, a.out)
     print()
     print(header)
     print(table)

@@ -238,7 +238,7 @@ def optimizer_for(system, model, lr, momentum, args):
     """SGD with `momentum` on every parameter, except the tensors that the
     system's strategy gives to a compressor with its own momentum (dgc:
     its momentum correction is the momentum, as the DGC paper prescribes):
-    those get none. Under bc_dgc the tensors below its 64 KiB window stay
+    those get none. Under bc_dgc the tensors below its size window stay
     uncompressed and keep SGD momentum."""
     own = []
     path = os.path.join(args.strategy_dir, system + ".yaml") if system.startswith("bc_") else ""
@@ -367,19 +367,45 @@ def auto_record(opt, wait_s=0.0):
     return rec
 
 
+def auto_view(opt):
+    """This node's daemon's view of the auto job of `opt`, as `bytecompctl
+    jobs` shows it (docs/auto.md): state, decisions, re-plans (the
+    coordinator's re-profile requests this node received), last message;
+    None when the daemon does not list the job."""
+    from bytecomp import ctl
+    try:
+        jobs = json.loads(ctl.request(opt._bc_ctx.settings.socket_path, "jobs"))["jobs"]
+    except (ctl.CtlError, OSError, ValueError, KeyError) as e:
+        return {"error": "bytecompctl jobs: %s" % e}
+    for j in jobs:
+        if j.get("id") == opt._bc_job:
+            a = (j.get("strategy") or {}).get("auto")
+            if a:
+                return {k: a.get(k) for k in ("state", "epoch", "decisions", "replans",
+                                                "message")}
+    return None
+
+
 def auto_switched(opt):
     """Whether this node's daemon has run the auto job of `opt` under its
-    decided strategy for a few iterations (its run directory's measured.yaml,
-    written 5 iterations after the switch; remembered once true). Only then
-    is a reported loss surely stamped after the switch."""
+    decided strategy for a few iterations (its run directory's
+    measured-node<r>.yaml, written 5 iterations after the switch by every
+    node's daemon; remembered once true). Only then is a reported loss
+    surely stamped after the switch."""
     if getattr(opt, "_bc_test_switched", False):
         return True
     s = opt._bc_ctx.settings
     job = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in opt._bc_job)
     switched = os.path.exists(os.path.join(os.path.dirname(s.socket_path), "runs", job,
-                                           "measured.yaml"))
+                                           "measured-node%d.yaml" % s.node_rank))
     opt._bc_test_switched = switched
     return switched
+
+
+def fake_here(args):
+    """Whether --auto-fake-divergence applies to this process's node."""
+    nodes = [int(n) for n in args.auto_fake_divergence_nodes.split(",") if n]
+    return not nodes or int(os.environ.get("GROUP_RANK", "0")) in nodes
 
 
 def run_training(system, args, rank, counters):
@@ -414,7 +440,7 @@ def run_training(system, args, rank, counters):
                 reported = float(loss.item())
                 if first_loss is None:
                     first_loss = reported
-                if args.auto_fake_divergence and auto_switched(opt):
+                if (args.auto_fake_divergence and fake_here(args) and auto_switched(opt)):
                     reported = first_loss * args.auto_fake_divergence
                 opt.report_loss(reported)
             if args.progress and rank == 0:
@@ -469,7 +495,13 @@ def train_task(task, st, system, fwd, model, opt, rank, world):
         losses.append(float(loss.item()))
         if (step + 1) % st["eval_every"] == 0 or step + 1 == st["steps"]:
             evaluate(step + 1)
-    return {"step_s": times, "loss": losses, "evals": evals}
+    out = {"step_s": times, "loss": losses, "evals": evals}
+    if system == "bc_auto":
+        # What the daemon decided and how often it re-planned during this
+        # run (each run is a job of its own), read before the job ends.
+        out["auto"] = auto_record(opt)
+        out["auto"]["view"] = auto_view(opt)
+    return out
 
 
 def run_accuracy(system, args, rank, size):
@@ -478,7 +510,7 @@ def run_accuracy(system, args, rank, size):
     Records the settings used and, per parameter group, whether SGD
     momentum applies."""
     from bytecomp_harness.tasks import Task, settings
-    st = settings(args.task, {"steps": args.task_steps or None})
+    st = settings(args.task, {"steps": args.task_steps or None, "lr": args.task_lr or None})
     runs = []
     for r in range(args.repeats):
         seed = args.seed + r
@@ -576,6 +608,8 @@ def main(argv=None):
                     "bytecomp_harness.tasks (digits, cancer, mlp) with its training settings")
     ap.add_argument("--task-steps", type=int, default=0,
                     help="--task: training steps (default: the task's)")
+    ap.add_argument("--task-lr", type=float, default=0,
+                    help="--task: learning rate (default: the task's swept one)")
     ap.add_argument("--repeats", type=int, default=1, help="--task: runs per system")
     ap.add_argument("--systems", required=True, help="comma-separated, run in this order")
     ap.add_argument("--warmup", type=int, default=3)
@@ -602,6 +636,9 @@ def main(argv=None):
                     help="bc_auto, for tests: once the daemon's compressed strategy is in "
                          "force, report this factor times the first step's loss (a diverged "
                          "run; the loss guard's rollback)")
+    ap.add_argument("--auto-fake-divergence-nodes", default="",
+                    help="--auto-fake-divergence only on these node ranks (comma-separated; "
+                         "default every node)")
     ap.add_argument("--auto-exclude", default="",
                     help="bc_auto: tensors never compressed (comma-separated globs)")
     ap.add_argument("--out", required=True, help="directory; rank<r>.json is written there")
