@@ -229,12 +229,21 @@ void RingJob::fail(const Status& s) {
   fail_(s);
 }
 
-void RingJob::queue(uint32_t tensor, uint32_t index, uint64_t iteration, const Round& round,
+bool RingJob::newly_complete(Round& round) {
+  if (round.notified || !round.started || round.received != round.expected || round.sending != 0)
+    return false;
+  round.notified = true;
+  return true;
+}
+
+void RingJob::queue(uint32_t tensor, uint32_t index, uint64_t iteration, Round& round,
                     uint32_t step, uint32_t chunk, Buffer data,
                     std::shared_ptr<std::function<void()>> own_done) {
   const uint32_t seg = geo_.segment_sent(spec_.rank, step);
   const auto [first, n] = geo_.chunk(round.count, seg, chunk);
   Out o;
+  o.tensor = tensor;
+  o.index = index;
   o.key = strategy::partition_key(tensor, index);
   o.iteration = iteration;
   o.header.format = round.format;
@@ -249,10 +258,11 @@ void RingJob::queue(uint32_t tensor, uint32_t index, uint64_t iteration, const R
   o.data = std::move(data);
   o.own_done = std::move(own_done);
   outq_.push_back(std::move(o));
+  ++round.sending;
 }
 
 Status RingJob::apply(uint32_t tensor, uint32_t index, uint64_t iteration, Round& round,
-                      const Received& r, bool* complete) {
+                      const Received& r) {
   const RingHeader& h = r.header;
   if (h.format != round.format || h.plan_digest != round.digest) {
     return Status(ErrorCode::kInvalidArgument,
@@ -279,7 +289,7 @@ Status RingJob::apply(uint32_t tensor, uint32_t index, uint64_t iteration, Round
     if (h.step + 1 < geo_.steps()) queue(tensor, index, iteration, round, h.step + 1, h.chunk, r.data);
   }
   round.progress = Clock::now();
-  *complete = ++round.received == round.expected;
+  ++round.received;
   return Status::Ok();
 }
 
@@ -333,10 +343,10 @@ void RingJob::start(uint32_t tensor, uint32_t index, uint64_t iteration, RingFor
       }
     }
     for (const Received& e : std::exchange(round.early, {})) {
-      bad = apply(tensor, index, iteration, round, e, &complete);
+      bad = apply(tensor, index, iteration, round, e);
       if (!bad.ok()) break;
     }
-    complete = bad.ok() && round.received == round.expected;
+    complete = bad.ok() && newly_complete(round);
   }
   if (acked_now && acked) acked();
   if (!bad.ok()) {
@@ -427,11 +437,14 @@ Status RingJob::receive(NodeId from, uint64_t key, uint64_t iteration, Received 
       return refuse(ErrorCode::kMalformed, why);
     }
     round->got[h.step][h.chunk] = true;
+    BC_LOG(LogRing(), kDebug) << "job " << spec_.name << ": received step " << h.step << " chunk "
+                              << h.chunk << " of " << what << (round->started ? "" : " (early)");
     if (!round->started) {
       round->early.push_back(std::move(r));
       return Status::Ok();
     }
-    bad = apply(tensor, index, iteration, *round, r, &complete);
+    bad = apply(tensor, index, iteration, *round, r);
+    complete = bad.ok() && newly_complete(*round);
   }
   if (!bad.ok()) {
     fail(bad);
@@ -466,9 +479,11 @@ void RingJob::pump() {
                              std::to_string(o.header.chunk) + " of " +
                              part_name(strategy::partition_tensor(o.key),
                                        strategy::partition_index(o.key), o.iteration);
+    BC_LOG(LogRing(), kDebug) << "job " << spec_.name << ": sending " << what;
     hub_.tp_->request(
         spec_.nodes[to], std::move(msg), spec_.timeout,
-        [weak, to, what, done = std::move(o.own_done)](transport::Response resp) {
+        [weak, to, what, tensor = o.tensor, index = o.index, iteration = o.iteration,
+         done = std::move(o.own_done)](transport::Response resp) {
           auto job = weak.lock();
           if (!job) return;
           Status s = resp.status;
@@ -489,18 +504,28 @@ void RingJob::pump() {
                                            " (the ring's right neighbour) failed: " + s.message()));
             return;
           }
+          BC_LOG(LogRing(), kDebug) << "job " << job->spec_.name << ": answered " << what;
           if (done) (*done)();
-          job->sent();
+          job->sent(tensor, index, iteration);
         });
   }
 }
 
-void RingJob::sent() {
+void RingJob::sent(uint32_t tensor, uint32_t index, uint64_t iteration) {
+  bool complete = false;
   {
     std::lock_guard lock(mu_);
+    if (closed_) return;
     if (unanswered_ > 0) --unanswered_;
+    if (Part* p = part(tensor, index)) {
+      if (auto it = p->open.find(iteration); it != p->open.end()) {
+        if (it->second.sending > 0) --it->second.sending;
+        complete = newly_complete(it->second);
+      }
+    }
   }
   pump();
+  if (complete) ready_(tensor, index, iteration);
 }
 
 std::vector<float> RingJob::take(uint32_t tensor, uint32_t index, uint64_t iteration) {
@@ -508,8 +533,7 @@ std::vector<float> RingJob::take(uint32_t tensor, uint32_t index, uint64_t itera
   if (closed_) throw Error(ErrorCode::kUnavailable, "job '" + spec_.name + "' ended");
   Part* p = part(tensor, index);
   auto s = p == nullptr ? decltype(p->open)::iterator{} : p->open.find(iteration);
-  if (p == nullptr || s == p->open.end() || !s->second.started ||
-      s->second.received != s->second.expected) {
+  if (p == nullptr || s == p->open.end() || !s->second.notified) {
     throw Error(ErrorCode::kInternal,
                 "ring allreduce: " + part_name(tensor, index, iteration) + " incomplete");
   }

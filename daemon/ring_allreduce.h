@@ -151,7 +151,8 @@ struct RingJobSpec {
 
 class RingJob {
  public:
-  // Round (tensor, index, iteration) is complete: take() its result.
+  // Round (tensor, index, iteration) is complete: every chunk of it came and
+  // every chunk this node sent for it was answered. take() its result.
   using ReadyFn = std::function<void(uint32_t tensor, uint32_t index, uint64_t iteration)>;
   // The job cannot go on (neighbour lost, send refused or timed out, bad
   // message). At most once.
@@ -201,6 +202,11 @@ class RingJob {
     uint64_t expected = 0;
     uint64_t received = 0;
     std::vector<Received> early;  // before start()
+    // This node's chunks of the round queued or unanswered: the round is
+    // complete only once they are answered too, or a node whose own result
+    // is complete could end the job with forwards its neighbour still needs.
+    uint64_t sending = 0;
+    bool notified = false;  // ready_ ran
     std::chrono::steady_clock::time_point progress;
   };
   struct Part {
@@ -208,6 +214,8 @@ class RingJob {
     std::map<uint64_t, Round> open;  // by iteration, at most 2
   };
   struct Out {
+    uint32_t tensor = 0;
+    uint32_t index = 0;
     uint64_t key = 0;
     uint64_t iteration = 0;
     RingHeader header;
@@ -224,14 +232,17 @@ class RingJob {
   // From the hub's handler: Ok or the reason to refuse.
   Status receive(transport::NodeId from, uint64_t key, uint64_t iteration, Received r);
   // Sums / copies one chunk into a started round and queues what follows;
-  // Ok or the reason the job fails (mu_ held). Sets *complete.
+  // Ok or the reason the job fails (mu_ held).
   Status apply(uint32_t tensor, uint32_t index, uint64_t iteration, Round& round,
-               const Received& r, bool* complete);
-  void queue(uint32_t tensor, uint32_t index, uint64_t iteration, const Round& round,
+               const Received& r);
+  // mu_ held: true once when the round is complete (ready_ is then due).
+  static bool newly_complete(Round& round);
+  void queue(uint32_t tensor, uint32_t index, uint64_t iteration, Round& round,
              uint32_t step, uint32_t chunk, transport::Buffer data,
              std::shared_ptr<std::function<void()>> own_done = nullptr);  // mu_ held
   void pump();  // sends what the window allows (mu_ not held)
-  void sent();  // a chunk was answered: the window has room
+  // A chunk of the round was answered: the window has room.
+  void sent(uint32_t tensor, uint32_t index, uint64_t iteration);
   void fail(const Status& s);
 
   PeerHub& hub_;
