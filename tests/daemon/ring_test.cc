@@ -198,9 +198,11 @@ std::vector<float> node_values(uint64_t n, uint32_t node, uint64_t it) {
   return v;
 }
 
+// Destroyed jobs first, then hubs (their transports' threads joined: no
+// callback runs after), then the events the callbacks write to.
 struct Ring {
-  std::vector<std::unique_ptr<bd::PeerHub>> hubs;
   std::vector<std::unique_ptr<Events>> events;
+  std::vector<std::unique_ptr<bd::PeerHub>> hubs;
   std::vector<std::shared_ptr<bd::RingJob>> jobs;
 
   Ring(uint32_t m, const std::string& backend, uint32_t uid, std::vector<uint64_t> counts,
@@ -370,12 +372,12 @@ TEST_P(RingHubs, DisagreementAndALostNeighbourFailTheJobNamingTheCause) {
 // A hand-made sender in a 2-node job with hub 200: every malformed chunk is
 // refused with the reason; a stranger's messages do not disturb the job.
 TEST_P(RingHubs, MalformedChunksAreRefusedWithTheReason) {
+  Events ea;  // outlives the hub, whose threads run the job's callbacks
   bd::PeerHub a(hub_config(200, GetParam()));
   auto x = bt::make_transport(hub_config(201, GetParam()));
   x->start();
   auto stranger = bt::make_transport(hub_config(209, GetParam()));
   stranger->start();
-  Events ea;
   bd::RingJobSpec s;
   s.name = "junk";
   s.uid = 70;
