@@ -148,8 +148,10 @@ void RingPath::start(const Task& t, std::span<char* const> bufs) {
   // The bytes-in-flight bound is released once the right neighbour answered
   // this node's own first-step chunks, not when the round completes (that
   // needs every node, which may start partitions in other orders).
+  // Reduced in place in rank 0's partition: the segment stays mapped while
+  // the engine exists, and close() (Engine::stop) ends every write into it.
   ring_->start(t.tensor, t.index, t.iteration, format, digest_of(plan),
-               reinterpret_cast<const float*>(bufs[0] + t.begin), t.count,
+               reinterpret_cast<float*>(bufs[0] + t.begin), t.count,
                [inbox, bytes = t.bytes()] {
                  if (auto i = inbox.lock()) i->acked(bytes);
                });
@@ -158,8 +160,7 @@ void RingPath::start(const Task& t, std::span<char* const> bufs) {
 std::string RingPath::finish(const Inbox::Arrival& a, std::span<char* const> bufs) {
   const Task& t = a.task;
   try {
-    const std::vector<float> sum = ring_->take(t.tensor, t.index, t.iteration);
-    std::memcpy(bufs[0] + t.begin, sum.data(), sum.size() * 4);
+    ring_->take(t.tensor, t.index, t.iteration);  // the result is in rank 0's partition
     ctx_.phases->stamp(t.tensor, t.index, t.iteration, Phase::kDecompressed);
     ctx_.reducer->copy_from_first(bufs, t.begin, t.end);
     ctx_.phases->stamp(t.tensor, t.index, t.iteration, Phase::kCopiedOut);

@@ -273,7 +273,7 @@ Status RingJob::apply(uint32_t tensor, uint32_t index, uint64_t iteration, Round
                       " (the nodes disagree on the tensor's strategy at this iteration)");
   }
   const uint32_t m = geo_.nodes;
-  float* dst = round.acc.data() + h.offset;
+  float* dst = round.acc + h.offset;
   if (h.step < m - 1) {
     // Reduce-scatter: the partial sum from the left plus this node's values.
     merge(round.format, dst, r.data, h.count, true);
@@ -294,7 +294,7 @@ Status RingJob::apply(uint32_t tensor, uint32_t index, uint64_t iteration, Round
 }
 
 void RingJob::start(uint32_t tensor, uint32_t index, uint64_t iteration, RingFormat format,
-                    uint64_t digest, const float* sum, uint64_t count, AckedFn acked) {
+                    uint64_t digest, float* sum, uint64_t count, AckedFn acked) {
   bool complete = false;
   bool acked_now = false;
   Status bad;
@@ -324,7 +324,7 @@ void RingJob::start(uint32_t tensor, uint32_t index, uint64_t iteration, RingFor
     round.started = true;
     round.format = format;
     round.digest = digest;
-    round.acc.assign(sum, sum + count);
+    round.acc = sum;
     round.progress = Clock::now();
     // This node's own segment is the first step's.
     const uint32_t own = geo_.segment_sent(spec_.rank, 0);
@@ -339,7 +339,7 @@ void RingJob::start(uint32_t tensor, uint32_t index, uint64_t iteration, RingFor
       for (uint64_t c = 0; c < chunks; ++c) {
         const auto [first, n] = geo_.chunk(count, own, c);
         queue(tensor, index, iteration, round, 0, static_cast<uint32_t>(c),
-              encode(format, round.acc.data() + first, n), done);
+              encode(format, round.acc + first, n), done);
       }
     }
     for (const Received& e : std::exchange(round.early, {})) {
@@ -528,7 +528,7 @@ void RingJob::sent(uint32_t tensor, uint32_t index, uint64_t iteration) {
   if (complete) ready_(tensor, index, iteration);
 }
 
-std::vector<float> RingJob::take(uint32_t tensor, uint32_t index, uint64_t iteration) {
+void RingJob::take(uint32_t tensor, uint32_t index, uint64_t iteration) {
   std::lock_guard lock(mu_);
   if (closed_) throw Error(ErrorCode::kUnavailable, "job '" + spec_.name + "' ended");
   Part* p = part(tensor, index);
@@ -537,10 +537,8 @@ std::vector<float> RingJob::take(uint32_t tensor, uint32_t index, uint64_t itera
     throw Error(ErrorCode::kInternal,
                 "ring allreduce: " + part_name(tensor, index, iteration) + " incomplete");
   }
-  std::vector<float> out = std::move(s->second.acc);
   p->open.erase(s);
   p->finished = std::max(p->finished, static_cast<int64_t>(iteration));
-  return out;
 }
 
 Status RingJob::check_deadlines(Clock::time_point now) {

@@ -53,12 +53,12 @@
 //
 // Memory: per partition at most two rounds are open (a neighbour is at most
 // one round ahead: finishing round i needs every node's contribution to it).
-// A round holds its fp32 accumulator (4 n bytes for n elements) once
-// started, the chunks that came before (each (step, chunk) at most once:
-// at most the 2 (M - 1) segments of the steps, under 8 n bytes), and this
-// node's queued sends for it (each step's chunks at most once: under 8 n
-// bytes). So a job holds at most 2 x 20 n = 40 n bytes per partition of n
-// elements, plus `window` chunks of at most chunk_bytes in the transport.
+// A round reduces in the caller's buffer (start()'s `sum`) and holds the
+// chunks that came before it started (each (step, chunk) at most once: at
+// most the 2 (M - 1) segments of the steps, under 8 n bytes for n
+// elements) and this node's queued sends for it (each step's chunks at most
+// once: under 8 n bytes). So a job holds at most 2 x 16 n = 32 n bytes per
+// partition, plus `window` chunks of at most chunk_bytes in the transport.
 //
 // Timeouts: a started round that receives nothing for spec.timeout fails the
 // job naming the silent neighbour (check_deadlines()); each send waits at
@@ -168,16 +168,20 @@ class RingJob {
   const RingJobSpec& spec() const { return spec_; }
   const RingGeometry& geometry() const { return geo_; }
 
-  // This node's sum of the partition (count elements of fp32): starts its
-  // part of the round. Throws Error(kInternal) when the round is not open
-  // for it (started twice, finished), Error(kInvalidArgument) when the
-  // chunks that came early disagree with `format` / `digest` (the job fails
-  // too).
+  // Starts this node's part of the round over `sum`, its sum of the
+  // partition (count elements of fp32), reduced in place: when the round is
+  // complete `sum` holds the result (every node's bits alike). `sum` must
+  // stay valid and untouched by the caller until take() or close() (the
+  // engine passes rank 0's partition in shared memory: no copy in or out).
+  // Throws Error(kInternal) when the round is not open for it (started
+  // twice, finished), Error(kInvalidArgument) when the chunks that came
+  // early disagree with `format` / `digest` (the job fails too).
   void start(uint32_t tensor, uint32_t index, uint64_t iteration, RingFormat format,
-             uint64_t digest, const float* sum, uint64_t count, AckedFn acked = nullptr);
-  // The reduced partition of a complete round (every node's bits alike); the
-  // round is then finished. Throws Error(kInternal) when it is not complete.
-  std::vector<float> take(uint32_t tensor, uint32_t index, uint64_t iteration);
+             uint64_t digest, float* sum, uint64_t count, AckedFn acked = nullptr);
+  // Finishes a complete round (its result is in start()'s `sum`); the
+  // round's later chunks are refused as stale. Throws Error(kInternal) when
+  // it is not complete.
+  void take(uint32_t tensor, uint32_t index, uint64_t iteration);
   // Fails the job (and returns the status) when a started round received
   // nothing for spec().timeout.
   Status check_deadlines(std::chrono::steady_clock::time_point now);
@@ -197,7 +201,7 @@ class RingJob {
     RingFormat format = RingFormat::kFp32;
     uint64_t digest = 0;
     uint64_t count = 0;
-    std::vector<float> acc;
+    float* acc = nullptr;  // start()'s sum, reduced in place
     std::vector<std::vector<bool>> got;  // [step][chunk]
     uint64_t expected = 0;
     uint64_t received = 0;

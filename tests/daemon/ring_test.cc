@@ -260,6 +260,9 @@ TEST_P(RingHubs, EverySizeAndFormatMatchesTheRingOrderBitForBit) {
       counts.push_back(per * kCe * m);
       counts.push_back(per * kCe * m + 1);
     }
+    // The nodes' sums, reduced in place (declared before the ring: a job may
+    // write into them until it is closed).
+    std::vector<std::vector<std::vector<float>>> bufs(m, std::vector<std::vector<float>>(counts.size()));
     Ring ring(m, GetParam(), uid++, counts, kChunkBytes);
     bd::RingGeometry geo{m, kCe};
     const bd::RingFormat formats[] = {bd::RingFormat::kFp32, bd::RingFormat::kFp16,
@@ -272,8 +275,9 @@ TEST_P(RingHubs, EverySizeAndFormatMatchesTheRingOrderBitForBit) {
       for (uint32_t r = 0; r < m; ++r) {
         for (size_t j = 0; j < counts.size(); ++j) {
           const auto t = static_cast<uint32_t>((j + r * 3) % counts.size());
-          const std::vector<float> x = node_values(counts[t], r, it);
-          ring.jobs[r]->start(t, 0, it, f, digest, x.data(), counts[t], ring.events[r]->on_acked());
+          bufs[r][t] = node_values(counts[t], r, it);
+          ring.jobs[r]->start(t, 0, it, f, digest, bufs[r][t].data(), counts[t],
+                              ring.events[r]->on_acked());
         }
       }
       for (uint32_t t = 0; t < counts.size(); ++t) {
@@ -283,7 +287,8 @@ TEST_P(RingHubs, EverySizeAndFormatMatchesTheRingOrderBitForBit) {
           ASSERT_TRUE(ring.events[r]->wait_ready(t, 0, it))
               << "m=" << m << " n=" << n << " it=" << it << " node " << r << ": "
               << (ring.events[r]->failures.empty() ? "" : ring.events[r]->failures.front());
-          got.push_back(ring.jobs[r]->take(t, 0, it));
+          ring.jobs[r]->take(t, 0, it);
+          got.push_back(bufs[r][t]);
           ASSERT_EQ(got.back().size(), n);
         }
         std::vector<std::vector<float>> x;
@@ -335,12 +340,12 @@ TEST_P(RingHubs, EverySizeAndFormatMatchesTheRingOrderBitForBit) {
 // that goes away fails its neighbours' jobs naming it.
 TEST_P(RingHubs, DisagreementAndALostNeighbourFailTheJobNamingTheCause) {
   {
+    std::vector<float> x0(1000, 1.5f), x1(1000, 1.5f);  // outlive the ring
     Ring ring(2, GetParam(), 60, {1000}, 1024);
-    std::vector<float> x(1000, 1.5f);
-    ring.jobs[0]->start(0, 0, 0, bd::RingFormat::kFp32, 1, x.data(), 1000);
+    ring.jobs[0]->start(0, 0, 0, bd::RingFormat::kFp32, 1, x0.data(), 1000);
     try {
       // Node 0's chunks may already be here: the start or the receipt fails.
-      ring.jobs[1]->start(0, 0, 0, bd::RingFormat::kFp16, 2, x.data(), 1000);
+      ring.jobs[1]->start(0, 0, 0, bd::RingFormat::kFp16, 2, x1.data(), 1000);
     } catch (const bytecomp::Error&) {
     }
     ASSERT_TRUE(ring.events[1]->wait_failed() || ring.events[0]->wait_failed());
@@ -352,10 +357,10 @@ TEST_P(RingHubs, DisagreementAndALostNeighbourFailTheJobNamingTheCause) {
     EXPECT_NE(why.find("disagree on the tensor's strategy"), std::string::npos) << why;
   }
   {
+    std::vector<float> x0(5000, 0.5f), x1(5000, 0.5f);  // outlive the ring
     Ring ring(3, GetParam(), 61, {5000}, 1024);
-    std::vector<float> x(5000, 0.5f);
-    ring.jobs[0]->start(0, 0, 0, bd::RingFormat::kFp32, 1, x.data(), 5000);
-    ring.jobs[1]->start(0, 0, 0, bd::RingFormat::kFp32, 1, x.data(), 5000);
+    ring.jobs[0]->start(0, 0, 0, bd::RingFormat::kFp32, 1, x0.data(), 5000);
+    ring.jobs[1]->start(0, 0, 0, bd::RingFormat::kFp32, 1, x1.data(), 5000);
     const auto t0 = std::chrono::steady_clock::now();
     ring.jobs[2]->close();
     ring.hubs[2].reset();  // node 202 dies
