@@ -68,6 +68,11 @@ void AutoTuner::report_loss(double loss) {
   cv_.notify_all();
 }
 
+void AutoTuner::report_gpu(strategy::GpuReport report) {
+  std::lock_guard lk(mu_);
+  gpu_ = std::move(report);  // the latest process's report stands
+}
+
 // The uncompressed strategy a rollback returns to: what the warm-up ran.
 static const char* const kUncompressedYaml = "version: 1\ndefault: {compressor: none}\n";
 
@@ -257,6 +262,11 @@ void AutoTuner::send_profile() {
   p.cpu_cores = std::max(1u, std::thread::hardware_concurrency());
   p.reduce = reduce_fit(engine_->phase_records(), part_elems_, last_elems_, partitions_);
   p.compressors = measures_;
+  {
+    std::lock_guard lock(mu_);
+    p.gpu_compressors = gpu_.compressors;
+    p.gpu_note = gpu_.note;
+  }
   p.link_gbps = link_gbps_;
   p.link_latency_us = link_latency_us_;
   p.current_strategy_yaml = current_yaml_;

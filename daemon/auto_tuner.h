@@ -233,6 +233,9 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
 
   // A training process's loss (any thread: queued for the tuner thread).
   void report_loss(double loss);
+  // What a training process measured of the CUDA compressors (any thread;
+  // the `gpu_profile` request): carried in the node's next profiles.
+  void report_gpu(strategy::GpuReport report);
 
  private:
   enum class State { kIdle, kProfiling, kWaiting, kApplied, kFailed, kRolledBack };
@@ -262,6 +265,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   std::condition_variable cv_;
   std::deque<server::AutoEvent> events_;  // from PS callbacks
   std::vector<double> losses_;            // from report_loss()
+  strategy::GpuReport gpu_;               // from report_gpu()
   bool stopping_ = false;
   View view_;
 

@@ -1,5 +1,6 @@
 #include "daemon/client_payload.h"
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -20,6 +21,26 @@ void check_forwardable(const Task& t, const std::string& tensor_name, bool plan_
                                    "rank per node (" + std::to_string(local_ranks) +
                                        " here; docs/gpu.md: the NCCL shard flow)"));
   }
+}
+
+uint32_t planned_dense_partitions(const strategy::TensorPlan& plan, uint64_t partitions) {
+  if (!plan.option || !(plan.option->cpu_share > 0.0) || partitions == 0) return 0;
+  // cpu_share < 1 (Option::problem), so k <= partitions; k == partitions:
+  // the client pushes the tensor dense (no GPU part left).
+  return static_cast<uint32_t>(
+      std::llround(plan.option->cpu_share * static_cast<double>(partitions)));
+}
+
+std::string check_split(const strategy::TensorPlan& plan, const std::string& tensor_name,
+                        uint64_t iteration, uint64_t partitions, uint32_t dense) {
+  const uint32_t want = planned_dense_partitions(plan, partitions);
+  if (dense == want) return {};
+  return "tensor '" + tensor_name + "' (iteration " + std::to_string(iteration) +
+         ") was pushed with its first " + std::to_string(dense) + " of " +
+         std::to_string(partitions) + " partitions dense for the CPU pool, but the plan in " +
+         "force (cpu_share " + (plan.option ? std::to_string(plan.option->cpu_share) : "0") +
+         ") puts " + std::to_string(want) + " there (a strategy change the client's placement "
+         "does not follow?)";
 }
 
 std::string compressed_refusal(const Task& t, const std::string& tensor_name,

@@ -22,6 +22,7 @@
 
 #include "compress/compressor.h"
 #include "daemon/scheduler.h"
+#include "planner/strategy/plan.h"
 
 namespace bytecomp::daemon {
 
@@ -49,5 +50,17 @@ std::string compressed_refusal(const Task& t, const std::string& tensor_name,
 // Error(kInvalidArgument) naming the task otherwise.
 void check_forwardable(const Task& t, const std::string& tensor_name, bool plan_compresses,
                        size_t local_ranks);
+
+// The strategy's cpu_share executed (docs/gpu.md §4): of a tensor's
+// `partitions`, the leading ones the daemon's CPU pool compresses, the rest
+// the client (comp_device: gpu): llround(cpu_share * partitions) (0 without
+// an option; all of them: the client pushes dense).
+uint32_t planned_dense_partitions(const strategy::TensorPlan& plan, uint64_t partitions);
+
+// Empty when a compressed round whose client left its first `dense`
+// partitions dense matches `plan` (planned_dense_partitions); else the
+// job-failing reason naming tensor, iteration and both counts.
+std::string check_split(const strategy::TensorPlan& plan, const std::string& tensor_name,
+                        uint64_t iteration, uint64_t partitions, uint32_t dense);
 
 }  // namespace bytecomp::daemon

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "daemon/client_payload.h"
 #include "daemon/engine_local.h"
 #include "daemon/engine_ps.h"
 #include "planner/strategy/partition.h"
@@ -290,11 +291,22 @@ void Engine::begin_round(uint32_t tensor) {
   // The round's plan, fixed once for all its partitions.
   const strategy::Timeline::Entry in_force = timeline_->at(round.iteration);
   if (local_) local_->follow(tensor, in_force);
+  if (round.compressed) {
+    // The client's CPU share (leading dense partitions) must be the plan's.
+    const uint64_t parts =
+        std::max<uint64_t>(1, (tensors_[tensor].bytes() + partition_bytes_ - 1) / partition_bytes_);
+    if (std::string why = check_split((*in_force.plans)[tensor], tensors_[tensor].name,
+                                      round.iteration, parts, round.dense);
+        !why.empty()) {
+      fail(ErrorCode::kInvalidArgument, why);
+      return;
+    }
+  }
   round.partitions_left = sched_.add(
       tensor, round.iteration, tensors_[tensor].bytes(), partition_bytes_,
       static_cast<uint32_t>(ipc::dtype_size(tensors_[tensor].dtype)),
       std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[tensor]),
-      round.compressed);
+      round.compressed, round.dense);
   if (phases_.enabled()) {
     const uint64_t now = monotonic_ns();
     for (size_t p = 0; p < round.partitions_left; ++p) {
@@ -472,6 +484,7 @@ bool Engine::drain() {
       if (round.arrived == 0) {
         round.iteration = e.iteration;
         round.compressed = (e.flags & ipc::kSubmitCompressed) != 0;
+        round.dense = ipc::submit_dense_partitions(e.flags);
         round.first_ns = phases_.enabled() ? monotonic_ns() : 0;
       }
       round.from[r] = true;
@@ -633,6 +646,7 @@ void Engine::complete(uint32_t tensor) {
   round.arrived = 0;
   round.running = false;
   round.compressed = false;
+  round.dense = 0;
   std::fill(round.from.begin(), round.from.end(), false);
 }
 

@@ -114,6 +114,30 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
     return reply_ctl(c, ErrorCode::kInvalidArgument,
                      "no job '" + id + "' on this bytecompd (bytecompctl jobs lists them)");
   }
+  if (cmd == "gpu_profile") {
+    // A training process's measurement of the CUDA compressors for the auto
+    // tuner's profile (bytecomp/gpu_profile.py): "JOB\n<report YAML>".
+    const size_t sp = req.arg.find_first_of(" \n");
+    const std::string id = req.arg.substr(0, sp);
+    if (sp == std::string::npos)
+      return reply_ctl(c, ErrorCode::kInvalidArgument,
+                       "gpu_profile takes 'JOB' and a report (docs/gpu.md §4)");
+    strategy::GpuReport report;
+    try {
+      report = strategy::parse_gpu_report(req.arg.substr(sp + 1), "gpu_profile");
+    } catch (const std::exception& e) {
+      return reply_ctl(c, ErrorCode::kInvalidArgument,
+                       std::string("gpu_profile: ") + e.what());
+    }
+    for (auto& [key, j] : jobs_) {
+      if (j->id != id || !(privileged || j->uid == c.uid)) continue;
+      if (!j->tuner) return reply_ctl(c, ErrorCode::kOk, "ignored: job '" + id + "' is not auto\n");
+      j->tuner->report_gpu(std::move(report));
+      return reply_ctl(c, ErrorCode::kOk, "ok\n");
+    }
+    return reply_ctl(c, ErrorCode::kInvalidArgument,
+                     "no job '" + id + "' on this bytecompd (bytecompctl jobs lists them)");
+  }
   if (cmd == "servers") return ask_servers(c);
   if (cmd == "metrics") {
     if (!config_.metrics_textfile_dir.empty()) write_metrics();
@@ -139,7 +163,8 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
   }
   reply_ctl(c, ErrorCode::kInvalidArgument,
             "unknown command '" + cmd +
-                "' (accepted: status, jobs, strategy, trace, loss, servers, metrics, reload, drain)");
+                "' (accepted: status, jobs, strategy, trace, loss, gpu_profile, servers, "
+                "metrics, reload, drain)");
 }
 
 void Daemon::ask_servers(Conn& c) {

@@ -37,6 +37,8 @@ struct Task {
   // The local ranks wrote this partition already compressed under `plan`'s
   // compressor (ipc::kSubmitCompressed): the path decodes or forwards their
   // payloads instead of summing and compressing (daemon/client_payload.h).
+  // (A compressed round's first dense_partitions partitions stay dense:
+  // the daemon compresses them, the strategy's cpu_share.)
   bool compressed = false;
 
   uint64_t bytes() const { return end - begin; }
@@ -49,7 +51,7 @@ class Scheduler {
   // Returns the number of partitions.
   size_t add(uint32_t tensor, uint64_t iteration, uint64_t bytes, uint64_t partition_bytes,
              uint32_t elem_size, std::shared_ptr<const strategy::TensorPlan> plan = {},
-             bool compressed = false);
+             bool compressed = false, uint32_t dense_partitions = 0);
 
   // Up to max_tasks highest-priority partitions whose bytes sum to at most
   // max_bytes (the first always fits).

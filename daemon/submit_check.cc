@@ -13,6 +13,13 @@ SubmitError check_tensor_id(uint32_t rank, const ipc::RingEntry& e, size_t tenso
 }
 
 SubmitError check_flags(uint32_t rank, const ipc::RingEntry& e) {
+  if (ipc::submit_dense_partitions(e.flags) != 0 && (e.flags & ipc::kSubmitCompressed) == 0) {
+    return std::make_pair(ErrorCode::kMalformed,
+                          "local rank " + std::to_string(rank) + " pushed tensor id " +
+                              std::to_string(e.tensor) +
+                              " dense with a count of dense partitions (only a compressed push "
+                              "splits)");
+  }
   if ((e.flags & ~ipc::kSubmitKnownFlags) == 0) return std::nullopt;
   return std::make_pair(ErrorCode::kMalformed,
                         "local rank " + std::to_string(rank) + " pushed tensor id " +
@@ -52,6 +59,15 @@ SubmitError check_round(uint32_t rank, const ipc::RingEntry& e, const std::strin
                               std::to_string(e.iteration) + "): rank " + r + " pushed it " +
                               (compressed ? "compressed" : "dense") + ", another rank " +
                               (round.compressed ? "compressed" : "dense"));
+  }
+  const uint32_t dense = ipc::submit_dense_partitions(e.flags);
+  if (round.arrived != 0 && round.dense != dense) {
+    return std::make_pair(ErrorCode::kInvalidArgument,
+                          "local ranks disagree on the CPU share of tensor '" + name +
+                              "' (iteration " + std::to_string(e.iteration) + "): rank " + r +
+                              " left " + std::to_string(dense) +
+                              " leading partitions dense, another rank " +
+                              std::to_string(round.dense));
   }
   return std::nullopt;
 }

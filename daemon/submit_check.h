@@ -23,6 +23,7 @@ struct SubmitRound {
   int64_t last_done = -1;   // last finished iteration
   std::vector<bool> from;   // which local ranks pushed it
   bool compressed = false;  // the ranks that arrived pushed compressed payloads
+  uint32_t dense = 0;       // of which the leading partitions left dense (cpu_share)
 };
 
 using SubmitError = std::optional<std::pair<ErrorCode, std::string>>;

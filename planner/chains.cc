@@ -135,8 +135,12 @@ int Problem::split_option(int base, double share) {
   if (!(share > 0.0 && share < 1.0) || !o.compressed() || o.cpu_share > 0.0) return -1;
   if (o.comp_device == Device::kCpu && o.decomp_device == Device::kCpu) return -1;
   const CompressorCost* c = costs_.find(o.compressor);
-  if (!constraints_.allow_cpu || constraints_.cpu_runtime_only || !c || !c->cpu) return -1;
+  if (!constraints_.allow_cpu || !c || !c->cpu) return -1;
   o.cpu_share = share;
+  // The CPU runtime executes a split of compression only (comp_device gpu,
+  // decomp_device cpu: the client's GPU and the daemon's pool, docs/gpu.md
+  // §4).
+  if (constraints_.cpu_runtime_only && !cpu_runtime_unsupported(o).empty()) return -1;
   if (int idx = find_option(o); idx >= 0) return idx;
   pieced_.push_back(o.pieces > 1);
   options_.push_back(std::move(o));

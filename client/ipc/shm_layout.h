@@ -67,7 +67,16 @@ struct RingEntry {
 // client, docs/gpu.md). The daemon skips its own compressor for the round;
 // every local rank of a round must agree. The aggregate comes back dense.
 inline constexpr uint32_t kSubmitCompressed = 1u;
-inline constexpr uint32_t kSubmitKnownFlags = kSubmitCompressed;
+// With kSubmitCompressed: bits 8..31 count the leading partitions the client
+// left dense for the daemon's CPU pool to compress (the strategy's
+// cpu_share, docs/gpu.md §4); 0 (every older client) = all compressed.
+inline constexpr uint32_t kSubmitDenseShift = 8;
+inline constexpr uint32_t kSubmitDenseMask = 0xFFFFFF00u;
+inline constexpr uint32_t kSubmitMaxDense = kSubmitDenseMask >> kSubmitDenseShift;
+inline constexpr uint32_t kSubmitKnownFlags = kSubmitCompressed | kSubmitDenseMask;
+inline constexpr uint32_t submit_dense_partitions(uint32_t flags) {
+  return (flags & kSubmitDenseMask) >> kSubmitDenseShift;
+}
 static_assert(sizeof(RingEntry) == 16);
 
 struct alignas(64) RingIndex {

@@ -19,6 +19,16 @@ bytecomp_status push_pull(bytecomp_client* c, uint32_t id, uint64_t iteration,
     require_healthy(c);
     require_tensor(c, id);
     const TensorInfo& t = c->tensors[id];
+    if (const uint32_t dense = ipc::submit_dense_partitions(flags); dense != 0) {
+      const uint64_t pb = c->header->partition_bytes.load(std::memory_order_acquire);
+      const uint64_t parts = std::max<uint64_t>(1, (t.bytes + pb - 1) / pb);
+      if (dense >= parts) {
+        fail(BYTECOMP_ERR_INVALID_ARGUMENT,
+             std::string(fn) + ": tensor '" + t.name + "' has " + std::to_string(parts) +
+                 " partitions of " + std::to_string(pb) + " bytes; dense_partitions " +
+                 std::to_string(dense) + " leaves none compressed (push it dense instead)");
+      }
+    }
     if (c->pending[id] != 0) {
       fail(BYTECOMP_ERR_STATE, "tensor '" + t.name + "' already has a push_pull in flight (iteration " +
                                    std::to_string(c->ops.at(c->pending[id]).iteration) +
@@ -61,6 +71,21 @@ bytecomp_status bytecomp_push_pull(bytecomp_client* c, uint32_t id, uint64_t ite
 bytecomp_status bytecomp_push_pull_compressed(bytecomp_client* c, uint32_t id, uint64_t iteration,
                                               bytecomp_handle* out) {
   return push_pull(c, id, iteration, out, ipc::kSubmitCompressed, "bytecomp_push_pull_compressed");
+}
+
+bytecomp_status bytecomp_push_pull_split(bytecomp_client* c, uint32_t id, uint64_t iteration,
+                                         uint32_t dense_partitions, bytecomp_handle* out) {
+  if (dense_partitions > ipc::kSubmitMaxDense) {
+    return guarded([&] {
+      if (out != nullptr) *out = 0;
+      fail(BYTECOMP_ERR_INVALID_ARGUMENT,
+           "bytecomp_push_pull_split: dense_partitions " + std::to_string(dense_partitions) +
+               " above the protocol's " + std::to_string(ipc::kSubmitMaxDense));
+    });
+  }
+  return push_pull(c, id, iteration, out,
+                   ipc::kSubmitCompressed | (dense_partitions << ipc::kSubmitDenseShift),
+                   "bytecomp_push_pull_split");
 }
 
 bytecomp_status bytecomp_partition_bytes(bytecomp_client* c, uint64_t* out) {

@@ -36,6 +36,32 @@ LinearFit read_fit(Reader& parent, const char* key) {
   return f;
 }
 
+void emit_measure(YAML::Emitter& out, const CompressorMeasure& c) {
+  out << YAML::BeginMap << YAML::Key << "spec" << YAML::Value << YAML::DoubleQuoted << c.spec;
+  emit_fit(out, "compress", c.compress);
+  emit_fit(out, "decompress", c.decompress);
+  out << YAML::Key << "bytes_per_element" << YAML::Value << c.bytes_per_element;
+  out << YAML::Key << "fixed_bytes" << YAML::Value << c.fixed_bytes;
+  out << YAML::EndMap;
+}
+
+CompressorMeasure read_measure(Reader& r) {
+  CompressorMeasure c;
+  r.require("spec");
+  r.get("spec", c.spec);
+  try {
+    (void)compress::parse_compressor_spec(c.spec);
+  } catch (const Error& e) {
+    r.fail("spec", e.what());
+  }
+  c.compress = read_fit(r, "compress");
+  c.decompress = read_fit(r, "decompress");
+  r.get("bytes_per_element", c.bytes_per_element, Range<double>{0, 64})
+      .get("fixed_bytes", c.fixed_bytes, Range<double>{0, 1e9});
+  r.finish();
+  return c;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- fits
@@ -112,20 +138,19 @@ std::string NodeProfile::to_yaml() const {
   }
   out << YAML::EndSeq;
   out << YAML::Key << "compressors" << YAML::Value << YAML::BeginSeq;
-  for (const CompressorMeasure& c : compressors) {
-    out << YAML::BeginMap << YAML::Key << "spec" << YAML::Value << YAML::DoubleQuoted << c.spec;
-    emit_fit(out, "compress", c.compress);
-    emit_fit(out, "decompress", c.decompress);
-    out << YAML::Key << "bytes_per_element" << YAML::Value << c.bytes_per_element;
-    out << YAML::Key << "fixed_bytes" << YAML::Value << c.fixed_bytes;
-    out << YAML::EndMap;
-  }
+  for (const CompressorMeasure& c : compressors) emit_measure(out, c);
   out << YAML::EndSeq;
   emit_text(out, "current_strategy", current_strategy_yaml);
   out << YAML::Key << "train_cpu_us" << YAML::Value << train_cpu_us;
   out << YAML::Key << "daemon_cpu_us" << YAML::Value << daemon_cpu_us;
   out << YAML::Key << "host" << YAML::Value << YAML::DoubleQuoted << host;
   out << YAML::Key << "nodes_on_host" << YAML::Value << nodes_on_host;
+  if (!gpu_note.empty() || !gpu_compressors.empty()) {
+    out << YAML::Key << "gpu_note" << YAML::Value << YAML::DoubleQuoted << gpu_note;
+    out << YAML::Key << "gpu_compressors" << YAML::Value << YAML::BeginSeq;
+    for (const CompressorMeasure& c : gpu_compressors) emit_measure(out, c);
+    out << YAML::EndSeq;
+  }
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }
@@ -164,24 +189,55 @@ NodeProfile NodeProfile::parse(std::string_view text, std::string name) {
     p.tensors.push_back(std::move(t));
   }
   if (p.tensors.empty()) root.fail("tensors", "a profile needs at least one tensor");
+  for (Reader& r : root.list("compressors")) p.compressors.push_back(read_measure(r));
+  root.get("gpu_note", p.gpu_note);
+  for (Reader& r : root.list("gpu_compressors")) p.gpu_compressors.push_back(read_measure(r));
+  root.finish();
+  return p;
+}
+
+GpuReport parse_gpu_report(std::string_view text, std::string name) {
+  Document doc = Document::parse(text, std::move(name));
+  Reader root = doc.root("");
+  GpuReport g;
+  root.require("note");
+  root.get("note", g.note);
+  if (g.note.empty()) root.fail("note", "empty: say what was measured or why not");
+  std::set<std::string> specs;
   for (Reader& r : root.list("compressors")) {
     CompressorMeasure c;
-    r.require("spec");
+    r.require("spec").require("points");
     r.get("spec", c.spec);
     try {
       (void)compress::parse_compressor_spec(c.spec);
     } catch (const Error& e) {
       r.fail("spec", e.what());
     }
-    c.compress = read_fit(r, "compress");
-    c.decompress = read_fit(r, "decompress");
-    r.get("bytes_per_element", c.bytes_per_element, Range<double>{0, 64})
-        .get("fixed_bytes", c.fixed_bytes, Range<double>{0, 1e9});
+    if (!specs.insert(c.spec).second) r.fail("spec", "'" + c.spec + "' is listed twice");
+    std::vector<std::pair<double, double>> cp, dp, wire;
+    for (Reader& q : r.list("points")) {
+      double n = 0, cu = 0, du = 0, bytes = 0;
+      q.require("n").require("compress_us").require("decompress_us").require("bytes");
+      q.get("n", n, Range<double>{1, 1e12})
+          .get("compress_us", cu, Range<double>{0, 1e12})
+          .get("decompress_us", du, Range<double>{0, 1e12})
+          .get("bytes", bytes, Range<double>{0, 1e13});
+      q.finish();
+      cp.emplace_back(n, cu);
+      dp.emplace_back(n, du);
+      wire.emplace_back(n, bytes);
+    }
+    if (cp.empty()) r.fail("points", "no measurement");
+    c.compress = fit_linear(cp);
+    c.decompress = fit_linear(dp);
+    const LinearFit w = fit_linear(wire);  // as measure_compressor(): bytes = a + b * n / 2^20
+    c.bytes_per_element = std::min(64.0, std::max(0.0, w.b_us_per_melem / 1048576.0));
+    c.fixed_bytes = std::min(1e9, std::max(0.0, w.a_us));
     r.finish();
-    p.compressors.push_back(std::move(c));
+    g.compressors.push_back(std::move(c));
   }
   root.finish();
-  return p;
+  return g;
 }
 
 // ---------------------------------------------------------------- text

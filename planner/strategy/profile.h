@@ -74,6 +74,16 @@ struct NodeProfile {
   // Set by the planner's merge() (planner/online.h): the most nodes of the
   // job on one host (1 for profiles that were not merged).
   uint32_t nodes_on_host = 1;
+  // The CUDA compressors as this node's training process measured them on
+  // its GPU through libbytecomp_gpu (bytecomp.torch, docs/gpu.md §4): one
+  // call of n elements on the device (compress, decompress), the payload
+  // size. Reported to the daemon (`gpu_profile`, parse_gpu_report below).
+  // Written only when reported; the online planner does not use them yet
+  // (its runtime constraints keep every option on the CPU pool).
+  std::vector<CompressorMeasure> gpu_compressors;
+  // "" = no report; else what the report said ("measured on <device>",
+  // "skipped: <why>").
+  std::string gpu_note;
 
   // Versioned YAML (version: 1): the keys are the field names, except
   // current_strategy (for current_strategy_yaml, a string); fits are
@@ -85,6 +95,22 @@ struct NodeProfile {
   // for malformed or out-of-range items (`name` stands for the file).
   static NodeProfile parse(std::string_view text, std::string name);
 };
+
+// What a training process measured of the CUDA compressors (the daemon's
+// `gpu_profile JOB TEXT` request, bytecomp/gpu_profile.py):
+//   version: 1
+//   note: "measured on NVIDIA H200"     # or "skipped: <why>"
+//   compressors:
+//     - spec: efsignsgd
+//       points: [{n: 1048576, compress_us: 21.0, decompress_us: 9.5, bytes: 131084}, ...]
+// Each compressor's points are fitted (fit_linear) as measure_compressor()
+// does the CPU's. Throws config::ConfigError naming the key for a malformed
+// report (`name` stands for the file).
+struct GpuReport {
+  std::string note;
+  std::vector<CompressorMeasure> compressors;
+};
+GpuReport parse_gpu_report(std::string_view text, std::string name);
 
 // Writes `text` (a strategy file, a Chrome trace) as the value of `key` in
 // the emitter's open mapping: a literal block where that keeps it exact and

@@ -174,9 +174,13 @@ std::string runtime_inter_mode(const Option& o) {
 
 std::string cpu_runtime_unsupported(const Option& o) {
   if (std::string p = o.problem(); !p.empty()) return p;
-  if (o.cpu_share > 0.0)
-    return "splitting a tensor between CPU and GPU compression (cpu_share) needs the GPU "
-           "runtime: the CPU runtime compresses every partition on the CPU";
+  // cpu_share with comp_device gpu: the client compresses the trailing
+  // partitions on its GPU, the daemon's pool the leading ones
+  // (bytecomp_push_pull_split, docs/gpu.md §4). Decompression stays the
+  // daemon's (decomp_device cpu, below), so there is no split to make there.
+  if (o.cpu_share > 0.0 && o.comp_device != Device::kCuda)
+    return "the CPU runtime splits compression only (cpu_share with comp_device 'gpu'); the "
+           "daemon decompresses every partition";
   if (o.scheme != Scheme::kHierarchical)
     return "the CPU runtime always reduces within the node first: scheme must be 'hierarchical'";
   if (o.intra != Collective::kReduceBroadcast)

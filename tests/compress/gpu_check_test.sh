@@ -36,7 +36,7 @@ import json, sys
 fig = json.load(open(sys.argv[1]))
 last = open(sys.argv[2]).read().strip().splitlines()[-1]
 assert json.loads(last) == fig, "the output does not end with the JSON line"
-for s in ("cuda_tests", "bench", "torch", "staging_figures"):
+for s in ("cuda_tests", "bench", "torch", "staging_figures", "gpu_profile", "intra_node"):
     assert s in fig["skipped"], (s, fig["skipped"])
     assert fig["steps"][s].startswith("skipped"), fig["steps"][s]
 assert "awaits_gpu" in fig

@@ -42,14 +42,19 @@ class StandInClient {
       : c_(cz::make_compressor(cz::parse_compressor_spec(spec))), job_(std::move(job)),
         node_(node) {}
 
-  // Fills `buf` (the tensor's shared buffer) from `grad`.
+  // Fills `buf` (the tensor's shared buffer) from `grad`; the first `dense`
+  // partitions are left dense (cpu_share: the daemon compresses them).
   void compress_into(char* buf, const std::vector<float>& grad, uint32_t tensor, uint64_t it,
-                     uint64_t partition_bytes) {
+                     uint64_t partition_bytes, uint32_t dense = 0) {
     const uint64_t bytes = grad.size() * 4;
     size_t p = 0;
     for (uint64_t b = 0; b < bytes; b += partition_bytes, ++p) {
       const size_t n = static_cast<size_t>((std::min(bytes, b + partition_bytes) - b) / 4);
       if (states_.size() <= p) states_.push_back(c_->make_state(n));
+      if (p < dense) {
+        std::memcpy(buf + b, grad.data() + b / 4, n * 4);
+        continue;
+      }
       cz::CompressContext ctx;
       ctx.iteration = it;
       ctx.shared_seed = bytecomp::strategy::partition_seed(
@@ -88,7 +93,8 @@ constexpr uint64_t kN = 40000;  // 160000 bytes: partitions of 64 KiB (three) or
 std::vector<std::vector<float>> run_client(const std::string& socket, const std::string& job,
                                            const std::string& strategy, const std::string& spec,
                                            uint32_t node, uint32_t nodes, uint32_t rank,
-                                           uint32_t local_size, int iters) {
+                                           uint32_t local_size, int iters, uint32_t dense = 0,
+                                           uint64_t count = kN) {
   std::vector<std::vector<float>> got;
   bytecomp_connect_options o;
   bytecomp_connect_options_init(&o);
@@ -102,7 +108,7 @@ std::vector<std::vector<float>> run_client(const std::string& socket, const std:
   EXPECT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
   if (c == nullptr) return got;
   uint32_t id = 0;
-  EXPECT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+  EXPECT_EQ(bytecomp_declare_tensor(c, "w", count, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
             BYTECOMP_OK);
   if (!strategy.empty()) {
     EXPECT_EQ(bytecomp_set_strategy(c, strategy.c_str(), "job.yaml"), BYTECOMP_OK)
@@ -121,19 +127,25 @@ std::vector<std::vector<float>> run_client(const std::string& socket, const std:
     char* p = nullptr;
     uint64_t bytes = 0;
     EXPECT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
-    std::vector<float> g(kN);
-    for (uint64_t i = 0; i < kN; ++i) g[i] = cgrad(grank, it, i);
+    std::vector<float> g(count);
+    for (uint64_t i = 0; i < count; ++i) g[i] = cgrad(grank, it, i);
     bytecomp_handle h = 0;
     if (client) {
-      client->compress_into(p, g, id, it, pb);
-      EXPECT_EQ(bytecomp_push_pull_compressed(c, id, it, &h), BYTECOMP_OK) << bytecomp_last_error();
+      client->compress_into(p, g, id, it, pb, dense);
+      if (dense == 0) {
+        EXPECT_EQ(bytecomp_push_pull_compressed(c, id, it, &h), BYTECOMP_OK)
+            << bytecomp_last_error();
+      } else {
+        EXPECT_EQ(bytecomp_push_pull_split(c, id, it, dense, &h), BYTECOMP_OK)
+            << bytecomp_last_error();
+      }
     } else {
-      std::memcpy(p, g.data(), kN * 4);
+      std::memcpy(p, g.data(), count * 4);
       EXPECT_EQ(bytecomp_push_pull(c, id, it, &h), BYTECOMP_OK) << bytecomp_last_error();
     }
     EXPECT_EQ(bytecomp_wait(c, h, 30000), BYTECOMP_OK) << bytecomp_last_error();
     const float* f = reinterpret_cast<const float*>(p);
-    got.emplace_back(f, f + kN);
+    got.emplace_back(f, f + count);
   }
   bytecomp_close(c);
   return got;
@@ -273,6 +285,66 @@ TEST(ClientCompressed, UnusablePayloadsAbortTheJobWithTheReason) {
       << why;
 }
 
+// The strategy's cpu_share executed (docs/gpu.md §4): of kN's three 64 KiB
+// partitions, cpu_share 0.5 puts llround(1.5) = 2 on the daemon's CPU pool
+// (the client leaves them dense) and the last in the client. The daemon's
+// compression and the client's are the same computation, so the aggregates
+// equal the all-daemon job's bit for bit.
+const char* kSplit =
+    "version: 1\ndefault: {compressor: efsignsgd, comp_device: gpu, decomp_device: cpu, "
+    "inter: alltoall_allgather, cpu_share: 0.5}\n";
+
+TEST(ClientCompressed, CpuShareSplitEqualsTheDaemonsCompressionBitForBit) {
+  DaemonEnv env("ccmp4");
+  env.write_config("", "  partition_bytes: 64KiB\n");
+  env.start();
+  constexpr int kIters = 5;
+  const auto dense = run_client(env.socket(), "sdense", kSplit, "", 0, 1, 0, 1, kIters);
+  const auto split =
+      run_client(env.socket(), "split", kSplit, "efsignsgd", 0, 1, 0, 1, kIters, 2);
+  ASSERT_EQ(dense.size(), static_cast<size_t>(kIters));
+  ASSERT_EQ(split.size(), static_cast<size_t>(kIters));
+  for (int it = 0; it < kIters; ++it) EXPECT_EQ(mismatches(dense[it], split[it]), 0u) << it;
+}
+
+// A split that is not the plan's aborts the job naming both counts; one
+// that leaves nothing compressed is refused by the client library.
+TEST(ClientCompressed, CpuShareSplitsTheDaemonDidNotPlanAreRefused) {
+  DaemonEnv env("ccmp5");
+  env.write_config("", "  partition_bytes: 64KiB\n");
+  env.start();
+  bytecomp_connect_options o;
+  bytecomp_connect_options_init(&o);
+  o.socket_path = env.socket().c_str();
+  o.job_id = "badsplit";
+  bytecomp_client* c = nullptr;
+  ASSERT_EQ(bytecomp_connect(&o, &c), BYTECOMP_OK) << bytecomp_last_error();
+  uint32_t id = 0;
+  ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+            BYTECOMP_OK);
+  ASSERT_EQ(bytecomp_set_strategy(c, kSplit, "j.yaml"), BYTECOMP_OK) << bytecomp_last_error();
+  ASSERT_EQ(bytecomp_start(c, 10000), BYTECOMP_OK) << bytecomp_last_error();
+  ASSERT_EQ(wait_partition_bytes(c), 65536u);
+  char* p = nullptr;
+  ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), nullptr), BYTECOMP_OK);
+  bytecomp_handle h = 7;
+  EXPECT_EQ(bytecomp_push_pull_split(c, id, 0, 3, &h), BYTECOMP_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(h, 0u);
+  std::string why = bytecomp_last_error();
+  EXPECT_NE(why.find("has 3 partitions"), std::string::npos) << why;
+  EXPECT_NE(why.find("leaves none compressed"), std::string::npos) << why;
+  EXPECT_EQ(bytecomp_push_pull_split(c, id, 0, 1u << 24, &h), BYTECOMP_ERR_INVALID_ARGUMENT);
+  StandInClient s("efsignsgd", "badsplit", 0);
+  s.compress_into(p, std::vector<float>(kN, 1.0f), id, 0, 65536, 1);
+  ASSERT_EQ(bytecomp_push_pull_split(c, id, 0, 1, &h), BYTECOMP_OK) << bytecomp_last_error();
+  EXPECT_NE(bytecomp_wait(c, h, 10000), BYTECOMP_OK);
+  why = bytecomp_last_error();
+  EXPECT_NE(why.find("tensor 'w'"), std::string::npos) << why;
+  EXPECT_NE(why.find("first 1 of 3 partitions dense"), std::string::npos) << why;
+  EXPECT_NE(why.find("puts 2 there"), std::string::npos) << why;
+  bytecomp_close(c);
+}
+
 // Two nodes, one rank each, through the parameter server (decompress-sum-
 // recompress) and the peer allgather: the client-compressed job's aggregate
 // equals the daemon-compressed job's bit for bit.
@@ -299,6 +371,32 @@ TEST_P(TwoNodes, ClientCompressedPushesEqualTheDaemonsCompressionBitForBit) {
       EXPECT_EQ(mismatches(dense.first[it], pre.first[it]), 0u) << it;
       EXPECT_EQ(mismatches(dense.second[it], pre.second[it]), 0u) << it;
     }
+  }
+}
+
+// The same with the cpu_share split, on both nodes: a tensor of five of
+// the cluster's 256 KiB partitions, llround(2.5) = 3 daemon-compressed, two
+// client-compressed.
+TEST_P(TwoNodes, ClientSplitPushesEqualTheDaemonsCompressionBitForBit) {
+  start(1);
+  constexpr int kIters = 4;
+  constexpr uint64_t kBig = 5 * 65536 - 1000;
+  auto both = [&](const std::string& job, const char* spec, uint32_t dense) {
+    auto other = std::async(std::launch::async, [&] {
+      return run_client(nodes_[1]->socket(), job, kSplit, spec, 1, 2, 0, 1, kIters, dense, kBig);
+    });
+    auto mine =
+        run_client(nodes_[0]->socket(), job, kSplit, spec, 0, 2, 0, 1, kIters, dense, kBig);
+    return std::make_pair(std::move(mine), other.get());
+  };
+  const auto dense = both("sdense", "", 0);
+  const auto split = both("split", "efsignsgd", 3);
+  ASSERT_EQ(dense.first.size(), static_cast<size_t>(kIters));
+  ASSERT_EQ(split.first.size(), static_cast<size_t>(kIters));
+  ASSERT_EQ(split.second.size(), static_cast<size_t>(kIters));
+  for (int it = 0; it < kIters; ++it) {
+    EXPECT_EQ(mismatches(dense.first[it], split.first[it]), 0u) << it;
+    EXPECT_EQ(mismatches(dense.second[it], split.second[it]), 0u) << it;
   }
 }
 

@@ -29,6 +29,18 @@ TEST(Scheduler, PartitionsCoverTheTensorExactly) {
   EXPECT_EQ(s.add(1, 1, 4, 4096, 4), 1u);  // a single tiny partition
 }
 
+// cpu_share (docs/gpu.md §4): a compressed round whose client left its
+// first partitions dense has the daemon compress exactly those.
+TEST(Scheduler, ADenseLeadOfACompressedRoundIsTheDaemonsToCompress) {
+  Scheduler s;
+  EXPECT_EQ(s.add(0, 1, 1000, 256, 4, {}, true, 2), 4u);
+  const auto b = s.next_batch(10, 1 << 20);
+  ASSERT_EQ(b.size(), 4u);
+  for (const Task& t : b) EXPECT_EQ(t.compressed, t.index >= 2) << t.index;
+  EXPECT_EQ(s.add(1, 1, 1000, 256, 4, {}, false, 0), 4u);
+  for (const Task& t : s.next_batch(10, 1 << 20)) EXPECT_FALSE(t.compressed);
+}
+
 TEST(Scheduler, FirstDeclaredTensorGoesFirstAndOvertakesALargeOne) {
   Scheduler s;
   s.add(7, 0, 10 * 64, 64, 4);  // large, low priority, arrived first

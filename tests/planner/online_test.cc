@@ -265,6 +265,60 @@ TEST(OnlineYaml, ProfileErrorsAreLocated) {
   EXPECT_NE(e.find("version"), std::string::npos) << e;
 }
 
+// The CUDA compressors a training process measured (docs/gpu.md §4): its
+// points are fitted as the CPU's are, ride in the profile, and read back.
+TEST(OnlineYaml, GpuReportIsFittedAndRidesInTheProfile) {
+  const strategy::GpuReport g = strategy::parse_gpu_report(
+      "version: 1\nnote: measured on a test device\ncompressors:\n"
+      "  - spec: efsignsgd\n    points:\n"
+      "      - {n: 1048576, compress_us: 30, decompress_us: 12, bytes: 131088}\n"
+      "      - {n: 4194304, compress_us: 90, decompress_us: 36, bytes: 524304}\n",
+      "report");
+  EXPECT_EQ(g.note, "measured on a test device");
+  ASSERT_EQ(g.compressors.size(), 1u);
+  const auto& c = g.compressors[0];
+  EXPECT_NEAR(c.compress.a_us, 10.0, 1e-9);  // 30 = a + b, 90 = a + 4b
+  EXPECT_NEAR(c.compress.b_us_per_melem, 20.0, 1e-9);
+  EXPECT_NEAR(c.decompress.at(2 * 1048576.0), 20.0, 1e-9);  // 4 + 8 * 2
+  EXPECT_NEAR(c.bytes_per_element, 0.125, 1e-12);
+  EXPECT_NEAR(c.fixed_bytes, 16.0, 1e-6);
+
+  NodeProfile p = resnet18();
+  const std::string plain = p.to_yaml();
+  EXPECT_EQ(plain.find("gpu_"), std::string::npos);  // unreported: files as before
+  p.gpu_note = g.note;
+  p.gpu_compressors = g.compressors;
+  const std::string text = p.to_yaml();
+  const NodeProfile q = NodeProfile::parse(text, "again.yaml");
+  EXPECT_EQ(q.to_yaml(), text);
+  EXPECT_EQ(q.gpu_note, g.note);
+  ASSERT_EQ(q.gpu_compressors.size(), 1u);
+  EXPECT_EQ(q.gpu_compressors[0].spec, "efsignsgd");
+  p.gpu_compressors.clear();
+  p.gpu_note = "skipped: no CUDA device is visible";
+  EXPECT_EQ(NodeProfile::parse(p.to_yaml(), "skip.yaml").gpu_note, p.gpu_note);
+
+  auto error = [](const std::string& text) {
+    try {
+      strategy::parse_gpu_report(text, "report");
+    } catch (const config::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error("version: 1\nnote: \"\"\n").find("note"), std::string::npos);
+  EXPECT_NE(error("version: 1\nnote: x\ncompressors:\n  - {spec: nosuch, points: []}\n")
+                .find("nosuch"),
+            std::string::npos);
+  EXPECT_NE(error("version: 1\nnote: x\ncompressors:\n  - {spec: fp16, points: []}\n")
+                .find("no measurement"),
+            std::string::npos);
+  EXPECT_NE(error("version: 1\nnote: x\ncompressors:\n  - spec: fp16\n    points:\n"
+                  "      - {n: 0, compress_us: 1, decompress_us: 1, bytes: 1}\n")
+                .find("report:"),
+            std::string::npos);
+}
+
 TEST(OnlineYaml, DecisionRoundTripAndErrors) {
   const Decision d = decide(resnet18(), two_nodes({"efsignsgd"}));
   const std::string text = d.to_yaml();

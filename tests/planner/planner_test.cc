@@ -291,6 +291,25 @@ TEST(Simulator, PiecesPipelineCompressionWithCommunication) {
   Problem q(two_tensors(100, 50), tiny_cluster(), tiny_costs(), CompressorSpec::parse("onebit"),
             cpu_only);
   EXPECT_EQ(q.pieces_option(0, 2), -1);
+  // It splits compression only, as the CPU runtime executes it (the
+  // client's GPU and the daemon's pool, docs/gpu.md §4): an option
+  // compressed on the GPU and decompressed by the daemon splits, and the
+  // split passes the runtime's check; nothing else does.
+  int splits = 0, gpu_cpu = 0;
+  for (int i = 0; i < q.tree_options(); ++i) {
+    const Option o = q.options()[i];
+    const int s = q.split_option(i, 0.25);
+    if (o.compressed() && o.comp_device == Device::kCuda && o.decomp_device == Device::kCpu) {
+      ++gpu_cpu;
+      ASSERT_GE(s, 0) << o.describe();
+      EXPECT_EQ(cpu_runtime_unsupported(q.options()[s]), "") << q.options()[s].describe();
+      ++splits;
+    } else {
+      EXPECT_EQ(s, -1) << o.describe();
+    }
+  }
+  EXPECT_GT(gpu_cpu, 0);
+  EXPECT_EQ(splits, gpu_cpu);
 }
 
 TEST(Search, PicksPiecesOnlyWhenTheyShortenTheIteration) {

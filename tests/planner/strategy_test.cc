@@ -196,7 +196,7 @@ TEST(Strategy, GlobRules) {
   EXPECT_FALSE(r.matches("gpt.bias", 8));
 }
 
-TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeRefusesIt) {
+TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeSplitsCompressionOnly) {
   // An older file (no cpu_share) reads as no split; a split is written and
   // read back exactly.
   Strategy s = Strategy::parse(kSample, "s.yaml");
@@ -233,7 +233,9 @@ TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeRefusesIt) {
                 .find("needs comp_device or decomp_device 'gpu'"),
             std::string::npos);
 
-  // The CPU runtime (the daemon's check) refuses a split with its reason.
+  // The CPU runtime (the daemon's check) executes a split of compression
+  // (comp_device gpu: the client's GPU and the daemon's pool, docs/gpu.md
+  // §4); it refuses one of decompression, and a CPU-only share, by reason.
   Option cpu_split = split;
   cpu_split.intra = Collective::kReduceBroadcast;
   s.add_entry({"fc.weight", cpu_split});
@@ -242,8 +244,19 @@ TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeRefusesIt) {
     ADD_FAILURE();
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("tensor 'fc.weight'"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("cpu_share"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("decomp_device must be 'cpu'"), std::string::npos)
+        << e.what();
   }
+  cpu_split.decomp_device = Device::kCpu;
+  EXPECT_EQ(cpu_runtime_unsupported(cpu_split), "");
+  s.add_entry({"fc.weight", cpu_split});
+  EXPECT_NO_THROW(s.check_cpu_runtime({{"fc.weight", 400}}));
+  Option decomp_split = cpu_split;
+  decomp_split.comp_device = Device::kCpu;
+  decomp_split.decomp_device = Device::kCuda;
+  EXPECT_NE(cpu_runtime_unsupported(decomp_split).find("splits compression only"),
+            std::string::npos)
+      << cpu_runtime_unsupported(decomp_split);
 }
 
 TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {

@@ -6,7 +6,7 @@ import unittest
 
 import torch
 
-from bytecomp import _lib, gpu
+from bytecomp import _lib, gpu, gpu_profile
 
 DOC = {
     "version": 1,
@@ -139,6 +139,9 @@ class FakeOps:
     def copy(self, host_bytes, offset, scratch, n, stream):
         self.copies.append((offset, scratch.ptr, n, stream))
 
+    def copy_dense(self, host_bytes, offset, src, stream):
+        self.copies.append((offset, "dense", src.numel(), stream))
+
 
 class Codec(unittest.TestCase):
     def test_one_compressor_per_daemon_partition_payloads_at_partition_offsets(self):
@@ -183,6 +186,122 @@ class Codec(unittest.TestCase):
         c.decompress(out.data_ptr(), n, back.data_ptr(), False, 0, 0)
         self.assertTrue(torch.equal(back, g.half().float()))
         c.close()
+
+
+class CpuShare(unittest.TestCase):
+    """The strategy's cpu_share as the runtime executes it: the leading
+    llround(share * partitions) partitions dense for the daemon's CPU pool
+    (the daemon computes the same, daemon/client_payload.h), the rest
+    compressed here."""
+
+    def test_rounding_matches_llround(self):
+        self.assertEqual(gpu.dense_partitions(0.5, 3), 2)  # 1.5: half away from zero
+        self.assertEqual(gpu.dense_partitions(0.5, 4), 2)
+        self.assertEqual(gpu.dense_partitions(0.203125, 16), 3)  # 3.25
+        self.assertEqual(gpu.dense_partitions(0.0, 5), 0)
+        self.assertEqual(gpu.dense_partitions(0.99, 1), 1)
+        for bad in (-0.1, 1.0, 1.5, float("nan")):
+            with self.assertRaises(ValueError):
+                gpu.dense_partitions(bad, 4)
+
+    def test_leading_partitions_are_copied_dense_the_rest_compressed(self):
+        made, ops = [], FakeOps()
+
+        def make(spec, n):
+            made.append(FakeCompressor(spec, n))
+            return made[-1]
+        c = gpu.PartitionCodec("efsignsgd", 40000, 65536, "job.opt0", 3, make, ops,
+                               cpu_share=0.5)
+        self.assertEqual(c.dense, 2)
+        self.assertEqual([m.n for m in made], [7232])  # only the third partition
+        grad = torch.zeros(40000)
+        self.assertEqual(c.encode(0x10000, "hostbytes", 7, "side", grad), [7240])
+        self.assertEqual(ops.copies[:2], [(0, "dense", 16384, "side"),
+                                          (65536, "dense", 16384, "side")])
+        self.assertEqual(ops.copies[2][0], 131072)
+        self.assertEqual(made[0].calls[0][0], 0x10000 + 131072)
+        with self.assertRaises(ValueError):
+            c.encode(0x10000, "hostbytes", 8, "side")  # the dense part needs the gradient
+        # A share that rounds to every partition leaves nothing to compress.
+        with self.assertRaises(_lib.UnsupportedError) as e:
+            gpu.PartitionCodec("efsignsgd", 1000, 65536, "j", 0, make, FakeOps(), cpu_share=0.6)
+        self.assertIn("every partition on the daemon's CPU pool", str(e.exception))
+
+
+class Caps:
+    def __init__(self, built=True, devices=1, kernels=("fp16", "efsignsgd")):
+        self.built, self.devices, self.kernels = built, devices, kernels
+
+    def supported(self, name):
+        return self.built and name in self.kernels
+
+
+class AutoGpuProfile(unittest.TestCase):
+    """Which CUDA compressors mode: auto measures, or why none."""
+
+    def test_candidates_are_the_strategys_and_fp16(self):
+        self.assertEqual(gpu_profile.candidates({"compressors": ["topk:0.01"]}),
+                         ["topk:0.01", "fp16"])
+        self.assertEqual(gpu_profile.candidates({"compressors": ["fp16"]}), ["fp16"])
+        self.assertEqual(gpu_profile.candidates({}), ["fp16"])
+
+    def test_selection_and_its_reasons(self):
+        specs = ["efsignsgd", "dgc:0.01", "fp16"]
+        self.assertEqual(gpu_profile.select(specs, Caps()),
+                         (["efsignsgd", "fp16"], "no CUDA kernels for dgc:0.01"))
+        self.assertEqual(gpu_profile.select(["fp16"], Caps()), (["fp16"], ""))
+        got, note = gpu_profile.select(specs, Caps(built=False))
+        self.assertEqual(got, [])
+        self.assertTrue(note.startswith("skipped: libbytecomp_gpu has no CUDA kernels"), note)
+        self.assertEqual(gpu_profile.select(specs, Caps(devices=0)),
+                         ([], "skipped: no CUDA device is visible"))
+        self.assertEqual(gpu_profile.select(["dgc"], Caps()),
+                         ([], "skipped: no CUDA kernels for dgc"))
+        note, measured = gpu_profile.profile({"compressors": ["efsignsgd"]}, None, Caps())
+        self.assertEqual((note, measured),
+                         ("skipped: the job's parameters are not on a CUDA device", {}))
+
+    def test_measure_takes_medians_per_size_after_a_warm_up(self):
+        calls = []
+
+        def bench(spec, n):
+            calls.append((spec, n))
+            k = len(calls)
+            # The warm-up (first call per size) is slow and must not count.
+            first = k in (1, 7)
+            return (1e6 if first else n / 1000.0 + k % 3, 2.0 + k % 2, n // 8 + 16)
+        got = gpu_profile.measure(["fp16"], bench, sizes=(1000, 2000), reps=5)
+        self.assertEqual(len(calls), 12)
+        pts = got["fp16"]
+        self.assertEqual([p["n"] for p in pts], [1000, 2000])
+        self.assertEqual(pts[0]["compress_us"], 2.0)  # calls 2..6: 1 + {2,0,1,2,0}
+        self.assertEqual(pts[0]["bytes"], 141)
+        self.assertLess(pts[1]["compress_us"], 1e5)
+        text = gpu_profile.report_text("measured on fake", got)
+        self.assertIn("version: 1", text)
+        self.assertIn("compress_us", text)
+
+    def test_the_benchs_calls_through_the_abi_on_the_host_stand_in(self):
+        """TorchCudaBench's compress/decompress calls (argument order,
+        buffers, iterations) on the CPU library behind the same ABI: fp16
+        comes back as the input's fp16 rounding, the payload sizes fit."""
+        lib = gpu.library()
+        if lib is None or not hasattr(lib, "bytecomp_gpu_compressor_create_host"):
+            self.skipTest("libbytecomp_gpu with the host stand-in not built")
+        bench = gpu_profile.TorchCudaBench(None, host=True)
+        got = gpu_profile.measure(["fp16", "efsignsgd"], bench, sizes=(4096, 65536), reps=3)
+        x, out = bench.last  # efsignsgd's last call: signs times one scale
+        self.assertEqual(torch.unique(out.abs()).numel(), 1, out)
+        self.assertGreater(float(out.abs()[0]), 0.0)
+        bench("fp16", 4096)
+        x, out = bench.last
+        self.assertTrue(torch.equal(out, x.half().float()))
+        fp16 = {p["n"]: p["bytes"] for p in got["fp16"]}
+        self.assertGreaterEqual(fp16[65536], 2 * 65536)
+        self.assertLess(fp16[65536], 2 * 65536 + 256)
+        self.assertLess(got["efsignsgd"][1]["bytes"], 65536 // 8 + 256)
+        self.assertTrue(all(p["compress_us"] > 0 for p in got["efsignsgd"]))
+        bench.close()
 
 
 class Shards(unittest.TestCase):

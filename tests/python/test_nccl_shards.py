@@ -9,7 +9,7 @@ import unittest
 import torch
 
 from bytecomp import _lib
-from bytecomp.torch import _nccl
+from bytecomp.torch import _intra, _nccl
 
 
 class World:
@@ -127,6 +127,48 @@ class ShardFlowTest(unittest.TestCase):
         if not torch.cuda.is_available():
             self.skipTest("NCCL built, no CUDA device: scripts/gpu-check")
         self.assertEqual(len(_nccl.NcclComm.make_id()), 128)
+
+
+class IntraMode(unittest.TestCase):
+    """BYTECOMP_INTRA_NODE and what the shard flow accepts (the optimizer
+    refuses the rest at start with these messages)."""
+
+    def test_mode(self):
+        self.assertEqual(_intra.mode({}), "daemon")
+        self.assertEqual(_intra.mode({"BYTECOMP_INTRA_NODE": "nccl"}), "nccl")
+        with self.assertRaisesRegex(ValueError, "expected one of daemon, nccl, host"):
+            _intra.mode({"BYTECOMP_INTRA_NODE": "NCCL"})
+
+    def test_parameters(self):
+        w = torch.zeros(3)
+        self.assertIsNone(_intra.check_params("host", [("w", w)], 2))
+        self.assertIsNone(_intra.check_params("nccl", [("w", w)], 1))  # one rank: no flow
+        self.assertIn("'w' is on cpu", _intra.check_params("nccl", [("w", w)], 2))
+        self.assertIn("float32 only", _intra.check_params(
+            "host", [("w", w), ("i", torch.zeros(3, dtype=torch.int64))], 2))
+
+    def test_daemon_comm_allgather_contributes_only_its_shard(self):
+        sent = []
+
+        class Client:
+            def push_pull(self, tid, it):
+                sent.append((tid, it, shm.clone()))
+                return 1
+
+            def wait_once(self, h, t):
+                shm.add_(torch.tensor([10.0, 20.0, 0.0, 0.0]))  # rank 0's shard
+                return True
+
+        shm = torch.zeros(4)
+        comm = _intra.DaemonComm(Client(), 1, 2, 1000)
+        buf = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        comm.adopt(buf, 7, shm)
+        comm.allgather(buf, 4, None)
+        self.assertTrue(torch.equal(sent[0][2], torch.tensor([0.0, 0.0, 3.0, 4.0])))
+        self.assertTrue(torch.equal(buf, torch.tensor([10.0, 20.0, 3.0, 4.0])))
+        comm.abort()
+        with self.assertRaises(_lib.JobAbortedError):
+            comm.sum(buf, 4, 1, None)
 
 
 if __name__ == "__main__":

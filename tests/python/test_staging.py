@@ -285,5 +285,81 @@ class Encoded(unittest.TestCase):
         self.assertEqual(dev.log.count(("side", "copy")), 1)  # slot 1's only: 0 made none
 
 
+class SymmetricComm:
+    """The comm of a 2-rank ShardFlow whose other local rank has the same
+    gradient: the collectives are device operations on the side stream
+    (they run when the simulated device gets there), as NCCL's are."""
+
+    def __init__(self, dev, daemon_factor):
+        self.dev = dev
+        self.factor = daemon_factor  # what the daemon's sum multiplies by
+        self.log = []
+        self.waits = []
+
+    def sum(self, buf, count, shard, stream):
+        self.log.append("reduce_scatter")
+        self.dev.enqueue(stream, lambda: buf[:count].mul_(2.0))  # both ranks' gradients
+
+    def allgather(self, buf, count, stream):
+        self.log.append("allgather")
+        per = count // 2
+
+        def other_shard():  # rank 1's shard came back from its daemon the same way
+            buf[per:2 * per].mul_(self.factor)
+        self.dev.enqueue(stream, other_shard)
+
+    def wait(self, stream):
+        self.waits.append(stream.name)
+
+    def abort(self):
+        self.log.append("abort")
+
+
+class SimOps:
+    def __init__(self, dev):
+        self.dev = dev
+
+    def zeros(self, count, like):
+        return torch.zeros(count, dtype=like.dtype)
+
+    def copy_async(self, dst, src, stream):
+        self.dev.copy_async(dst, src, stream)
+
+
+class Sharded(unittest.TestCase):
+    """The NCCL intra-node shard flow inside the pipeline (rank 0 of 2):
+    the daemon sees only the shard, after the reduce-scatter ran; the
+    gradient ends with the allgathered sums before the compute stream
+    goes on; the host waits only after the communicator's bounded wait."""
+
+    def test_shard_through_the_daemon_between_the_collectives(self):
+        from bytecomp.torch import _nccl
+        dev = FakeDevice()
+        comm = SymmetricComm(dev, daemon_factor=3.0)
+        flow = _nccl.ShardFlow(comm, SimOps(dev), 0, 2)
+        host = {0: torch.full((3,), -1.0)}  # 5 elements padded to 6: shard of 3
+        daemon = FakeDaemon(host, other=2.0)  # the other node: x3
+        pipe = _staging.StagingPipeline(dev, daemon.push, daemon.wait)
+        pipe.bounded_wait = comm.wait
+        slot = pipe.new_slot(0, host[0])
+        slot.shard = flow
+        grad = torch.zeros(5)
+        for it in range(2):  # the padded buffer and the shard are reused
+            dev.enqueue(dev.compute, lambda: grad.copy_(torch.arange(1.0, 6.0)))
+            pipe.grad_ready(slot, grad)
+            self.assertEqual(daemon.pushed[it:], [])  # nothing ran on the device yet
+            pipe.drain()
+            self.assertEqual(comm.waits, ["side"] * (it + 1))  # bounded, then the host wait
+            key, seen = daemon.pushed[it]
+            # Rank 0's shard of the node's sum: elements 0..2 of 2 * grad.
+            self.assertTrue(torch.equal(seen, torch.tensor([2.0, 4.0, 6.0])), seen)
+            pipe.copy_back(slot, grad)
+            pipe.finish([slot])
+            dev.run()
+            # Everything summed: 2 local ranks x 3 (the daemon), padding dropped.
+            self.assertTrue(torch.equal(grad, torch.arange(1.0, 6.0) * 6.0), grad)
+        self.assertEqual(comm.log, ["reduce_scatter", "allgather"] * 2)
+
+
 if __name__ == "__main__":
     unittest.main()

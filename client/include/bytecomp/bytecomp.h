@@ -213,6 +213,21 @@ BYTECOMP_API bytecomp_status bytecomp_push_pull_compressed(bytecomp_client* clie
                                                            uint32_t tensor_id, uint64_t iteration,
                                                            bytecomp_handle* out_handle);
 
+/* Added in ABI 1.4 (symbol version BYTECOMP_1.4). As
+ * bytecomp_push_pull_compressed, but the first `dense_partitions` partitions
+ * of the buffer hold the dense gradient, which the daemon compresses on its
+ * CPU pool, and only the rest hold the caller's payloads: the strategy's
+ * `cpu_share` executed (docs/gpu.md §4). dense_partitions must be below the
+ * tensor's partition count (all dense is bytecomp_push_pull) and equal to
+ * the daemon's rounding of the plan's cpu_share (llround(cpu_share *
+ * partitions)), else the job fails naming both. 0 is
+ * bytecomp_push_pull_compressed. An older bytecompd fails the job (unknown
+ * submit flags). */
+BYTECOMP_API bytecomp_status bytecomp_push_pull_split(bytecomp_client* client, uint32_t tensor_id,
+                                                      uint64_t iteration,
+                                                      uint32_t dense_partitions,
+                                                      bytecomp_handle* out_handle);
+
 /* Added in ABI 1.2 (symbol version BYTECOMP_1.2). Starts a broadcast: the
  * first `nbytes` bytes of the tensor's buffer of global rank `root_rank`
  * (node_rank * local_size + local_rank) are copied, raw (any dtype, no

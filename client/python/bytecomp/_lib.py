@@ -182,6 +182,11 @@ def _declare(lib):
         lib.bytecomp_push_pull_compressed.restype = c.c_int
         lib.bytecomp_partition_bytes.argtypes = [vp, c.POINTER(u64)]
         lib.bytecomp_partition_bytes.restype = c.c_int
+    # ABI 1.4 (BYTECOMP_1.4): a compressed push whose leading partitions are
+    # dense (the strategy's cpu_share).
+    if hasattr(lib, "bytecomp_push_pull_split"):
+        lib.bytecomp_push_pull_split.argtypes = [vp, u32, u64, u32, c.POINTER(u64)]
+        lib.bytecomp_push_pull_split.restype = c.c_int
 
 
 def library():
@@ -224,6 +229,11 @@ def has_client_compression():
     """Whether the loaded libbytecomp has bytecomp_push_pull_compressed and
     bytecomp_partition_bytes (ABI 1.3)."""
     return hasattr(library(), "bytecomp_push_pull_compressed")
+
+
+def has_split_push():
+    """Whether the loaded libbytecomp has bytecomp_push_pull_split (ABI 1.4)."""
+    return hasattr(library(), "bytecomp_push_pull_split")
 
 
 def has_collectives():
@@ -326,6 +336,17 @@ class Client:
         h = ctypes.c_uint64()
         self._check(self._lib.bytecomp_push_pull_compressed(self._c, tensor_id, iteration,
                                                             ctypes.byref(h)))
+        return h.value
+
+    def push_pull_split(self, tensor_id, iteration, dense_partitions):
+        """bytecomp_push_pull_split: as push_pull_compressed, but the first
+        `dense_partitions` partitions hold the dense gradient (the daemon's
+        CPU pool compresses them: cpu_share)."""
+        if dense_partitions == 0:
+            return self.push_pull_compressed(tensor_id, iteration)
+        h = ctypes.c_uint64()
+        self._check(self._lib.bytecomp_push_pull_split(self._c, tensor_id, iteration,
+                                                       dense_partitions, ctypes.byref(h)))
         return h.value
 
     def partition_bytes(self):

@@ -16,6 +16,8 @@ systemd setup (docs/torch.md).
   BYTECOMP_START_TIMEOUT_MS     bound on waiting for every local process to join (60000)
   BYTECOMP_STRATEGY             the strategy file the node daemons run (bytecomp-run
                                 --strategy sets it; unset: unknown / uncompressed)
+  BYTECOMP_INTRA_NODE           daemon | nccl | host: how the local ranks sum
+                                (read by DistributedOptimizer, torch/_intra.py)
 
 A missing or inconsistent value raises `EnvironmentConfigError`, whose
 message names the variable, the value found and the value expected.

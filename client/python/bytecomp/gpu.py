@@ -110,8 +110,8 @@ def placement(doc, tensors, caps):
     return out
 
 
-# -- NCCL intra-node shard flow (docs/daemon.md "Intra-node on GPUs"; not
-# wired into DistributedOptimizer yet, docs/gpu.md §3) -------------------------
+# -- NCCL intra-node shard flow (docs/daemon.md "Intra-node on GPUs";
+# BYTECOMP_INTRA_NODE=nccl in DistributedOptimizer, docs/gpu.md §3) -----------
 def shard_layout(count, local_size):
     """How a gradient of `count` float32 elements splits among `local_size`
     local ranks for bytecomp_gpu_nccl_sum(shard=1) (a reduce-scatter needs a
@@ -140,6 +140,22 @@ def partition_seed(job, tensor_id, partition):
     return lib.bytecomp_gpu_partition_seed(job.encode(), tensor_id, partition)
 
 
+def dense_partitions(cpu_share, partitions):
+    """The strategy's cpu_share as the runtime executes it (docs/gpu.md §4;
+    daemon/client_payload.h planned_dense_partitions): the leading
+    llround(cpu_share * partitions) partitions are compressed by the daemon's
+    CPU pool, the rest in this process. All of them: the tensor is pushed
+    dense. cpu_share must be in [0, 1)."""
+    share = float(cpu_share)
+    if not 0.0 <= share < 1.0:
+        raise ValueError("cpu_share %r: a share in [0, 1)" % (cpu_share,))
+    if partitions < 1:
+        raise ValueError("partitions %r: at least 1" % (partitions,))
+    x = share * partitions  # the same double product as the daemon's
+    k = int(x)
+    return k + (1 if x - k >= 0.5 else 0)  # llround (x >= 0): half away from zero
+
+
 class PartitionCodec:
     """Compresses one tensor in the training process, partition by
     partition of the daemon's partition size, straight into the tensor's
@@ -152,9 +168,16 @@ class PartitionCodec:
     scratch(nbytes) -> buffer with .ptr (device memory for the GPU; host for
     the stand-in), raw(stream) -> the stream handle the compressor takes, and
     copy(host_bytes, offset, scratch, nbytes, stream): scratch[:nbytes] ->
-    host_bytes[offset:] (a byte tensor over the shared buffer)."""
+    host_bytes[offset:] (a byte tensor over the shared buffer), and
+    copy_dense(host_bytes, offset, src, stream): a float32 slice of the
+    gradient -> host_bytes[offset:] (the partitions cpu_share leaves dense).
 
-    def __init__(self, spec, count, partition_bytes, job, tensor_id, make, ops):
+    cpu_share (the strategy option's): the leading dense_partitions()
+    partitions are copied dense for the daemon's CPU pool to compress; push
+    with bytecomp_push_pull_split(dense). All of them: UnsupportedError
+    (the tensor is pushed dense)."""
+
+    def __init__(self, spec, count, partition_bytes, job, tensor_id, make, ops, cpu_share=0.0):
         if partition_bytes <= 0 or partition_bytes % 64:
             raise ValueError("partition size %r: a positive multiple of 64" % (partition_bytes,))
         self.spec = spec
@@ -162,9 +185,21 @@ class PartitionCodec:
         self.partition_bytes = partition_bytes
         self.parts = []  # (first element, count, compressor, scratch, seed)
         per = partition_bytes // 4
+        self.dense = dense_partitions(cpu_share, max(1, -(-count // per)))
+        if self.dense >= max(1, -(-count // per)):
+            raise _lib.UnsupportedError(
+                "BYTECOMP_ERR_UNSUPPORTED",
+                "cpu_share %s of %d partition(s) puts every partition on the daemon's CPU pool"
+                % (cpu_share, max(1, -(-count // per))))
+        self.dense_ranges = []  # (first element, count) of the dense partitions
         first, index = 0, 0
         while first < count:
             n = min(per, count - first)
+            if index < self.dense:
+                self.dense_ranges.append((first, n))
+                first += n
+                index += 1
+                continue
             c = make(spec, n)
             if c.max_bytes > n * 4:
                 c.close()
@@ -179,10 +214,19 @@ class PartitionCodec:
             index += 1
         self._ops = ops
 
-    def encode(self, grad_ptr, host_bytes, iteration, stream=None):
+    def encode(self, grad_ptr, host_bytes, iteration, stream=None, grad=None):
         """Enqueues, per partition, compress(float32 elements at grad_ptr)
-        -> scratch -> host_bytes at the partition's byte offset, on `stream`.
-        Returns the payload bytes per partition."""
+        -> scratch -> host_bytes at the partition's byte offset, on `stream`;
+        the dense partitions (cpu_share) are copied from `grad` (the same
+        elements as a flat float32 tensor) as they are. Returns the payload
+        bytes per compressed partition."""
+        if self.dense_ranges:
+            if grad is None:
+                raise ValueError("%s: cpu_share leaves partitions dense: encode needs the "
+                                 "gradient tensor" % self.spec)
+            flat = grad.reshape(-1)
+            for first, n in self.dense_ranges:
+                self._ops.copy_dense(host_bytes, first * 4, flat[first:first + n], stream)
         lens = []
         raw = self._ops.raw(stream)
         for first, n, c, scratch, seed in self.parts:

@@ -4,7 +4,9 @@ reduce-scattered among them with NCCL, each rank sends only its shard through
 the daemon (in the per-local-rank job bytecomp.gpu.shard_job(), local_size 1),
 and the summed shards are allgathered back on the device.
 
-Not wired into DistributedOptimizer yet. ShardFlow holds the ordering and the
+DistributedOptimizer runs it when BYTECOMP_INTRA_NODE=nccl (bytecomp/torch/
+_intra.py makes the communicator; the staging pipeline, _staging.py, calls
+before() and after() around each slot's d2h / h2d copies). ShardFlow holds the ordering and the
 buffer layout and talks to NCCL and CUDA only through a `comm` (sum(buf,
 count, shard, stream), allgather(buf, count, stream), abort()) and `ops`
 (zeros(count, like) -> padded device buffer, copy_async(dst, src, stream)),

@@ -18,6 +18,7 @@ from bytecomp.torch._collectives import (Average, Compression, Compressor, Sum,
                                          _check_process_set, global_process_set)
 from bytecomp.torch._control import (_ELEMENT_BYTES, _TORCH_TO_C, NotInitializedError,
                                      _ctx_or_raise, _shm_tensor, _wait)
+from bytecomp.torch import _intra
 from bytecomp.torch import _staging
 
 
@@ -142,30 +143,50 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _bytecomp_start(self):
         c = self._bc_ctx
         s = c.settings
-        client = _lib.Client(self._bc_job, s.local_rank, s.local_size, s.node_rank,
-                             s.num_nodes, s.socket_path,
-                             connect_timeout_ms=min(s.timeout_ms, 60000))
+        # With the intra-node shard flow (BYTECOMP_INTRA_NODE, _intra.py) the
+        # local ranks sum among themselves first and this process's job is
+        # its shard's: one member per node, each tensor cut to the shard.
+        self._bc_intra = _intra.IntraNode(_intra.mode(), s, self._bc_job, self._bc_params,
+                                          self._bc_cuda_device)
+        sharded = self._bc_intra.flow is not None
+        self._bc_daemon_job = _gpu.shard_job(self._bc_job, s.local_rank) if sharded else \
+            self._bc_job
+        try:
+            if sharded:
+                client = _lib.Client(_gpu.shard_job(self._bc_job, s.local_rank), 0, 1,
+                                     s.node_rank, s.num_nodes, s.socket_path,
+                                     connect_timeout_ms=min(s.timeout_ms, 60000))
+            else:
+                client = _lib.Client(self._bc_job, s.local_rank, s.local_size, s.node_rank,
+                                     s.num_nodes, s.socket_path,
+                                     connect_timeout_ms=min(s.timeout_ms, 60000))
+        except BaseException:
+            self._bc_intra.close()
+            raise
         try:
             ids = []
-            for name, p in self._bc_params:
-                ids.append(client.declare(name, p.numel(), _TORCH_TO_C[p.dtype]))
+            counts = [self._bc_intra.shard_count(p.numel()) for _, p in self._bc_params]
+            for (name, p), n in zip(self._bc_params, counts):
+                ids.append(client.declare(name, n, _TORCH_TO_C[p.dtype]))
             if self._bc_strategy is not None:
                 _strategy.check(self._bc_strategy,
-                                [(n, p.numel() * _ELEMENT_BYTES[p.dtype])
-                                 for n, p in self._bc_params])
+                                [(name, n * _ELEMENT_BYTES[p.dtype])
+                                 for (name, p), n in zip(self._bc_params, counts)])
                 _strategy.apply(self._bc_strategy, client, s.strategy)
             client.start(s.start_timeout_ms)
             self._bc_slots = []
             self._bc_staging = None
             self._bc_pinned = None
             staged = []
-            for tid, (name, p) in zip(ids, self._bc_params):
+            for tid, (name, p), n in zip(ids, self._bc_params, counts):
                 addr, nbytes = client.buffer(tid)
-                buf = _shm_tensor(addr, nbytes, p.dtype, p.shape)
+                buf = _shm_tensor(addr, nbytes, p.dtype, (n,) if sharded else p.shape)
                 slot = _Slot(name, p, tid, buf)
                 if p.device.type == "cuda":
                     # The gradient stays on the device; buf is its staging.
                     staged.append((addr, nbytes))
+                elif sharded:
+                    pass  # host stand-in: staged (HostOps), the gradient stays put
                 else:
                     with torch.no_grad():
                         if p.grad is not None:
@@ -174,25 +195,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                             buf.zero_()
                     p.grad = buf
                 self._bc_slots.append(slot)
-            if staged:
-                self._bc_pinned = _staging.register_host_range(staged)
+            if staged or sharded:
+                if staged:
+                    self._bc_pinned = _staging.register_host_range(staged)
                 by_tid = {sl.tid: sl for sl in self._bc_slots}
                 self._bc_staging = _staging.StagingPipeline(
+                    self._bc_intra.ops if sharded else
                     _staging.TorchCudaOps(self._bc_cuda_device),
                     lambda tid: self._bc_client.push_pull(tid, self._bc_iteration),
                     lambda tid, h: _wait(self._bc_client, h, self._bc_timeout_ms,
                                          "push_pull of gradient %r (step %d)",
                                          by_tid[tid].name, self._bc_iteration + 1),
-                    lambda tid: self._bc_client.push_pull_compressed(tid, self._bc_iteration))
-                for slot in self._bc_slots:
-                    if slot.param.device.type == "cuda":
+                    lambda tid: self._bc_client.push_pull_split(
+                        tid, self._bc_iteration, by_tid[tid].codec.dense))
+                for i, slot in enumerate(self._bc_slots):
+                    if slot.param.device.type == "cuda" or sharded:
                         slot.staged = self._bc_staging.new_slot(slot.tid, slot.buf)
+                    if sharded:
+                        slot.staged.shard = self._bc_intra.flow
+                        self._bc_intra.prepare(slot.tid, slot.param, i)
+                if sharded:
+                    self._bc_staging.bounded_wait = self._bc_intra.bounded_wait
             self._bytecomp_place(client)
         except BaseException:
             if getattr(self, "_bc_pinned", None) is not None:
                 _staging.unregister_host_range(self._bc_pinned)
                 self._bc_pinned = None
             client.close()
+            self._bc_intra.close()
             raise
         self._bc_client = client
         self._bc_hooks = []
@@ -221,17 +251,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         s = self._bc_ctx.settings
         host = os.environ.get("BYTECOMP_CLIENT_COMPRESS") == "host"
         self.placement_notes = {}
+        self.gpu_profile = None  # mode: auto's measurement of the CUDA compressors
         st = self._bc_strategy if self._bc_strategy is not None else _strategy.load(s.strategy)
         why = None
         if st is None:
             why = "uncompressed (no strategy)"
         elif st.is_auto():
             why = "mode: auto: the plans change at run time, the daemon compresses"
+            self._bytecomp_gpu_profile(st)
         elif not _lib.has_client_compression():
             why = "this libbytecomp has no bytecomp_push_pull_compressed (ABI 1.3)"
-        elif s.num_nodes > 1 and s.local_size > 1:
+        elif s.num_nodes > 1 and s.local_size > 1 and self._bc_intra.flow is None:
             why = ("%d local ranks on %d nodes: compressed pushes need one local rank per node "
-                   "(the NCCL shard flow is not wired yet)" % (s.local_size, s.num_nodes))
+                   "(BYTECOMP_INTRA_NODE=nccl sends one shard per local rank instead)" %
+                   (s.local_size, s.num_nodes))
         if why is not None:
             self.placement_notes["*"] = why
             return
@@ -241,11 +274,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if sl.param.dtype != torch.float32:
                 continue
             dev = "cuda" if host and sl.param.device.type == "cpu" else sl.param.device.type
-            tensors.append((sl.name, sl.param.numel() * 4, dev))
+            tensors.append((sl.name, sl.buf.numel() * 4, dev))  # the shard's, if sharded
         placed = _gpu.placement(st.doc, tensors, caps)
         for sl in self._bc_slots:
             where, spec, why = placed.get(sl.name, ("none", "none", "not float32"))
             if where == "gpu":
+                # cpu_share: the leading partitions stay dense for the daemon's
+                # CPU pool (bytecomp_push_pull_split, docs/gpu.md §4).
+                share = float(_gpu.resolve(st.doc, sl.name, sl.buf.numel() * 4)
+                              .get("cpu_share", 0) or 0)
+                if share > 0 and not _lib.has_split_push():
+                    self.placement_notes[sl.name] = (
+                        "cpu_share %s: this libbytecomp has no bytecomp_push_pull_split "
+                        "(ABI 1.4); the daemon compresses it" % share)
+                    continue
+                sl.cpu_share = share
                 sl.place = spec
             else:
                 self.placement_notes[sl.name] = why
@@ -265,6 +308,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for sl in self._bc_slots:
                 self._bytecomp_codec(sl, client)  # a tensor that cannot goes back to the daemon
 
+    def _bytecomp_gpu_profile(self, st):
+        """mode: auto: local rank 0 measures the CUDA compressors on its
+        device (or says why not) and reports to its daemon, whose auto tuner
+        carries them in the node's profile (bytecomp/gpu_profile.py). Sets
+        self.gpu_profile = {"note": ..., "compressors": {spec: points}}."""
+        from bytecomp import ctl as _ctl
+        from bytecomp import gpu_profile as _gp
+        s = self._bc_ctx.settings
+        self.gpu_profile = None
+        if s.local_rank != 0:
+            return  # one report per node
+        note, measured = _gp.profile(st.doc, self._bc_cuda_device)
+        self.gpu_profile = {"note": note, "compressors": measured}
+        try:
+            answer = _ctl.request(s.socket_path or _ctl.DEFAULT_SOCKET, "gpu_profile",
+                                  "%s\n%s" % (self._bc_daemon_job, _gp.report_text(note, measured)),
+                                  timeout=5.0)
+        except _ctl.CtlError as e:
+            warnings.warn("bytecomp: the GPU profile did not reach the daemon: %s (auto plans "
+                          "without it)" % e)
+            return
+        self.gpu_profile["daemon"] = answer.strip()
+
     def _bytecomp_codec(self, slot, client=None):
         """The slot's PartitionCodec (made at start, once the daemon
         published the job's partition size); None: pushed dense."""
@@ -274,15 +340,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if pb == 0:
             return None  # a multi-node job not joined yet: the daemon compresses
         p = slot.param
+        job = self._bc_daemon_job
         try:
             if p.device.type == "cuda":
-                slot.codec = _gpu.PartitionCodec(slot.place, p.numel(), pb, self._bc_job,
+                slot.codec = _gpu.PartitionCodec(slot.place, slot.buf.numel(), pb, job,
                                                  slot.tid, _gpu.GpuCompressor,
-                                                 _TorchCudaCodecOps(p.device))
+                                                 _TorchCudaCodecOps(p.device), slot.cpu_share)
             else:
                 slot.codec = _gpu.PartitionCodec(
-                    slot.place, p.numel(), pb, self._bc_job, slot.tid,
-                    lambda spec, n: _gpu.GpuCompressor(spec, n, host=True), _HostCodecOps())
+                    slot.place, slot.buf.numel(), pb, job, slot.tid,
+                    lambda spec, n: _gpu.GpuCompressor(spec, n, host=True), _HostCodecOps(),
+                    slot.cpu_share)
         except _lib.UnsupportedError as e:
             # Every local rank decides the same way (same build, same sizes).
             self.placement_notes[slot.name] = str(e)
@@ -298,7 +366,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         host_bytes = slot.buf.view(-1).view(torch.uint8)
 
         def encode(grad, side):
-            codec.encode(grad.data_ptr(), host_bytes, self._bc_iteration, side)
+            codec.encode(grad.data_ptr(), host_bytes, self._bc_iteration, side, grad)
         return encode
 
     def _bytecomp_hook(self, slot):
@@ -333,6 +401,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._bc_staging.grad_ready(slot.staged, p.grad)
             except BytecompError as e:
                 self._bc_failed = e
+                self._bc_intra.abort()  # the other local ranks' collectives end too
                 self._bc_ctx.failed = True
                 raise
             return
@@ -355,12 +424,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 # the payloads overwrite the buffer, so compress from a copy.
                 g = slot.buf.clone()
                 codec.encode(g.data_ptr(), slot.buf.view(-1).view(torch.uint8),
-                             self._bc_iteration, None)
-                slot.handle = self._bc_client.push_pull_compressed(slot.tid, self._bc_iteration)
+                             self._bc_iteration, None, g)
+                slot.handle = self._bc_client.push_pull_split(slot.tid, self._bc_iteration,
+                                                              codec.dense)
             else:
                 slot.handle = self._bc_client.push_pull(slot.tid, self._bc_iteration)
         except BytecompError as e:
             self._bc_failed = e
+            self._bc_intra.abort()  # the other local ranks' collectives end too
             self._bc_ctx.failed = True
             raise
 
@@ -393,8 +464,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self._bc_staging is not None:
                 self._bc_staging.finish([sl.staged for sl in self._bc_slots
                                          if sl.staged is not None])
+            if self._bc_intra.flow is not None:
+                # The allgathers done, within the communicator's bound: a
+                # local rank that died mid-step aborts it here, instead of
+                # leaving the compute stream waiting on it forever.
+                self._bc_intra.bounded_wait(self._bc_intra.ops.side_stream())
         except BytecompError as e:
             self._bc_failed = e
+            self._bc_intra.abort()  # the other local ranks' collectives end too
             self._bc_ctx.failed = True  # no exit barrier: the job is broken
             if self._bc_staging is not None:
                 self._bc_staging.abandon()
@@ -461,7 +538,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         from bytecomp import ctl as _ctl  # the operator channel (bytecompctl's)
         try:
             answer = _ctl.request(self._bc_ctx.settings.socket_path, "loss",
-                                  "%s %r" % (self._bc_job, value), timeout=2.0)
+                                  "%s %r" % (self._bc_daemon_job, value), timeout=2.0)
         except _ctl.CtlError as e:
             if not self._bc_loss_warned:
                 self._bc_loss_warned = True
@@ -510,6 +587,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     s.codec.close()
                     s.codec = None
         self._bc_slots = []
+        if self._bc_failed is not None:
+            self._bc_intra.abort()  # no bounded finalize with a broken job
         if self._bc_pinned is not None:
             # No copy may still read or write the shared memory.
             torch.cuda.synchronize(self._bc_cuda_device)
@@ -521,6 +600,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 h.remove()
         self._bc_hooks = []
         client.close()
+        self._bc_intra.close()
 
 
 class _Scratch:
@@ -550,6 +630,12 @@ class _TorchCudaCodecOps:
         with torch.cuda.stream(stream):
             host_bytes[offset:offset + n].copy_(scratch.t[:n], non_blocking=True)
 
+    def copy_dense(self, host_bytes, offset, src, stream):
+        # A cpu_share partition: the gradient's bytes as they are.
+        with torch.cuda.stream(stream):
+            host_bytes[offset:offset + src.numel() * 4].view(torch.float32).copy_(
+                src, non_blocking=True)
+
 
 class _HostCodecOps:
     """The host stand-in's side (BYTECOMP_CLIENT_COMPRESS=host)."""
@@ -563,9 +649,13 @@ class _HostCodecOps:
     def copy(self, host_bytes, offset, scratch, n, stream):
         host_bytes[offset:offset + n].copy_(scratch.t[:n])
 
+    def copy_dense(self, host_bytes, offset, src, stream):
+        host_bytes[offset:offset + src.numel() * 4].view(torch.float32).copy_(src)
+
 
 class _Slot:
-    __slots__ = ("name", "param", "tid", "buf", "handle", "passes", "staged", "place", "codec")
+    __slots__ = ("name", "param", "tid", "buf", "handle", "passes", "staged", "place", "codec",
+                 "cpu_share")
 
     def __init__(self, name, param, tid, buf):
         self.name = name
@@ -577,6 +667,7 @@ class _Slot:
         self.staged = None  # _staging.StagedSlot of a CUDA parameter
         self.place = None  # compressor spec when this process compresses it (GPU placement)
         self.codec = None  # its bytecomp.gpu.PartitionCodec, once made
+        self.cpu_share = 0.0  # of its partitions, the daemon's CPU pool compresses (strategy)
 
 
 def _compression_strategy(compression):

@@ -24,6 +24,16 @@ test_staging.py). The rules it keeps, per tensor and iteration:
 5. step    : the compute stream waits for every h2d event (device side), so
              the optimizer's kernels read the sums; the host never waits.
 
+With the NCCL intra-node shard flow (docs/daemon.md "Intra-node on GPUs";
+bytecomp/torch/_nccl.py), a slot's `shard` (a ShardFlow) is set: step 2 copies
+the rank's shard of the NCCL reduce-scatter instead of the whole gradient
+(ShardFlow.before, enqueued on the side stream after the ready wait), and
+step 4 copies the daemon's sum back into that shard, then enqueues the
+allgather and padded -> grad (ShardFlow.after), all before the h2d event.
+The host never waits on a stream with a collective in flight unboundedly:
+`bounded_wait(stream)` (the communicator's bounded wait, which aborts it on
+a timeout or a dead local rank) runs before every host synchronisation.
+
 A host buffer is reused next iteration: its next d2h copy is on the same side
 stream after this iteration's h2d copy (FIFO), and the daemon owns it only
 between push and wait, which lie between the two.
@@ -65,6 +75,41 @@ class StreamOps:
         raise NotImplementedError
 
 
+class HostOps(StreamOps):
+    """StreamOps where every "device" operation is a host operation done at
+    once (streams are names, events always complete): the pipeline's order
+    on CPU tensors. The intra-node shard flow's host stand-in
+    (BYTECOMP_INTRA_NODE=host) runs the real optimizer through it."""
+
+    def current_stream(self):
+        return "current"
+
+    def side_stream(self):
+        return "side"
+
+    def new_event(self):
+        return None
+
+    def record(self, event, stream):
+        pass
+
+    def wait_event(self, stream, event):
+        pass
+
+    def query(self, event):
+        return True
+
+    def synchronize(self, event):
+        pass
+
+    def copy_async(self, dst, src, stream):
+        dst.copy_(src)
+
+    def zeros(self, count, like):  # ShardFlow's padded buffers
+        import torch
+        return torch.zeros(count, dtype=like.dtype)
+
+
 class TorchCudaOps(StreamOps):
     """StreamOps over torch.cuda for one device."""
 
@@ -95,6 +140,9 @@ class TorchCudaOps(StreamOps):
     def synchronize(self, event):
         event.synchronize()
 
+    def zeros(self, count, like):  # ShardFlow's padded buffers
+        return self._torch.zeros(count, dtype=like.dtype, device=self.device)
+
     def copy_async(self, dst, src, stream):
         with self._torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -107,7 +155,7 @@ class TorchCudaOps(StreamOps):
 class StagedSlot:
     """One staged tensor: its host buffer, its events and its daemon handle."""
 
-    __slots__ = ("key", "host", "ready", "d2h", "h2d", "handle", "state", "encode")
+    __slots__ = ("key", "host", "ready", "d2h", "h2d", "handle", "state", "encode", "shard")
 
     IDLE, COPYING, PUSHED, RETURNING = "idle", "copying", "pushed", "returning"
 
@@ -124,6 +172,9 @@ class StagedSlot:
         # `host` on `stream`, instead of the dense copy; the hand-off then
         # pushes compressed. None: dense (the daemon compresses, if at all).
         self.encode = None
+        # The NCCL intra-node shard flow (ShardFlow) when the local ranks
+        # reduce among themselves first: `host` then holds this rank's shard.
+        self.shard = None
 
 
 class StagingPipeline:
@@ -139,6 +190,9 @@ class StagingPipeline:
         self._wait = wait
         self._copying = []  # slots whose d2h copy is enqueued, not yet pushed (FIFO)
         self.host_syncs = 0  # host waits on the device (drain only), for tests and stats
+        # Called with the side stream before the host waits on it, where
+        # collectives may be in flight (the shard flow's bounded NCCL wait).
+        self.bounded_wait = None
 
     def new_slot(self, key, host):
         return StagedSlot(key, host, self.ops)
@@ -152,10 +206,11 @@ class StagingPipeline:
         side = ops.side_stream()
         ops.record(slot.ready, ops.current_stream())
         ops.wait_event(side, slot.ready)
+        src = grad if slot.shard is None else slot.shard.before(slot.key, grad, side)
         if slot.encode is not None:
-            slot.encode(grad, side)
+            slot.encode(src, side)
         else:
-            ops.copy_async(slot.host, grad, side)
+            ops.copy_async(slot.host, src, side)
         ops.record(slot.d2h, side)
         slot.state = StagedSlot.COPYING
         self._copying.append(slot)
@@ -173,6 +228,8 @@ class StagingPipeline:
             slot = self._copying.pop(0)
             if not self.ops.query(slot.d2h):
                 self.host_syncs += 1
+                if self.bounded_wait is not None:
+                    self.bounded_wait(self.ops.side_stream())
                 self.ops.synchronize(slot.d2h)
             self._hand_off(slot)
 
@@ -191,7 +248,11 @@ class StagingPipeline:
         self._wait(slot.key, h)
         ops = self.ops
         side = ops.side_stream()
-        ops.copy_async(grad, slot.host, side)
+        if slot.shard is None:
+            ops.copy_async(grad, slot.host, side)
+        else:
+            ops.copy_async(slot.shard.shard(slot.key), slot.host, side)
+            slot.shard.after(slot.key, grad, side)
         ops.record(slot.h2d, side)
         slot.state = StagedSlot.RETURNING
 
