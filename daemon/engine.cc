@@ -154,6 +154,7 @@ void Engine::stop() {
   inbox_->close();
   if (ps_path_) ps_path_->close();
   if (peer_path_) peer_path_->close();
+  if (ring_path_) ring_path_->close();
   if (ps_) {
     // Tells the coordinator and fails what is still pending. An aborted job
     // is aborted for every node at once (a job the coordinator already
@@ -386,14 +387,22 @@ bool Engine::open_paths() {
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
     peer_path_ = PeerPath::open(ctx, ps_, peer_opts_);
+    ring_path_ = RingPath::open(ctx, ps_, peer_opts_);
   } catch (const Error& e) {
     fail(e.code(), e.what());
     return false;
   }
+  // A tensor's placement is fixed for the job (the coordinator refuses a
+  // change of it), so its path is too.
   path_of_.resize(tensors_.size());
   for (uint32_t t = 0; t < tensors_.size(); ++t) {
-    path_of_[t] = peer_path_ && peer_path_->runs(t) ? static_cast<ExecutionPath*>(peer_path_.get())
-                                                     : ps_path_.get();
+    if (peer_path_ && peer_path_->runs(t)) {
+      path_of_[t] = peer_path_.get();
+    } else if (ring_path_ && ring_path_->runs(t)) {
+      path_of_[t] = ring_path_.get();
+    } else {
+      path_of_[t] = ps_path_.get();
+    }
   }
   collectives_->joined(ps_, partition_bytes_);
   if (on_joined_) on_joined_(*this, ps_, partition_bytes_);
@@ -412,12 +421,12 @@ void Engine::loop() {
              "inter-node: " + f.message());
         break;
       }
-      if (peer_path_) {
-        if (const Status late = peer_path_->check(std::chrono::steady_clock::now());
-            !late.ok()) {
-          fail(late.code(), "inter-node: " + late.message());
-          break;
-        }
+      const auto now = std::chrono::steady_clock::now();
+      Status late = peer_path_ ? peer_path_->check(now) : Status::Ok();
+      if (late.ok() && ring_path_) late = ring_path_->check(now);
+      if (!late.ok()) {
+        fail(late.code(), "inter-node: " + late.message());
+        break;
       }
       adopt_pending();
       release_held();

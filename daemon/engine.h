@@ -2,7 +2,7 @@
 // rings, waits until every local rank submitted a tensor (a round), cuts it
 // into partitions, hands them out by priority within the bytes-in-flight
 // bound, runs each on the tensor's execution path (daemon/engine_path.h:
-// local, ps or peer) and posts completions.
+// local, ps, peer or ring) and posts completions.
 //
 // Parts and what each owns:
 //   Engine (core)    the rings, the rounds (one per tensor), the Scheduler,
@@ -73,6 +73,7 @@
 #include "daemon/engine_path.h"
 #include "daemon/engine_peer.h"
 #include "daemon/engine_phases.h"
+#include "daemon/engine_ring.h"
 #include "daemon/engine_types.h"
 #include "daemon/local_reduce.h"
 #include "daemon/plan.h"
@@ -263,6 +264,7 @@ class Engine {
   std::unique_ptr<LocalPath> local_;
   std::unique_ptr<PsPath> ps_path_;
   std::unique_ptr<PeerPath> peer_path_;
+  std::unique_ptr<RingPath> ring_path_;
   // Broadcast and barrier, beside the paths.
   std::unique_ptr<Collectives> collectives_;
   std::vector<ExecutionPath*> path_of_;

@@ -21,12 +21,16 @@
 
 namespace bytecomp::daemon {
 
-// Multi-node jobs with allgather tensors: the daemon's peer endpoint (null:
-// none configured; such jobs fail at join) and the bound on a peer's answer
-// and on waiting for the other nodes' payloads of a round.
+// Multi-node jobs with allgather or ring tensors: the daemon's peer endpoint
+// (null: none configured; such jobs fail at join), the bound on a peer's
+// answer and on waiting for the other nodes' data of a round, and the
+// ring's chunk size and window (internode.ring_chunk_bytes; the window is
+// the chunks a node has unanswered with its right neighbour).
 struct PeerOptions {
   PeerHub* hub = nullptr;
   std::chrono::milliseconds timeout{30000};
+  uint64_t ring_chunk_bytes = kRingMaxChunkBytes;
+  uint32_t ring_window = 4;
 };
 
 class PeerPath final : public ExecutionPath {

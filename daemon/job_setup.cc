@@ -75,9 +75,12 @@ void Daemon::maybe_start(Job& j) {
       try {
         for (const auto& plan : strategy::plans_for(strategy::Scope::kCluster, spec.tensors,
                                                      spec.strategy_yaml, "strategy")) {
-          if (plan.placement == strategy::Placement::kPeer && !peer_hub_) {
-            problem = "a tensor's strategy uses inter: allgather between daemons, but this "
-                      "bytecompd has no peer endpoint (set internode.peer_listen)";
+          if (strategy::between_daemons(plan.placement) && !peer_hub_) {
+            problem = std::string("a tensor's strategy uses inter: ") +
+                      (plan.placement == strategy::Placement::kPeer ? "allgather"
+                                                                    : "allreduce (a ring)") +
+                      " between daemons, but this bytecompd has no peer endpoint (set "
+                      "internode.peer_listen)";
             break;
           }
         }
@@ -170,7 +173,7 @@ void Daemon::maybe_start(Job& j) {
         if (auto t = weak.lock()) t->attach(e, ps, pb);
       };
     }
-    eo.peers = PeerOptions{peer_hub_.get(), request_timeout_};
+    eo.peers = PeerOptions{peer_hub_.get(), request_timeout_, config_.ring_chunk_bytes};
     eo.keep_mapped = j.segment;
     // Multi-node paths compress with the coordinator's plans: counted inside.
     if (eo.join) eo.bytes = j.bytes;
@@ -305,7 +308,9 @@ std::pair<bool, std::string> Daemon::reload() {
                                 {next.cluster_file != config_.cluster_file, "internode.cluster_file"},
                                 {next.node_id != config_.node_id, "internode.node_id"},
                                 {next.nodes != config_.nodes, "internode.nodes"},
-                                {next.peer_listen != config_.peer_listen, "internode.peer_listen"}}) {
+                                {next.peer_listen != config_.peer_listen, "internode.peer_listen"},
+                                {next.ring_chunk_bytes != config_.ring_chunk_bytes,
+                                 "internode.ring_chunk_bytes"}}) {
       if (changed) {
         BC_LOG(LogDaemon(), kWarn) << "SIGHUP: " << key
                                    << " changed, which needs a restart: keeping the running value";

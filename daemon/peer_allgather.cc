@@ -325,6 +325,7 @@ PeerHub::PeerHub(const transport::TransportConfig& config) {
   }
   address_ = addrs.front();
   tp_->set_handler(kPeerData, [this](Incoming in) { on_data(std::move(in)); });
+  tp_->set_handler(kRingData, [this](Incoming in) { on_ring_data(std::move(in)); });
   tp_->on_peer_failure([this](NodeId id, const Status& s) { on_peer_lost(id, s); });
   tp_->start();
   BC_LOG(LogPeer(), kInfo) << "peer endpoint " << address_ << " (node " << tp_->self() << ")";
@@ -334,29 +335,46 @@ PeerHub::~PeerHub() { tp_->shutdown(); }
 
 NodeId PeerHub::self() const { return tp_->self(); }
 
-std::shared_ptr<PeerJob> PeerHub::open(PeerJobSpec spec, PeerJob::ReadyFn ready,
-                                       PeerJob::FailFn fail) {
-  const size_t m = spec.nodes.size();
-  if (spec.rank >= m || spec.nodes[spec.rank] != self()) {
+void PeerHub::check_peers(const std::string& job, uint32_t rank, const std::vector<NodeId>& nodes,
+                          const std::vector<std::string>& addresses, const char* inter) const {
+  const size_t m = nodes.size();
+  if (rank >= m || nodes[rank] != self()) {
     throw Error(ErrorCode::kInvalidArgument,
-                "job '" + spec.name + "': this daemon (node " + std::to_string(self()) +
-                    ") is not rank " + std::to_string(spec.rank) + " of its node list");
+                "job '" + job + "': this daemon (node " + std::to_string(self()) +
+                    ") is not rank " + std::to_string(rank) + " of its node list");
   }
-  if (spec.addresses.size() != m) {
+  if (addresses.size() != m) {
     throw Error(ErrorCode::kInvalidArgument,
-                "job '" + spec.name + "': the coordinator gave " +
-                    std::to_string(spec.addresses.size()) + " peer addresses for " +
-                    std::to_string(m) + " nodes (a server of another release?)");
+                "job '" + job + "': the coordinator gave " + std::to_string(addresses.size()) +
+                    " peer addresses for " + std::to_string(m) +
+                    " nodes (a server of another release?)");
   }
   for (size_t r = 0; r < m; ++r) {
-    if (r != spec.rank && spec.addresses[r].empty()) {
+    if (r != rank && addresses[r].empty()) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "job '" + spec.name + "' uses inter: allgather, but node " +
-                      std::to_string(spec.nodes[r]) + " (rank " + std::to_string(r) +
+                  "job '" + job + "' uses inter: " + inter + ", but node " +
+                      std::to_string(nodes[r]) + " (rank " + std::to_string(r) +
                       ") has no peer endpoint (set internode.peer_listen in its bytecompd "
                       "configuration)");
     }
   }
+}
+
+void PeerHub::connect_peers(uint32_t rank, const std::vector<NodeId>& nodes,
+                            const std::vector<std::string>& addresses) {
+  for (size_t r = 0; r < nodes.size(); ++r) {
+    if (r == rank) continue;
+    Peer& p = peers_[nodes[r]];
+    if (p.jobs++ == 0 || p.address != addresses[r]) {
+      p.address = addresses[r];
+      tp_->add_peer(nodes[r], p.address);
+    }
+  }
+}
+
+std::shared_ptr<PeerJob> PeerHub::open(PeerJobSpec spec, PeerJob::ReadyFn ready,
+                                       PeerJob::FailFn fail) {
+  check_peers(spec.name, spec.rank, spec.nodes, spec.addresses, "allgather");
   std::shared_ptr<PeerJob> job(new PeerJob(*this, spec, std::move(ready), std::move(fail)));
   job->self_ = job;
   std::lock_guard lock(mu_);
@@ -366,24 +384,37 @@ std::shared_ptr<PeerJob> PeerHub::open(PeerJobSpec spec, PeerJob::ReadyFn ready,
                 "job uid " + std::to_string(spec.uid) + " is already open here");
   }
   jobs_[spec.uid] = job;
-  for (size_t r = 0; r < m; ++r) {
-    if (r == spec.rank) continue;
-    Peer& p = peers_[spec.nodes[r]];
-    if (p.jobs++ == 0 || p.address != spec.addresses[r]) {
-      p.address = spec.addresses[r];
-      tp_->add_peer(spec.nodes[r], p.address);
-    }
-  }
+  connect_peers(spec.rank, spec.nodes, spec.addresses);
   return job;
 }
 
-void PeerHub::unregister(const PeerJob* job, uint32_t uid, const std::vector<NodeId>& peers) {
-  std::lock_guard lock(mu_);
-  // Only this job's entry (a restarted coordinator may reuse the uid).
-  if (auto it = jobs_.find(uid); it != jobs_.end()) {
-    auto current = it->second.lock();
-    if (!current || current.get() == job) jobs_.erase(it);
+std::shared_ptr<RingJob> PeerHub::open_ring(RingJobSpec spec, RingJob::ReadyFn ready,
+                                            RingJob::FailFn fail) {
+  check_peers(spec.name, spec.rank, spec.nodes, spec.addresses, "allreduce");
+  if (spec.chunk_bytes < 64 || spec.chunk_bytes > kRingMaxChunkBytes || spec.chunk_bytes % 4 != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "job '" + spec.name + "': ring chunk of " + std::to_string(spec.chunk_bytes) +
+                    " bytes (accepted: 64 B to 1 MiB, a multiple of 4)");
   }
+  if (spec.window < 2) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "job '" + spec.name + "': ring window " + std::to_string(spec.window) +
+                    " (at least 2 chunks in flight)");
+  }
+  std::shared_ptr<RingJob> job(new RingJob(*this, spec, std::move(ready), std::move(fail)));
+  job->self_ = job;
+  std::lock_guard lock(mu_);
+  if (auto it = rings_.find(spec.uid); it != rings_.end() && !it->second.expired()) {
+    job->closed_ = true;  // not registered: its destructor must not unregister the other
+    throw Error(ErrorCode::kInvalidArgument,
+                "job uid " + std::to_string(spec.uid) + " already has a ring here");
+  }
+  rings_[spec.uid] = job;
+  connect_peers(spec.rank, spec.nodes, spec.addresses);
+  return job;
+}
+
+void PeerHub::release_peers(const std::vector<NodeId>& peers) {
   // A peer stays connected after its last job ends: removing it would fail
   // this job's last replies and sends still queued for it, which the peer
   // may be waiting for. Only a peer that is lost and unused is forgotten.
@@ -397,11 +428,31 @@ void PeerHub::unregister(const PeerJob* job, uint32_t uid, const std::vector<Nod
   }
 }
 
-void PeerHub::refuse(const Incoming& in, ErrorCode code, const std::string& why) {
-  BC_LOG(LogPeer(), kError) << "peer data from node " << in.from << " refused: " << why;
+void PeerHub::unregister(const PeerJob* job, uint32_t uid, const std::vector<NodeId>& peers) {
+  std::lock_guard lock(mu_);
+  // Only this job's entry (a restarted coordinator may reuse the uid).
+  if (auto it = jobs_.find(uid); it != jobs_.end()) {
+    auto current = it->second.lock();
+    if (!current || current.get() == job) jobs_.erase(it);
+  }
+  release_peers(peers);
+}
+
+void PeerHub::unregister_ring(const RingJob* job, uint32_t uid, const std::vector<NodeId>& peers) {
+  std::lock_guard lock(mu_);
+  if (auto it = rings_.find(uid); it != rings_.end()) {
+    auto current = it->second.lock();
+    if (!current || current.get() == job) rings_.erase(it);
+  }
+  release_peers(peers);
+}
+
+void PeerHub::refuse(const Incoming& in, ErrorCode code, const std::string& why, uint16_t type) {
+  BC_LOG(LogPeer(), kError) << (type == kRingError ? "ring" : "peer") << " data from node "
+                            << in.from << " refused: " << why;
   if (!in.expects_reply) return;
   Message m;
-  m.header.type = kPeerError;
+  m.header.type = type;
   m.header.aux = static_cast<uint32_t>(code);
   m.payloads.push_back(Buffer::copy_of(why));
   try {
@@ -454,8 +505,56 @@ void PeerHub::on_data(Incoming in) {
   }
 }
 
+void PeerHub::on_ring_data(Incoming in) {
+  auto refuse_ring = [&](ErrorCode code, const std::string& why) {
+    refuse(in, code, why, kRingError);
+  };
+  if (!in.expects_reply) {
+    return refuse_ring(ErrorCode::kMalformed, "ring data sent one-way (a request is expected)");
+  }
+  if (in.message.payloads.size() != 2) {
+    return refuse_ring(ErrorCode::kMalformed,
+                       "ring data with " + std::to_string(in.message.payloads.size()) +
+                           " payloads (expected 2: header and data)");
+  }
+  RingJob::Received r;
+  try {
+    r.header = decode_ring_header(in.message.payloads[0].span());
+  } catch (const Error& e) {
+    return refuse_ring(e.code(), e.what());
+  }
+  r.data = in.message.payloads[1];
+  if (r.header.data_bytes != r.data.size()) {
+    return refuse_ring(ErrorCode::kMalformed,
+                       "ring data header says " + std::to_string(r.header.data_bytes) +
+                           " bytes, " + std::to_string(r.data.size()) + " came");
+  }
+  std::shared_ptr<RingJob> job;
+  {
+    std::lock_guard lock(mu_);
+    auto it = rings_.find(in.message.header.aux);
+    if (it != rings_.end()) job = it->second.lock();
+  }
+  if (!job) {
+    return refuse_ring(ErrorCode::kUnavailable,
+                       "no ring job with uid " + std::to_string(in.message.header.aux) +
+                           " is running on node " + std::to_string(self()));
+  }
+  const Status s =
+      job->receive(in.from, in.message.header.key, in.message.header.arg, std::move(r));
+  if (!s.ok()) return refuse_ring(s.code(), s.message());
+  Message ok;
+  ok.header.type = kRingOk;
+  try {
+    tp_->reply(in, std::move(ok), nullptr);
+  } catch (const Error& e) {
+    BC_LOG(LogPeer(), kError) << "reply to node " << in.from << ": " << e.what();
+  }
+}
+
 void PeerHub::on_peer_lost(NodeId id, const Status& s) {
   std::vector<std::shared_ptr<PeerJob>> hit;
+  std::vector<std::shared_ptr<RingJob>> rings_hit;
   {
     std::lock_guard lock(mu_);
     if (auto it = peers_.find(id); it != peers_.end() && it->second.jobs <= 0) {
@@ -469,6 +568,12 @@ void PeerHub::on_peer_lost(NodeId id, const Status& s) {
       const auto& nodes = job->spec().nodes;
       if (std::find(nodes.begin(), nodes.end(), id) != nodes.end()) hit.push_back(job);
     }
+    for (auto& [uid, weak] : rings_) {
+      auto ring = weak.lock();
+      if (!ring) continue;
+      const auto& nodes = ring->spec().nodes;
+      if (std::find(nodes.begin(), nodes.end(), id) != nodes.end()) rings_hit.push_back(ring);
+    }
   }
   for (auto& job : hit) {
     const auto& nodes = job->spec().nodes;
@@ -478,6 +583,15 @@ void PeerHub::on_peer_lost(NodeId id, const Status& s) {
                                                job->spec().name +
                                                "' stopped answering (allgather peer): " +
                                                s.message()));
+  }
+  for (auto& ring : rings_hit) {
+    const auto& nodes = ring->spec().nodes;
+    const auto rank = static_cast<uint32_t>(std::find(nodes.begin(), nodes.end(), id) -
+                                            nodes.begin());
+    ring->fail(Status(ErrorCode::kPeerLost, "the daemon of " + ring->who(rank) + " of job '" +
+                                                ring->spec().name +
+                                                "' stopped answering (ring allreduce peer): " +
+                                                s.message()));
   }
 }
 

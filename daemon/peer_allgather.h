@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "daemon/ring_allreduce.h"
 #include "transport/transport.h"
 
 namespace bytecomp::daemon {
@@ -189,18 +190,37 @@ class PeerHub {
   // when the spec does not fit (a peer without an address, this node not at
   // its rank, the uid already open).
   std::shared_ptr<PeerJob> open(PeerJobSpec spec, PeerJob::ReadyFn ready, PeerJob::FailFn fail);
+  // The same for a job's ring allreduce (daemon/ring_allreduce.h); also
+  // refuses a chunk size or window out of range.
+  std::shared_ptr<RingJob> open_ring(RingJobSpec spec, RingJob::ReadyFn ready,
+                                     RingJob::FailFn fail);
 
  private:
   friend class PeerJob;
+  friend class RingJob;
   void on_data(transport::Incoming in);
+  void on_ring_data(transport::Incoming in);
   void on_peer_lost(transport::NodeId id, const Status& s);
+  // Checks a job's rank and peer addresses (`inter`: what needs them).
+  void check_peers(const std::string& job, uint32_t rank,
+                   const std::vector<transport::NodeId>& nodes,
+                   const std::vector<std::string>& addresses, const char* inter) const;
+  // mu_ held: counts the job's peers in, connecting the new ones.
+  void connect_peers(uint32_t rank, const std::vector<transport::NodeId>& nodes,
+                     const std::vector<std::string>& addresses);
+  // mu_ held: counts the job's peers out, forgetting lost, unused ones.
+  void release_peers(const std::vector<transport::NodeId>& peers);
   void unregister(const PeerJob* job, uint32_t uid, const std::vector<transport::NodeId>& peers);
-  void refuse(const transport::Incoming& in, ErrorCode code, const std::string& why);
+  void unregister_ring(const RingJob* job, uint32_t uid,
+                       const std::vector<transport::NodeId>& peers);
+  void refuse(const transport::Incoming& in, ErrorCode code, const std::string& why,
+              uint16_t type = kPeerError);
 
   std::unique_ptr<transport::Transport> tp_;
   std::string address_;
   std::mutex mu_;
   std::map<uint32_t, std::weak_ptr<PeerJob>> jobs_;  // by uid; guarded by mu_
+  std::map<uint32_t, std::weak_ptr<RingJob>> rings_;  // by uid; guarded by mu_
   struct Peer {
     std::string address;
     int jobs = 0;

@@ -47,7 +47,7 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
   Assignment a;
   a.by_tensor.resize(tensors.size());
   for (uint32_t t = 0; t < tensors.size(); ++t) {
-    if (plans[t].placement == Placement::kPeer) continue;
+    if (strategy::between_daemons(plans[t].placement)) continue;
     uint64_t n = tensors[t].count;
     uint64_t parts = n == 0 ? 0 : (n + per - 1) / per;
     if (parts > 0xFFFFFFFFull)

@@ -97,7 +97,7 @@ struct Assignment {
 
 // The pure assignment function. Tensors are cut into partitions of at most
 // partition_bytes (fp32 bytes; the last one may be shorter). Placement
-// kPeer tensors get none. Balancing (greedy, largest first, ties by key):
+// kPeer and kRing tensors (between daemons) get none. Balancing (greedy, largest first, ties by key):
 // each kSharded partition goes to the server with the fewest assigned bytes,
 // each kSingle tensor as a whole to the least-loaded server; then within a
 // server each partition goes to its least-loaded engine thread. Servers are

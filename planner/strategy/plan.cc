@@ -13,6 +13,7 @@ std::string_view to_string(Placement p) noexcept {
     case Placement::kSharded: return "ps";
     case Placement::kSingle: return "ps_single";
     case Placement::kPeer: return "allgather";
+    case Placement::kRing: return "ring";
   }
   return "?";
 }
@@ -73,14 +74,21 @@ TensorPlan map_option(const strategy::Option& o, Scope scope) {
   plan.option = std::make_shared<const strategy::Option>(o);
   switch (o.inter) {
     case Collective::kAllgather: plan.placement = Placement::kPeer; break;
+    // The daemons' ring carries fp32, fp16 and bf16; any other additive
+    // compressor under allreduce is summed compressed by the servers.
+    case Collective::kAllreduce:
+      plan.placement = !o.compressed() || o.compressor == "fp16" || o.compressor == "bf16"
+                           ? Placement::kRing
+                           : Placement::kSharded;
+      break;
     case Collective::kReduceBroadcast:
     case Collective::kGatherBroadcast: plan.placement = Placement::kSingle; break;
     default: plan.placement = Placement::kSharded; break;
   }
   if (!o.compressed()) return plan;
-  // No server touches a peer tensor: the daemons run its compressor by
-  // themselves, so the cluster's plan carries it with the node's rules.
-  if (plan.placement == Placement::kPeer) scope = Scope::kNode;
+  // No server touches a peer or ring tensor: the daemons run its compressor
+  // by themselves, so the cluster's plan carries it with the node's rules.
+  if (between_daemons(plan.placement)) scope = Scope::kNode;
 
   const bool reducing = strategy::is_reducing(o.inter);
   compress::CompressorSpec spec{o.compressor, o.params};

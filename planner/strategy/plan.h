@@ -4,6 +4,9 @@
 //
 // The mapping (docs/server.md has the table):
 //   inter allgather                       -> kPeer (not on any server)
+//   inter allreduce with compressor none, fp16 or bf16
+//                                         -> kRing (ring allreduce between the
+//                                            daemons, not on any server)
 //   compressor none                       -> dense sum, pull fp32
 //   additive compressor (fp16, bf16, randomk) under a reducing inter
 //   collective (reduce_scatter_allgather, reduce_broadcast)
@@ -22,8 +25,8 @@
 //   Scope::kCluster (servers and the nodes' push path, plan_job): ef is the
 //     option's error_feedback under a gathering inter collective; under a
 //     reducing one the servers sum the pushes compressed and ef stays at the
-//     compressor's own default (randomk: on). A peer tensor (no server
-//     handles it) gets its compressor with the kNode rules below.
+//     compressor's own default (randomk: on). A peer or ring tensor (no
+//     server handles it) gets its compressor with the kNode rules below.
 //   Scope::kNode (a daemon running the option by itself: one-node jobs, peer
 //     allgather; make_plans): ef is always the option's error_feedback;
 //     params.ef is refused, and error_feedback on a compressor without it
@@ -51,7 +54,10 @@ enum class Placement : uint8_t {
   kSharded = 0,  // "ps": partitions spread over every server
   kSingle = 1,   // "ps_single": every partition on one server
   kPeer = 2,     // "allgather" between daemons: not on any server
+  kRing = 3,     // "ring": allreduce between daemons, not on any server
 };
+// True for placements no parameter server handles.
+inline bool between_daemons(Placement p) { return p == Placement::kPeer || p == Placement::kRing; }
 enum class SumMode : uint8_t {
   kDense = 0,       // fp32 sum; pushes decompressed-and-accumulated into it
   kCompressed = 1,  // additive compressor: pushes summed compressed (aggregate())

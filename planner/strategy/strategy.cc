@@ -157,6 +157,9 @@ std::string runtime_inter_mode(const Option& o) {
   if (!cpu_runtime_unsupported(o).empty()) return {};
   switch (o.inter) {
     case Collective::kAllreduce:
+      // The daemons' ring carries fp32, fp16 and bf16 (plan.h's mapping).
+      if (!o.compressed() || o.compressor == "fp16" || o.compressor == "bf16") return "ring";
+      return "ps";
     case Collective::kReduceScatterAllgather:
     case Collective::kAlltoallAllgather:
       return "ps";

@@ -122,8 +122,10 @@ struct Option {
 };
 
 // The inter-node transport the CPU runtime (bytecompd) uses for an option:
-// "ps" (push/pull sharded over all servers), "ps_single" (one server) or
-// "allgather" (peer daemons). Empty when the runtime cannot execute it.
+// "ps" (push/pull sharded over all servers), "ps_single" (one server),
+// "allgather" (peer daemons) or "ring" (ring allreduce between the daemons:
+// allreduce with compressor none, fp16 or bf16). Empty when the runtime
+// cannot execute it.
 std::string runtime_inter_mode(const Option& o);
 // Empty when the CPU runtime can execute `o`; else why not (one sentence).
 std::string cpu_runtime_unsupported(const Option& o);

@@ -7,6 +7,8 @@
 //   model: 64 tensors of 4 MiB (a 256 MiB model), all pushed, then all
 //          waited; prints the median iteration time and the goodput (model
 //          bytes per second). Optional last argument NODE/NODES.
+//          model:K: K tensors of 4 MiB instead (1..1024; scripts/bench-ring
+//          uses smaller models on slow emulated links).
 #include <bytecomp/bytecomp.hpp>
 
 #include <algorithm>
@@ -30,18 +32,25 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   if (argc != 7 && argc != 8) {
-    std::fprintf(stderr, "usage: bc_bench SOCKET JOB RANK SIZE big|small|model ITERATIONS [R/N]\n");
+    std::fprintf(stderr,
+                 "usage: bc_bench SOCKET JOB RANK SIZE big|small|model[:K] ITERATIONS [R/N]\n");
     return 2;
   }
   uint32_t node_rank = 0, num_nodes = 1;
   if (argc == 8) std::sscanf(argv[7], "%u/%u", &node_rank, &num_nodes);
-  if (std::string(argv[5]) == "model") {
+  const std::string mode = argv[5];
+  if (mode == "model" || mode.rfind("model:", 0) == 0) {
+    const int tensors = mode == "model" ? 64 : std::atoi(mode.c_str() + 6);
+    if (tensors < 1 || tensors > 1024) {
+      std::fprintf(stderr, "bc_bench: %s: expected model:K with K in 1..1024\n", argv[5]);
+      return 2;
+    }
     try {
       bytecomp::Client c({.job_id = argv[2], .local_rank = static_cast<uint32_t>(std::atoi(argv[3])),
                           .local_size = static_cast<uint32_t>(std::atoi(argv[4])),
                           .node_rank = node_rank, .num_nodes = num_nodes,
                           .socket_path = argv[1], .connect_timeout_ms = 30000});
-      constexpr int kTensors = 64;
+      const int kTensors = tensors;
       constexpr uint64_t kCount = (4ull << 20) / 4;
       std::vector<uint32_t> ids;
       for (int t = 0; t < kTensors; ++t) {

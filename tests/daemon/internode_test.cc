@@ -86,13 +86,13 @@ float h(float v) {
 
 // fp16 through the servers under both placements of the strategy format:
 // dense sum of decompressed pushes answered as fp16 (alltoall_allgather) and
-// a compressed-domain sum (allreduce). Reference: each node's exact local
+// a compressed-domain sum (reduce_scatter_allgather). Reference: each node's exact local
 // sum, cast to fp16, summed in fp32, cast to fp16 again.
 TEST_P(TwoNodes, Fp16ThroughTheServersMatchesTheReference) {
   start(1,
         "version: 1\nrules:\n"
         "  - match: dense\n    option: {compressor: fp16, inter: alltoall_allgather}\n"
-        "  - match: summed\n    option: {compressor: fp16, inter: allreduce}\n");
+        "  - match: summed\n    option: {compressor: fp16, inter: reduce_scatter_allgather}\n");
   constexpr uint64_t kN = 70000;  // 280000 bytes: two 256 KiB partitions
   constexpr int kIters = 8;
   std::vector<std::vector<float>> got[2];
@@ -166,7 +166,7 @@ TEST_P(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
       if (it == 5) {
         sync.arrive_and_wait();  // every rank finished iteration 4
         if (grank == 0) {
-          switch_at = switch_strategy("version: 1\ndefault: {compressor: fp16, inter: allreduce}\n");
+          switch_at = switch_strategy("version: 1\ndefault: {compressor: fp16, inter: reduce_scatter_allgather}\n");
         }
         sync.arrive_and_wait();
       }
@@ -217,7 +217,7 @@ TEST_P(TwoNodes, StrategyChangeWhileTrainingContinuesAppliesAtOneIteration) {
     const uint32_t grank = node * 2 + rank;
     for (uint64_t it = 0; it < kIters; ++it) {
       if (grank == 0 && it == 5) {
-        write("strategy.yaml", "version: 1\ndefault: {compressor: fp16, inter: allreduce}\n");
+        write("strategy.yaml", "version: 1\ndefault: {compressor: fp16, inter: reduce_scatter_allgather}\n");
         nodes_[0]->daemon().signal(SIGHUP);
       }
       // Bounds the switch iteration (<= 10) without stopping the others.

@@ -62,8 +62,16 @@ TEST(PlanMapping, PlacementSumAndPullFollowTheInterCollective) {
   const Case cases[] = {
       {opt("none", Collective::kReduceScatterAllgather), st::Placement::kSharded,
        st::SumMode::kDense, st::PullFormat::kFp32, false},
-      {opt("none", Collective::kAllreduce), st::Placement::kSharded, st::SumMode::kDense,
+      // allreduce with none / fp16 / bf16: the daemons' ring (sum and pull unused).
+      {opt("none", Collective::kAllreduce), st::Placement::kRing, st::SumMode::kDense,
        st::PullFormat::kFp32, false},
+      {opt("fp16", Collective::kAllreduce), st::Placement::kRing, st::SumMode::kCompressed,
+       st::PullFormat::kCompressed, false},
+      {opt("bf16", Collective::kAllreduce), st::Placement::kRing, st::SumMode::kCompressed,
+       st::PullFormat::kCompressed, false},
+      // Any other additive compressor under allreduce: summed compressed by the servers.
+      {opt("randomk", Collective::kAllreduce, false, {{"ratio", "0.1"}}), st::Placement::kSharded,
+       st::SumMode::kCompressed, st::PullFormat::kCompressed, false},
       {opt("none", Collective::kReduceBroadcast), st::Placement::kSingle, st::SumMode::kDense,
        st::PullFormat::kFp32, false},
       {opt("fp16", Collective::kReduceScatterAllgather), st::Placement::kSharded,
@@ -101,6 +109,19 @@ TEST(PlanMapping, PlacementSumAndPullFollowTheInterCollective) {
   ASSERT_TRUE(node.compressed_push());
   EXPECT_EQ(node.spec().params.at("ef"), "true");
   EXPECT_EQ(cluster, node);
+  // Neither is a ring tensor's: the servers never see it.
+  EXPECT_TRUE(st::between_daemons(st::Placement::kPeer));
+  EXPECT_TRUE(st::between_daemons(st::Placement::kRing));
+  EXPECT_FALSE(st::between_daemons(st::Placement::kSharded));
+  EXPECT_FALSE(st::between_daemons(st::Placement::kSingle));
+  EXPECT_EQ(st::to_string(st::Placement::kRing), "ring");
+  // runtime_inter_mode names what the daemon runs.
+  EXPECT_EQ(planner::runtime_inter_mode(opt("none", Collective::kAllreduce)), "ring");
+  EXPECT_EQ(planner::runtime_inter_mode(opt("bf16", Collective::kAllreduce)), "ring");
+  EXPECT_EQ(planner::runtime_inter_mode(opt("randomk", Collective::kAllreduce, false,
+                                            {{"ratio", "0.1"}})),
+            "ps");
+  EXPECT_EQ(planner::runtime_inter_mode(opt("none", Collective::kReduceScatterAllgather)), "ps");
 }
 
 TEST(PlanMapping, ErrorFeedbackRuleOfEachScope) {

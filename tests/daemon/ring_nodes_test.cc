@@ -1,0 +1,385 @@
+// Ring allreduce between real bytecompd processes (inter: allreduce): 2-4
+// daemons on loopback, each with its own socket, shm instance and peer
+// endpoint, one bytecomp-server coordinating (and serving the push/pull
+// tensors of mixed jobs). Results are checked bit for bit against the ring's
+// documented reduction order (daemon/ring_allreduce.h).
+#include <bytecomp/bytecomp.h>
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <cmath>
+#include <csignal>
+#include <cstring>
+#include <future>
+#include <regex>
+
+#include "compress/reduce.h"
+#include "daemon/ring_allreduce.h"
+#include "server/cluster_config.h"
+#include "server/ps_client.h"
+#include "tests/daemon/harness.h"
+#include "transport/transport.h"
+
+using namespace bctest;
+namespace bd = bytecomp::daemon;
+namespace cz = bytecomp::compress;
+
+namespace {
+
+constexpr uint64_t kPartitionElements = 65536;  // the fixture's 256 KiB partitions
+constexpr uint64_t kChunkBytes = 16384;         // internode.ring_chunk_bytes: 4096 elements
+
+class RingNodes : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    std::string reason;
+    if (!bytecomp::transport::backend_usable(GetParam(), &reason)) GTEST_SKIP() << reason;
+  }
+  std::string endpoint() const {
+    return (GetParam() == "rdma" ? "rdma://" : "tcp://") + std::string("127.0.0.1:0");
+  }
+  void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
+  std::string cluster(const std::string& coordinator) const {
+    std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n"
+                    "    - {id: 0, address: \"" + coordinator + "\"}\n  daemons:\n";
+    for (uint32_t n = 0; n < n_; ++n) s += "    - {id: " + std::to_string(100 + n) + "}\n";
+    s += "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n"
+         "transport: {backend: " + GetParam() + ", heartbeat_interval_ms: 100, peer_timeout_ms: " +
+         std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n";
+    return s;
+  }
+  // One server, `n` daemons with a peer endpoint and the strategy file.
+  void start(uint32_t n, const std::string& strategy_yaml) {
+    n_ = n;
+    dir_ = fs::temp_directory_path() / ("bcd-ring-" + std::to_string(::getpid()) + "-" +
+                                        std::to_string(counter_++));
+    fs::create_directories(dir_);
+    write("server-cluster.yaml", cluster(endpoint()));
+    write("server.yaml", "version: 1\nserver: {node_id: 0, cluster_file: server-cluster.yaml, "
+                         "engine_threads: 1}\ntransport: {backend: " + GetParam() +
+                             ", heartbeat_interval_ms: 100, peer_timeout_ms: " +
+                             std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n");
+    const std::string ready = (dir_ / "ready").string();
+    server_ = std::make_unique<Process>(
+        std::vector<std::string>{build_root() + "/server/bytecomp-server", "--config",
+                                 (dir_ / "server.yaml").string(), "--ready-file", ready},
+        dir_ / "server.log");
+    const auto deadline = std::chrono::steady_clock::now() + 15s;
+    while (!fs::exists(ready) || read_file(ready).find('\n') == std::string::npos) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << server_->output();
+      ASSERT_FALSE(server_->wait(0ms).has_value()) << server_->output();
+      std::this_thread::sleep_for(10ms);
+    }
+    std::string a = read_file(ready);
+    a.erase(a.find_last_not_of('\n') + 1);
+    write("cluster.yaml", cluster(a));
+    write("strategy.yaml", strategy_yaml);
+    std::string nodes;
+    for (uint32_t k = 0; k < n; ++k) nodes += (k ? ", " : "") + std::to_string(100 + k);
+    for (uint32_t k = 0; k < n; ++k) {
+      nodes_.push_back(std::make_unique<DaemonEnv>("ring" + std::to_string(k)));
+      nodes_[k]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
+                              "\n  node_id: " + std::to_string(100 + k) + "\n  nodes: [" + nodes +
+                              "]\n  peer_listen: " + endpoint() +
+                              "\n  ring_chunk_bytes: " + std::to_string(kChunkBytes) +
+                              "\nstrategy:\n  file: " + (dir_ / "strategy.yaml").string() + "\n");
+      nodes_[k]->start();
+    }
+  }
+  void TearDown() override {
+    nodes_.clear();
+    if (server_) {
+      server_->signal(SIGTERM);
+      (void)server_->wait(10s);
+      server_.reset();
+    }
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job) {
+    bytecomp_connect_options o;
+    bytecomp_connect_options_init(&o);
+    o.socket_path = nodes_[node]->socket().c_str();
+    o.job_id = job;
+    o.local_rank = rank;
+    o.local_size = 2;
+    o.node_rank = node;
+    o.num_nodes = n_;
+    bytecomp_client* c = nullptr;
+    if (bytecomp_connect(&o, &c) != BYTECOMP_OK) {
+      ADD_FAILURE() << "connect to node " << node << ": " << bytecomp_last_error();
+      return nullptr;
+    }
+    return c;
+  }
+  // fn(node, local_rank) for every client at once (2 per node).
+  template <class Fn>
+  void on_every_rank(const Fn& fn) {
+    std::vector<std::future<void>> others;
+    for (uint32_t g = 1; g < 2 * n_; ++g)
+      others.push_back(std::async(std::launch::async, [&fn, g] { fn(g / 2, g % 2); }));
+    fn(0u, 0u);
+    for (auto& f : others) f.get();
+  }
+  uint64_t rounds_completed() {
+    namespace sv = bytecomp::server;
+    sv::ClusterConfig c = sv::load_cluster_config((dir_ / "cluster.yaml").string());
+    bytecomp::transport::TransportConfig tc = c.transport;
+    tc.node_id = 150;
+    tc.listen = {};
+    return sv::PsClient::create(c, tc)->stats(0).rounds_completed;
+  }
+
+  static inline int counter_ = 0;
+  uint32_t n_ = 0;
+  int peer_timeout_ms_ = 3000;
+  fs::path dir_;
+  std::unique_ptr<Process> server_;
+  std::vector<std::unique_ptr<DaemonEnv>> nodes_;
+};
+
+float grad(uint32_t grank, uint64_t it, uint64_t i) {
+  return static_cast<float>(std::sin(0.11 * static_cast<double>(i) + 0.7 * static_cast<double>(it) +
+                                     1.9 * grank)) *
+         static_cast<float>(1 + i % 9);
+}
+
+float wire(bd::RingFormat f, float v) {
+  if (f == bd::RingFormat::kFp16) return cz::fp16_to_fp32(cz::fp32_to_fp16(v));
+  if (f == bd::RingFormat::kBf16) return cz::bf16_to_fp32(cz::fp32_to_bf16(v));
+  return v;
+}
+
+// The ring's result for element i of a tensor: node r's sum is its two
+// ranks' values; the element's segment k (of its 256 KiB partition) is
+// summed from node k round to node k - 1, rounded to the wire format at
+// each send and at the owner.
+float ring_expect(uint32_t m, uint64_t count, uint64_t it, uint64_t i, bd::RingFormat f) {
+  const uint64_t p = i / kPartitionElements;
+  const uint64_t n = std::min(kPartitionElements, count - p * kPartitionElements);
+  const uint64_t j = i - p * kPartitionElements;
+  bd::RingGeometry g{m, kChunkBytes / 4};
+  uint32_t k = 0;
+  while (g.segment_end(n, k) <= j) ++k;
+  auto x = [&](uint32_t r) { return grad(2 * r, it, i) + grad(2 * r + 1, it, i); };
+  float acc = wire(f, x(k));
+  for (uint32_t s = 1; s < m; ++s) acc = wire(f, acc + x((k + s) % m));
+  return acc;
+}
+
+struct Tensor {
+  const char* name;
+  uint64_t count;
+  bd::RingFormat format;
+  bool ring;
+};
+
+}  // namespace
+
+// 2, 3 and 4 daemons, one job mixing ring tensors (fp32, fp16, bf16; one
+// element, odd sizes, below and above one chunk, several partitions) with a
+// push/pull tensor: every node's ring results are bit-identical to the
+// reference, the push/pull tensor's sums are exact, and the server ran only
+// the push/pull tensor's partitions.
+TEST_P(RingNodes, MixedRingAndPushPullJobOnTwoThreeAndFourNodes) {
+  const Tensor tensors[] = {
+      {"r_one", 1, bd::RingFormat::kFp32, true},
+      {"r_odd", 4097 * 3 + 1, bd::RingFormat::kFp32, true},
+      {"r_big", 2 * kPartitionElements + 12345, bd::RingFormat::kFp32, true},
+      {"h_small", 1001, bd::RingFormat::kFp16, true},
+      {"h_big", kPartitionElements + 7, bd::RingFormat::kFp16, true},
+      {"b_mid", 30001, bd::RingFormat::kBf16, true},
+      {"p_ps", 70000, bd::RingFormat::kFp32, false},
+  };
+  constexpr size_t kT = std::size(tensors);
+  for (uint32_t m : {2u, 3u, 4u}) {
+    SCOPED_TRACE("nodes " + std::to_string(m));
+    start(m,
+          "version: 1\ndefault: {compressor: none}\nrules:\n"
+          "  - match: 'r_*'\n    option: {compressor: none, inter: allreduce}\n"
+          "  - match: 'h_*'\n    option: {compressor: fp16, inter: allreduce}\n"
+          "  - match: 'b_*'\n    option: {compressor: bf16, inter: allreduce}\n");
+    if (HasFatalFailure()) return;
+    constexpr int kIters = 3;
+    std::vector<std::vector<float>> got[4][kT];  // [node][tensor][iteration]
+    auto run = [&](uint32_t node, uint32_t rank) {
+      bytecomp_client* c = connect_client(node, rank, "mixed");
+      ASSERT_NE(c, nullptr);
+      uint32_t ids[kT];
+      for (size_t k = 0; k < kT; ++k) {
+        ASSERT_EQ(bytecomp_declare_tensor(c, tensors[k].name, tensors[k].count, BYTECOMP_FLOAT32,
+                                          BYTECOMP_DEVICE_CPU, 0, &ids[k]),
+                  BYTECOMP_OK);
+      }
+      ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      const uint32_t grank = node * 2 + rank;
+      for (uint64_t it = 0; it < kIters; ++it) {
+        bytecomp_handle hs[kT];
+        float* p[kT];
+        // Each node submits in another order.
+        for (size_t j = 0; j < kT; ++j) {
+          const size_t k = (j + node * 2) % kT;
+          uint64_t bytes = 0;
+          ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                    BYTECOMP_OK);
+          for (uint64_t i = 0; i < tensors[k].count; ++i) {
+            // The push/pull tensor: small integers, so its sum is exact in any order.
+            p[k][i] = tensors[k].ring ? grad(grank, it, i)
+                                      : static_cast<float>((i + it + grank) % 100);
+          }
+          ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hs[k]), BYTECOMP_OK);
+        }
+        for (size_t k = 0; k < kT; ++k) {
+          ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK) << bytecomp_last_error();
+          if (rank == 0) got[node][k].emplace_back(p[k], p[k] + tensors[k].count);
+        }
+      }
+      bytecomp_close(c);
+    };
+    on_every_rank(run);
+    ASSERT_FALSE(HasFailure());
+    for (size_t k = 0; k < kT; ++k) {
+      const Tensor& t = tensors[k];
+      for (uint64_t it = 0; it < kIters; ++it) {
+        size_t mismatches = 0, differ = 0;
+        for (uint64_t i = 0; i < t.count; ++i) {
+          float expect = 0;
+          if (t.ring) {
+            expect = ring_expect(m, t.count, it, i, t.format);
+          } else {
+            for (uint32_t g = 0; g < 2 * m; ++g) expect += static_cast<float>((i + it + g) % 100);
+          }
+          mismatches += std::memcmp(&got[0][k][it][i], &expect, 4) != 0;
+          for (uint32_t r = 1; r < m; ++r)
+            differ += std::memcmp(&got[0][k][it][i], &got[r][k][it][i], 4) != 0;
+        }
+        EXPECT_EQ(mismatches, 0u) << t.name << " iteration " << it;
+        EXPECT_EQ(differ, 0u) << t.name << " iteration " << it << ": nodes differ";
+      }
+    }
+    // p_ps: two partitions a round; no ring tensor reached the server.
+    EXPECT_EQ(rounds_completed(), 2u * kIters);
+    for (auto& n : nodes_) {
+      EXPECT_NE(n->daemon().output().find("ring allreduce over " + std::to_string(m) + " daemons"),
+                std::string::npos)
+          << n->daemon().output();
+      EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+    }
+    TearDown();
+    nodes_.clear();
+  }
+}
+
+// SIGHUP on node 0 switches the ring tensor from fp32 to fp16 at one
+// iteration on every node (the coordinator's announcement, as for any
+// strategy change); a switch that would move it to push/pull is refused by
+// the coordinator (a placement change needs a new job) and the job carries on.
+TEST_P(RingNodes, StrategySwitchOnTheRingAppliesAtOneIteration) {
+  start(3, "version: 1\ndefault: {compressor: none, inter: allreduce}\n");
+  constexpr uint64_t kN = 70001;  // two partitions
+  constexpr int kIters = 12;
+  std::vector<std::vector<float>> got[3];
+  std::barrier sync(6);
+  int64_t switch_at = -1;
+  bool ps_refused = false;
+  auto switch_to = [&](const std::string& yaml, const std::string& needle) {
+    write("strategy.yaml", yaml);
+    nodes_[0]->daemon().signal(SIGHUP);
+    return nodes_[0]->daemon().wait_output(needle, 10s);
+  };
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "switch");
+    ASSERT_NE(c, nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 3 || it == 7) {
+        sync.arrive_and_wait();
+        if (grank == 0 && it == 3) {
+          ps_refused = switch_to("version: 1\ndefault: {compressor: none}\n",
+                                 "a placement change needs a new job");
+        }
+        if (grank == 0 && it == 7) {
+          EXPECT_TRUE(switch_to("version: 1\ndefault: {compressor: fp16, inter: allreduce}\n",
+                                "applies on every node from iteration"))
+              << nodes_[0]->daemon().output();
+          std::smatch mt;
+          const std::string log = nodes_[0]->daemon().output();
+          if (std::regex_search(log, mt, std::regex("from iteration ([0-9]+)")))
+            switch_at = std::stoll(mt[1]);
+        }
+        sync.arrive_and_wait();
+      }
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (rank == 0) got[node].emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  on_every_rank(run);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_TRUE(ps_refused) << nodes_[0]->daemon().output();
+  ASSERT_GE(switch_at, 7);
+  ASSERT_LT(switch_at, kIters);
+  for (uint32_t node = 0; node < 3; ++node) {
+    ASSERT_EQ(got[node].size(), static_cast<size_t>(kIters));
+    for (uint64_t it = 0; it < kIters; ++it) {
+      const auto f = static_cast<int64_t>(it) >= switch_at ? bd::RingFormat::kFp16
+                                                            : bd::RingFormat::kFp32;
+      size_t mismatches = 0;
+      for (uint64_t i = 0; i < kN; ++i) {
+        const float expect = ring_expect(3, kN, it, i, f);
+        mismatches += std::memcmp(&got[node][it][i], &expect, 4) != 0;
+      }
+      EXPECT_EQ(mismatches, 0u) << "node " << node << " iteration " << it << " (switch at "
+                                << switch_at << ")";
+    }
+  }
+  EXPECT_EQ(rounds_completed(), 0u) << "a ring tensor reached the server";
+}
+
+// A daemon killed mid-ring: every rank of the other nodes gets an error
+// naming it within the heartbeat bound, the killed node's ranks see their
+// daemon gone, nothing is left in /dev/shm and the other daemons keep serving.
+TEST_P(RingNodes, KilledDaemonMidRingAbortsEveryRankNamingIt) {
+  peer_timeout_ms_ = 1000;
+  start(3, "version: 1\ndefault: {compressor: none, inter: allreduce}\n");
+  std::vector<std::unique_ptr<Process>> w;
+  for (uint32_t n = 0; n < 3; ++n) {
+    for (int r = 0; r < 2; ++r) {
+      w.push_back(nodes_[n]->worker("killring", r, 2, 1000000, "f32:1000,f32:300000",
+                                    {"--node", std::to_string(n) + "/3"}));
+    }
+  }
+  for (auto& p : w) ASSERT_TRUE(p->wait_output("running", 30s)) << p->output();
+  const auto t0 = std::chrono::steady_clock::now();
+  nodes_[2]->daemon().signal(SIGKILL);
+  for (size_t i = 0; i < 4; ++i) {
+    auto st = w[i]->wait(10s);
+    ASSERT_TRUE(st.has_value()) << w[i]->output();
+    EXPECT_EQ(*st, 16) << w[i]->output();  // BYTECOMP_ERR_ABORTED
+    EXPECT_NE(w[i]->output().find("node 102"), std::string::npos) << w[i]->output();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "the others learnt of the death late";
+  for (size_t i = 4; i < 6; ++i) {
+    auto st = w[i]->wait(10s);
+    ASSERT_TRUE(st.has_value()) << w[i]->output();
+    EXPECT_EQ(*st, 17) << w[i]->output();  // BYTECOMP_ERR_UNAVAILABLE
+  }
+  for (uint32_t n = 0; n < 3; ++n) EXPECT_TRUE(no_shm_left(nodes_[n]->shm_prefix())) << n;
+  EXPECT_FALSE(nodes_[0]->daemon().wait(0ms).has_value()) << "the daemon keeps serving";
+  EXPECT_FALSE(nodes_[1]->daemon().wait(0ms).has_value()) << "the daemon keeps serving";
+  nodes_[2]->drop_daemon();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, RingNodes,
+                         ::testing::ValuesIn(bytecomp::transport::available_backends()),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
