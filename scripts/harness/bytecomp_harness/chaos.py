@@ -227,7 +227,7 @@ class Chaos:
                 ["node %d" % k, "server %d" % k, "coordinator", "within"],
                 ns=FaultNet.server_ns(k)),
             "packet-loss": lambda: Fault(
-                "packet-loss", "node %d" % n, False, 0, [], ns=n),
+                "packet-loss", "node %d" % n, False, 0, [], ns=n, spec={"probability": 0.03}),
             "slow-link": lambda: Fault(
                 "slow-link", "node %d" % n, False, 0, [], ns=n),
             # Issue 28: slow and unstable links. delay and reorder must be
@@ -294,9 +294,7 @@ class Chaos:
             links.link(f.ns, False)     # a flap's first down; _watch_survive does the rest
         elif f.kind == "partition":
             links.drop(f.ns)
-        elif f.kind == "packet-loss":
-            links.drop(f.ns, 0.03)
-        elif f.kind == "heavy-loss":
+        elif f.kind in ("packet-loss", "heavy-loss"):
             links.drop(f.ns, f.spec["probability"])
         elif f.kind == "slow-link":
             links.tbf(f.ns, "2mbit")
