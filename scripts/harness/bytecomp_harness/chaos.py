@@ -14,10 +14,13 @@ Per fault:
   3. fatal faults: every rank the fault did not hit must end with an error
      within the fault's bound, and its message must name the cause (the
      lost node, the rank, the server, ...); the fault's own process ends
-     too once resumed or is restarted. Benign faults (netem delay, a little
-     loss, reordering): the job must go on training with exact results for
-     the fault's duration and finish;
-  4. repair (SIGCONT, restart the killed service, link up, qdisc removed);
+     too once resumed or is restarted. Faults to live through (loss, a slow
+     link, delay and reordering: chaos_links): the job must go on training
+     with exact results for the fault's duration, then (repaired) end 20
+     iterations later like a finite job, every rank with DONE. Heavy loss
+     and a flapping link may instead end the job, every rank naming the
+     cause; none may hang or compute a wrong sum;
+  4. repair (SIGCONT, restart the killed service, link up, rules and qdiscs removed);
   5. checks: no process of the job left (hang), no /dev/shm segment of
      either daemon's instance, no stray socket file, every namespace
      listens on exactly its ports, every service alive;
