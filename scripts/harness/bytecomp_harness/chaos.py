@@ -564,6 +564,7 @@ class Chaos:
                 p.label, p.returncode, " | ".join(p.tail(2))))
         stats = f.spec.get("stats") or what or (
             "%.1f %% loss" % (100 * f.spec["probability"]) if "probability" in f.spec else "")
+        row["fault_spec"] = stats
         if errors:
             row["outcome"] = "aborted"
             row["detected_s"] = round(max(o[0] for _, o in errors) - t0, 3)
@@ -691,7 +692,8 @@ class Chaos:
                 i, len(faults), f.kind, f.target,
                 "-" if row["detected_s"] is None else "%.2fs" % row["detected_s"],
                 "-" if row["recovered_s"] is None else "%.2fs" % row["recovered_s"], state,
-                cause(row["message"])[:160]))
+                cause(row["message"])[:160] + (" [%s]" % row["fault_spec"]
+                                               if row.get("outcome") == "aborted" else "")))
         return time.monotonic() - t_start
 
 
