@@ -2,13 +2,15 @@
 
     python3 -m bytecomp_harness.chaos_worker --socket S --job J --local-rank R --local-size L
         --node-rank N --num-nodes M --iterations K [--elements E] [--tensors a,b,c]
-        [--timeout-ms T] [--report-every P]
+        [--timeout-ms T] [--report-every P] [--stop-file F]
 
 Every rank writes `global_rank + 1 + iteration` (iteration modulo
 --value-period when given) into each of its tensors and
 checks after every push_pull that each element is the sum over all ranks
 (small integers: exact in fp32 and through fp16, so a compressed tensor is
-checked exactly too). Starting ctypes instead of torch keeps a job's start
+checked exactly too). With --stop-file, a rank that finds the file ends
+after the iteration count written in it (the harness writes one count for
+every rank, beyond all of them, so the job ends like a finite one). Starting ctypes instead of torch keeps a job's start
 well under a second, which is what lets a chaos run inject 100 faults.
 
 Output, one line each, flushed:
@@ -46,6 +48,8 @@ def _parse(argv):
     ap.add_argument("--value-period", type=int, default=0,
                     help="values repeat every P iterations (0: never); keeps long runs' sums "
                          "small integers, exact through fp16 and bf16")
+    ap.add_argument("--stop-file", default="",
+                    help="once this file exists, end after the iteration count it holds")
     return ap.parse_args(argv)
 
 
@@ -70,7 +74,18 @@ def run(a):
         addr, nbytes = c.buffer(t)
         bufs.append((ctypes.c_float * (nbytes // 4)).from_address(addr))
     _say("READY", os.getpid())
-    for it in range(a.iterations):
+    iterations = a.iterations
+    stop_read = not a.stop_file
+    it = 0
+    while it < iterations:
+        if not stop_read and os.path.exists(a.stop_file):
+            stop_read = True
+            with open(a.stop_file) as f:
+                iterations = min(iterations, int(f.read().strip()))
+            if it > iterations:
+                _say("WRONG", "stop file %s asks to end at %d, this rank is at %d" % (
+                    a.stop_file, iterations, it))
+                return 4
         step = it % a.value_period if a.value_period else it
         value = float(me + 1 + step)
         handles = []
@@ -93,11 +108,12 @@ def run(a):
                 return 4
         if it % a.report_every == 0:
             _say("ITER", it)
+        it += 1
     err = c.close()
     if err is not None:
         _say("RAISED", type(err).__name__, err.status, err.message)
         return 3
-    _say("DONE", a.iterations)
+    _say("DONE", iterations)
     return 0
 
 

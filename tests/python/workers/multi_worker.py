@@ -9,7 +9,14 @@
     multi_worker.py big           a state of ~21 MB (several 4 MiB chunks, not
                                   a multiple of a partition) from the last
                                   rank, then barriers: bit for bit
-Prints 'OK <what>' or 'RAISED <class>: <message>' (then exits 3)."""
+Prints 'OK <what>' or 'RAISED <class>: <message>' (then exits 3).
+
+Every wait here is bounded (BYTECOMP_TIMEOUT_MS), yet on Dec 1 2026 the
+'big' mode stalled three times at load 9-13 without raising until
+bytecomp-run's time limit (docs/daemon.md): should a rank still run
+STALL_DUMP_S after it started, it prints every thread's Python stack
+(faulthandler) so that a recurrence shows where it waits."""
+import faulthandler
 import sys
 
 import torch
@@ -17,6 +24,9 @@ import torch
 import bytecomp
 import bytecomp.torch as bc
 
+# Below test_multi's --time-limit (60 s), above a loaded run (4-10 s).
+STALL_DUMP_S = 45
+faulthandler.dump_traceback_later(STALL_DUMP_S, exit=False)
 mode = sys.argv[1]
 bc.init()
 r = bc.rank()
