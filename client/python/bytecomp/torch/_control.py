@@ -65,10 +65,10 @@ _STILL_RUNNING = "is already running"
 # and its restart by systemd, which an elastic restart of the workers can
 # overtake.
 _NO_DAEMON = "cannot connect to bytecompd"
-# ... but only where a daemon may yet come: no socket file (ENOENT) or a
-# stale one (ECONNREFUSED). A path that cannot work (ENOTDIR, EACCES, a name
-# too long) is the caller's to fix: refused at once.
-_NO_DAEMON_YET = (os.strerror(errno.ENOENT), os.strerror(errno.ECONNREFUSED))
+# ... but only where a daemon may yet come: no socket file (ENOENT), a stale
+# one (ECONNREFUSED) or a full backlog (EAGAIN). A path that cannot work
+# (ENOTDIR, EACCES, a name too long) is the caller's to fix: refused at once.
+_NO_DAEMON_YET = tuple(os.strerror(e) for e in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN))
 # Pauses between init()'s attempts to join while the previous job of the
 # same id is still ending: doubling from the first to the last (each refusal
 # is a warning in the daemon's log), bounded by BYTECOMP_START_TIMEOUT_MS.
