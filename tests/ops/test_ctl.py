@@ -700,6 +700,7 @@ class WithDaemon(unittest.TestCase):
                 _ctl.request(self.d.socket, "gpu_profile",
                              "%s\n%s" % (job, report.replace("compress_us", "compress_ms", 1)),
                              timeout=10)
+            self.assertIn("gpu_profile: report:", str(e.exception))  # a line:column follows
             self.assertIn("missing required key 'compressors[0].points[0].compress_us'",
                           str(e.exception))
         finally:
