@@ -703,6 +703,11 @@ class WithDaemon(unittest.TestCase):
             self.assertIn("gpu_profile: report:", str(e.exception))  # a line:column follows
             self.assertIn("missing required key 'compressors[0].points[0].compress_us'",
                           str(e.exception))
+            # One too large for a request is refused by name, not sent.
+            with self.assertRaises(_ctl.CtlError) as e:
+                _ctl.request(self.d.socket, "gpu_profile", "%s\n%s" % (job, report * 60),
+                             timeout=10)
+            self.assertIn("more than the 32768 a request carries", str(e.exception))
         finally:
             j.close()
 
