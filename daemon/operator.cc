@@ -124,7 +124,7 @@ void Daemon::on_ctl(Conn& c, const ipc::CtlRequest& req) {
                        "gpu_profile takes 'JOB' and a report (docs/gpu.md §4)");
     strategy::GpuReport report;
     try {
-      report = strategy::parse_gpu_report(req.arg.substr(sp + 1), "gpu_profile");
+      report = strategy::parse_gpu_report(req.arg.substr(sp + 1), "report");
     } catch (const std::exception& e) {
       return reply_ctl(c, ErrorCode::kInvalidArgument,
                        std::string("gpu_profile: ") + e.what());

@@ -78,7 +78,11 @@ enum class MsgType : uint16_t {
 // Version of the operator requests' payload (CtlRequest.ctl_version).
 inline constexpr uint16_t kCtlVersion = 1;
 inline constexpr size_t kMaxCtlCommandBytes = 32;
-inline constexpr size_t kMaxCtlArgBytes = 1024;
+// Room for a `gpu_profile` report (bytecomp/gpu_profile.py: ~470 bytes per
+// measured compressor) besides a job id; a daemon of an older release
+// refuses an arg above 1024 bytes, naming the field and both sizes.
+inline constexpr size_t kMaxCtlArgBytes = 32 * 1024;
+static_assert(kHeaderBytes + 2 + 2 + kMaxCtlCommandBytes + 2 + kMaxCtlArgBytes <= kMaxMessageBytes);
 // Reply bytes per CTL_REPLY datagram, and over all parts of one reply.
 inline constexpr size_t kMaxCtlChunkBytes = kMaxMessageBytes - kHeaderBytes - 4 - 1 - 4;
 inline constexpr size_t kMaxCtlReplyBytes = 16u << 20;

@@ -297,6 +297,15 @@ TEST(Protocol, CtlRequestAndReplyRoundTripAndAreChecked) {
   }
   EXPECT_NE(malformed(ipc::encode(ipc::CtlRequest{1, "", ""})).find("empty command"),
             std::string::npos);
+  // A gpu_profile report of several compressors fits (well above 1 KiB);
+  // one byte more than the limit is refused naming the field.
+  const std::string big(ipc::kMaxCtlArgBytes, 'r');
+  EXPECT_GE(big.size(), 16u * 1024);
+  EXPECT_EQ(std::get<ipc::CtlRequest>(
+                ipc::decode(ipc::encode(ipc::CtlRequest{1, "gpu_profile", big})).msg)
+                .arg,
+            big);
+  EXPECT_THROW(ipc::encode(ipc::CtlRequest{1, "gpu_profile", big + "r"}), Error);
 
   // A long answer is cut into parts that fit a datagram, the last flagged.
   std::string text(3 * ipc::kMaxCtlChunkBytes + 5, 'x');

@@ -676,6 +676,41 @@ class WithDaemon(unittest.TestCase):
         self.assertFalse(ctl_json(self.d.socket, "drain", "--off")["draining"])
         Job(self.d, "after").close()
 
+    def test_gpu_profile_report_of_every_auto_candidate_is_taken(self):
+        # What bytecomp.torch sends for docs/auto.md's example strategy
+        # (efsignsgd, topk:0.01 and fp16, four sizes, timings printed with
+        # all their digits) in a job of a long id: the request is parsed
+        # (the job is not auto: ignored), not refused for its size.
+        from bytecomp import ctl as _ctl
+        from bytecomp import gpu_profile as _gp
+        specs = _gp.candidates({"compressors": ["efsignsgd", "topk:0.01"]})
+        self.assertEqual(len(specs), 3)
+        measured = {s: [{"n": n, "compress_us": 1.0 / 3 + i + n / 7e5,
+                         "decompress_us": 2.0 / 3 + i + n / 9e5, "bytes": n // 8 + 12}
+                        for n in _gp.SIZES] for i, s in enumerate(specs)}
+        report = _gp.report_text("measured on NVIDIA H200 (the test's figures)", measured)
+        job = "j" * 100
+        j = Job(self.d, job, tensors=(("small", SMALL),))
+        try:
+            answer = _ctl.request(self.d.socket, "gpu_profile", "%s\n%s" % (job, report),
+                                  timeout=10)
+            self.assertEqual(answer.strip(), "ignored: job '%s' is not auto" % job)
+            # A malformed report is refused naming what is wrong.
+            with self.assertRaises(_ctl.CtlError) as e:
+                _ctl.request(self.d.socket, "gpu_profile",
+                             "%s\n%s" % (job, report.replace("compress_us", "compress_ms", 1)),
+                             timeout=10)
+            self.assertIn("gpu_profile: report:", str(e.exception))  # a line:column follows
+            self.assertIn("missing required key 'compressors[0].points[0].compress_us'",
+                          str(e.exception))
+            # One too large for a request is refused by name, not sent.
+            with self.assertRaises(_ctl.CtlError) as e:
+                _ctl.request(self.d.socket, "gpu_profile", "%s\n%s" % (job, report * 60),
+                             timeout=10)
+            self.assertIn("more than the 32768 a request carries", str(e.exception))
+        finally:
+            j.close()
+
     @unittest.skipUnless(os.geteuid() == 0, "needs root to run bytecompctl as another user")
     def test_permission_denied(self):
         os.chmod(self.d.dir, 0o755)

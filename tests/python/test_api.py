@@ -120,6 +120,23 @@ class Api(unittest.TestCase):
                       str(e))
         self.assertFalse(bc.is_initialized())
 
+    def test_init_does_not_wait_out_a_socket_path_that_cannot_work(self):
+        """Only a daemon that is not there (yet) is waited for: a socket
+        path under a regular file (ENOTDIR), like a permission error, is
+        refused at once, naming the path."""
+        plain = os.path.join(self.daemon.dir, "plain-file")
+        with open(plain, "w") as f:
+            f.write("not a directory\n")
+        os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "RANK": "0",
+                           "BYTECOMP_SOCKET": os.path.join(plain, "bytecompd.sock"),
+                           "BYTECOMP_START_TIMEOUT_MS": "20000"})
+        t0 = time.monotonic()
+        e = self.raises(bytecomp.DaemonUnavailableError, "Not a directory", bc.init)
+        self.assertLess(time.monotonic() - t0, 10.0)  # not the 20 s bound
+        self.assertIn(os.path.join(plain, "bytecompd.sock"), str(e))
+        self.assertNotIn("init() waited", str(e))
+        self.assertFalse(bc.is_initialized())
+
     def test_init_waits_for_a_daemon_that_comes_up(self):
         """An elastic restart's new workers can start before systemd has
         restarted the node's daemon: init() waits for it (bounded)."""

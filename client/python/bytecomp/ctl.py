@@ -22,6 +22,7 @@ CTL_VERSION = 1
 HEADER = struct.Struct("<IHHII")
 T_ERROR, T_CTL_REQUEST, T_CTL_REPLY = 6, 10, 11
 MAX_MESSAGE = 64 * 1024
+MAX_ARG = 32 * 1024  # client/ipc/protocol.h kMaxCtlArgBytes
 DEFAULT_SOCKET = "/run/bytecomp/bytecompd.sock"
 ERROR_NAMES = ["ok", "invalid argument", "configuration error", "malformed input", "timeout",
                "peer lost", "aborted", "unavailable", "resource exhausted", "internal error"]
@@ -72,6 +73,10 @@ def decode(datagram):
 
 def request(socket_path, command, arg="", timeout=10.0):
     """The daemon's answer text; CtlError naming what went wrong."""
+    n = len(arg.encode())
+    if n > MAX_ARG:
+        raise CtlError(f"{command}: an arg of {n} bytes, more than the {MAX_ARG} a request "
+                       "carries")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.settimeout(timeout)
     try:

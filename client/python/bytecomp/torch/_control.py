@@ -7,6 +7,8 @@ through. Internal: use it through bytecomp.torch."""
 import atexit
 import concurrent.futures
 import ctypes
+import errno
+import os
 import threading
 import time
 
@@ -63,6 +65,10 @@ _STILL_RUNNING = "is already running"
 # and its restart by systemd, which an elastic restart of the workers can
 # overtake.
 _NO_DAEMON = "cannot connect to bytecompd"
+# ... but only where a daemon may yet come: no socket file (ENOENT), a stale
+# one (ECONNREFUSED) or a full backlog (EAGAIN). A path that cannot work
+# (ENOTDIR, EACCES, a name too long) is the caller's to fix: refused at once.
+_NO_DAEMON_YET = tuple(os.strerror(e) for e in (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN))
 # Pauses between init()'s attempts to join while the previous job of the
 # same id is still ending: doubling from the first to the last (each refusal
 # is a warning in the daemon's log), bounded by BYTECOMP_START_TIMEOUT_MS.
@@ -441,6 +447,9 @@ def _join(settings):
         except _lib.BytecompError as e:
             waited = {_STILL_RUNNING: "for it to end", _NO_DAEMON: "for a daemon to answer"}
             why = next((w for k, w in waited.items() if k in e.message), None)
+            if why is not None and _NO_DAEMON in e.message and \
+                    not any(s in e.message for s in _NO_DAEMON_YET):
+                why = None
             if why is None or time.monotonic() >= deadline:
                 if why is not None:
                     raise type(e)(e.status, "%s (init() waited BYTECOMP_START_TIMEOUT_MS=%d ms "
