@@ -261,6 +261,15 @@ class AutoGpuProfile(unittest.TestCase):
         self.assertEqual((note, measured),
                          ("skipped: the job's parameters are not on a CUDA device", {}))
 
+    def test_a_failed_measurement_is_a_note_not_an_error(self):
+        def bench(spec, n):
+            raise RuntimeError("CUDA error: out of memory")
+        note, measured = gpu_profile.profile({"compressors": ["efsignsgd"]}, "cuda:0", Caps(),
+                                             bench=bench)
+        self.assertEqual(measured, {})
+        self.assertEqual(note, "skipped: measuring on cuda:0 failed: RuntimeError: "
+                               "CUDA error: out of memory")
+
     def test_measure_takes_medians_per_size_after_a_warm_up(self):
         calls = []
 

@@ -144,12 +144,18 @@ def profile(doc, device, caps=None, bench=None):
     if not to_measure:
         return note, {}
     own = bench is None
-    if own:
-        bench = TorchCudaBench(device)
+    # The profile is optional: a device that cannot run the measurement
+    # (out of memory, a kernel error) leaves auto planning without it, named
+    # in the note, rather than failing the optimizer's start.
     try:
-        measured = measure(to_measure, bench)
-    finally:
         if own:
-            bench.close()
+            bench = TorchCudaBench(device)
+        try:
+            measured = measure(to_measure, bench)
+        finally:
+            if own:
+                bench.close()
+    except Exception as e:  # noqa: BLE001 - any failure of an optional measurement
+        return "skipped: measuring on %s failed: %s: %s" % (device, type(e).__name__, e), {}
     head = "measured on %s" % getattr(bench, "name", device)
     return (head + ("; " + note if note else "")), measured
