@@ -3,6 +3,7 @@
 // re-plan trigger and its minimum interval; and real compressor calls.
 #include "daemon/auto_tuner.h"
 
+#include "planner/strategy/plan.h"
 #include "planner/strategy/strategy.h"
 
 #include <gtest/gtest.h>
@@ -255,8 +256,14 @@ TEST(AutoTuner, ALossGuardRollbackIsUncompressedAndRecognisedByEveryNode) {
                           "(loss_guard.tolerance 25%): \"quoted\"";
   const std::string yaml = rollback_yaml(1, why);
   const strategy::Strategy s = strategy::Strategy::parse(yaml, "rollback");
-  for (const char* t : {"fc1.weight", "fc2.bias", "bytecomp.ctl"})
+  for (const char* t : {"fc1.weight", "fc2.bias", "bytecomp.ctl"}) {
     EXPECT_FALSE(s.resolve(t, 1 << 20).compressed()) << t;
+    // It replaces a plan sharded over the servers; the coordinator refuses
+    // a placement change (the ring's inter: allreduce included).
+    EXPECT_EQ(strategy::plan_for_option(s.resolve(t, 1 << 20), t).placement,
+              strategy::Placement::kSharded)
+        << t;
+  }
   const std::optional<Rollback> r = rollback_of(yaml);
   ASSERT_TRUE(r.has_value()) << yaml;
   EXPECT_EQ(r->node_rank, 1u);

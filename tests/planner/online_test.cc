@@ -367,10 +367,11 @@ void expect_executable(const NodeProfile& p, const Decision& d) {
   for (const Alternative& a : d.alternatives) {
     const Strategy s = Strategy::parse(a.strategy_yaml, a.name);
     EXPECT_NO_THROW(s.check_cpu_runtime(decl)) << a.name;
-    for (const Entry& e : s.entries())
-      EXPECT_EQ(strategy::plan_for_option(e.option, e.tensor).placement,
+    // Per tensor: an alternative is a default and rules, not entries.
+    for (const TensorMeasure& t : p.tensors)
+      EXPECT_EQ(strategy::plan_for_option(s.resolve(t.name, 4 * t.elements), t.name).placement,
                 strategy::Placement::kSharded)
-          << a.name << " " << e.tensor;
+          << a.name << " " << t.name;
   }
 }
 
@@ -785,6 +786,37 @@ TEST(OnlineDecide, ShardedOptionsMapToTheServers) {
     EXPECT_EQ(cpu_runtime_unsupported(o), "") << spec;
   }
   EXPECT_THROW(sharded_option("nosuch"), Error);
+}
+
+TEST(OnlineDecide, NeverTheRingARunningJobCannotMoveTo) {
+  // An auto job warms up sharded over the servers and the coordinator
+  // refuses moving a tensor between the servers and the daemons' ring
+  // (Placement::kRing, inter: allreduce with none/fp16/bf16), so no option
+  // auto emits may run on the ring, even where the offline model ties
+  // allreduce with reduce_scatter_allgather (2 nodes, uncompressed or fp16).
+  for (const uint32_t nodes : {2u, 4u}) {
+    for (const double gbps : {0.1, 1.0, 10.0, 100.0}) {
+      for (const std::vector<std::string>& comps :
+           {std::vector<std::string>{}, std::vector<std::string>{"efsignsgd"}}) {
+        NodeProfile p = resnet18();
+        p.link_gbps = gbps;
+        AutoConfig cfg = two_nodes(comps);
+        cfg.nodes = cfg.servers = nodes;
+        SCOPED_TRACE(std::to_string(nodes) + " nodes at " + std::to_string(gbps) + " Gbit/s, " +
+                     std::to_string(comps.size()) + " accepted compressors");
+        const Decision d = decide(p, cfg);
+        std::vector<Strategy> all{d.strategy};
+        for (const Alternative& a : d.alternatives)
+          all.push_back(Strategy::parse(a.strategy_yaml, a.name));
+        // Resolved per tensor: a parsed alternative has rules, not entries.
+        for (const Strategy& s : all)
+          for (const TensorMeasure& t : p.tensors) {
+            const Option& o = s.resolve(t.name, 4 * t.elements);
+            EXPECT_EQ(runtime_inter_mode(o), "ps") << t.name << ": " << o.describe();
+          }
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- CLI
