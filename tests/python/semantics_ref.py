@@ -12,6 +12,11 @@ is modelled as a function x -> decoded value that keeps that party's state
   - under a reducing scheme (additive compressors) the server adds the
     compressed pushes (fp16/bf16: the float32 sum rounded once);
   - under allgather every node decodes every push and sums them;
+  - under allreduce with none/fp16/bf16 the daemons run a ring
+    (daemon/ring_allreduce.h): segment k of M is summed in the order
+    x_k, x_{k+1}, ..., x_{k-1} of the nodes' float32 sums, fp16/bf16
+    rounding the partial sum at every hop and the owner's final sum once
+    more (ring_sum below);
   - a one-node job compresses and decompresses its own sum.
 
 randomk's indices come from a hash shared by all parties and qsgd/terngrad
@@ -226,6 +231,9 @@ def expected(case, nodes, ranks, steps, answers):
                 total = (total + x).astype(F32)
             out[s] = total
             continue
+        if nodes > 1 and inter == "allreduce" and name in ("fp16", "bf16"):
+            out[s] = ring_sum(xs, lambda v: workers[0].plain(v, s))
+            continue
         ys = [w(x, s) for w, x in zip(workers, xs)]
         total = np.zeros(n, F32)
         for y in ys:
@@ -240,6 +248,22 @@ def expected(case, nodes, ranks, steps, answers):
         out[s] = total
     residuals = [w.residual() for w in workers] + ([server.residual()] if server else [])
     return out, residuals
+
+
+def ring_sum(xs, rnd):
+    """The ring's answer for node sums `xs` (float32, one partition): each
+    segment starts at its node, every hop adds its node's float32 sum to
+    the incoming partial sum in float32 and rounds (`rnd`) what it sends;
+    the owner (the last node) rounds the final sum once more."""
+    m, n = len(xs), len(xs[0])
+    out = np.zeros(n, F32)
+    for k in range(m):
+        lo, hi = k * n // m, (k + 1) * n // m
+        w = rnd(xs[k][lo:hi])
+        for j in range(1, m):
+            w = rnd((w + xs[(k + j) % m][lo:hi]).astype(F32))
+        out[lo:hi] = w
+    return out
 
 
 def pushed_total(case, nodes, ranks, steps):
