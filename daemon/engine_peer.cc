@@ -13,13 +13,22 @@ namespace bytecomp::daemon {
 
 BC_LOG_CATEGORY(LogEnginePeer, "daemon.engine");
 
-namespace {
-
-uint64_t digest_of(const TensorPlan& plan) {
+uint64_t plan_digest_of(const TensorPlan& plan) {
   return plan_digest(plan.compressor ? compress::to_string(plan.compressor->spec()) : "");
 }
 
-}  // namespace
+std::vector<bool> tensors_placed(const server::PsJob& ps, size_t tensors,
+                                 strategy::Placement where) {
+  const uint64_t first = ps.info().start_iteration;
+  std::vector<bool> placed(tensors, false);
+  bool any = false;
+  for (uint32_t t = 0; t < tensors; ++t) {
+    placed[t] = ps.timeline().plan(t, first).placement == where;
+    any = any || placed[t];
+  }
+  if (!any) placed.clear();
+  return placed;
+}
 
 PeerPath::PeerPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
                    std::vector<bool> peer_tensor)
@@ -32,15 +41,8 @@ std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
                                          const PeerOptions& opts) {
   const server::JobInfo& info = ps->info();
   const std::vector<TensorSpec>& tensors = *ctx.tensors;
-  std::vector<bool> peer_tensor(tensors.size(), false);
-  bool any = false;
-  for (uint32_t t = 0; t < tensors.size(); ++t) {
-    if (ps->timeline().plan(t, info.start_iteration).placement == strategy::Placement::kPeer) {
-      peer_tensor[t] = true;
-      any = true;
-    }
-  }
-  if (!any) return nullptr;
+  std::vector<bool> peer_tensor = tensors_placed(*ps, tensors.size(), strategy::Placement::kPeer);
+  if (peer_tensor.empty()) return nullptr;
   if (opts.hub == nullptr) {
     throw Error(ErrorCode::kUnavailable,
                 "the job uses inter: allgather between daemons, but this bytecompd has no peer "
@@ -131,7 +133,7 @@ void PeerPath::start(const Task& t, std::span<char* const> bufs) {
   peer_parts_[t.tensor][index].plan = t.plan;
   PeerHeader h;
   h.count = n;
-  h.plan_digest = digest_of(plan);
+  h.plan_digest = plan_digest_of(plan);
   transport::Buffer data;
   if (t.compressed) {
     // As the client compressed it (its own error feedback).
@@ -222,7 +224,7 @@ std::string PeerPath::finish(const Inbox::Arrival& a, std::span<char* const> buf
     } else {
       // The plan this node's start() ran the round under.
       const TensorPlan& plan = *peer_parts_[t.tensor][index].plan;
-      if (!plan.compressor || digest_of(plan) != own.plan_digest) {
+      if (!plan.compressor || plan_digest_of(plan) != own.plan_digest) {
         return "the plan of partition " + std::to_string(index) + " changed under it";
       }
       compress::CompressContext ctx;

@@ -33,6 +33,15 @@ struct PeerOptions {
   uint32_t ring_window = 4;
 };
 
+// Shared by the daemon-to-daemon paths (peer allgather, ring):
+// the digest nodes compare to agree on a tensor's plan at an iteration
+// (plan_digest() of its canonical compressor spec, "" uncompressed), and
+// which of the job's tensors its first iteration's plans place at `where`
+// (empty: none).
+uint64_t plan_digest_of(const TensorPlan& plan);
+std::vector<bool> tensors_placed(const server::PsJob& ps, size_t tensors,
+                                 strategy::Placement where);
+
 class PeerPath final : public ExecutionPath {
  public:
   // After the join: null when no tensor of the job is placed on the peers;

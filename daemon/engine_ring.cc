@@ -22,14 +22,6 @@ RingFormat ring_format(const TensorPlan& plan, const std::string& tensor) {
                   name + " (use compressor none, fp16 or bf16 with inter: allreduce)");
 }
 
-namespace {
-
-uint64_t digest_of(const TensorPlan& plan) {
-  return plan_digest(plan.compressor ? compress::to_string(plan.compressor->spec()) : "");
-}
-
-}  // namespace
-
 RingPath::RingPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
                    std::vector<bool> ring_tensor)
     : ctx_(ctx), ps_(std::move(ps)), ring_tensor_(std::move(ring_tensor)) {}
@@ -41,15 +33,8 @@ std::unique_ptr<RingPath> RingPath::open(const PathContext& ctx,
                                          const PeerOptions& opts) {
   const server::JobInfo& info = ps->info();
   const std::vector<TensorSpec>& tensors = *ctx.tensors;
-  std::vector<bool> ring_tensor(tensors.size(), false);
-  bool any = false;
-  for (uint32_t t = 0; t < tensors.size(); ++t) {
-    if (ps->timeline().plan(t, info.start_iteration).placement == strategy::Placement::kRing) {
-      ring_tensor[t] = true;
-      any = true;
-    }
-  }
-  if (!any) return nullptr;
+  std::vector<bool> ring_tensor = tensors_placed(*ps, tensors.size(), strategy::Placement::kRing);
+  if (ring_tensor.empty()) return nullptr;
   if (opts.hub == nullptr) {
     throw Error(ErrorCode::kUnavailable,
                 "the job uses inter: allreduce (a ring between daemons), but this bytecompd has "
@@ -150,7 +135,7 @@ void RingPath::start(const Task& t, std::span<char* const> bufs) {
   // needs every node, which may start partitions in other orders).
   // Reduced in place in rank 0's partition: the segment stays mapped while
   // the engine exists, and close() (Engine::stop) ends every write into it.
-  ring_->start(t.tensor, t.index, t.iteration, format, digest_of(plan),
+  ring_->start(t.tensor, t.index, t.iteration, format, plan_digest_of(plan),
                reinterpret_cast<float*>(bufs[0] + t.begin), t.count,
                [inbox, bytes = t.bytes()] {
                  if (auto i = inbox.lock()) i->acked(bytes);
