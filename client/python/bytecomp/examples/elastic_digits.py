@@ -29,24 +29,13 @@ import os
 import re
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 import bytecomp.torch as bc
+from bytecomp.examples.digits import load_data
 
 _CKPT_RE = re.compile(r"^ckpt-(\d{8})\.pt$")
-
-
-def load_data(seed=0, test_size=360):
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int64)
-    perm = np.random.RandomState(seed).permutation(len(y))
-    test, train = perm[:test_size], perm[test_size:]
-    return (torch.from_numpy(x[train]), torch.from_numpy(y[train]),
-            torch.from_numpy(x[test]), torch.from_numpy(y[test]))
 
 
 class MLP(torch.nn.Module):
