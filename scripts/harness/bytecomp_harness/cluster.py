@@ -38,6 +38,8 @@ from bytecomp_harness.procs import cluster_yaml, program, python_env, wait_up, w
 
 MASTER_PORT = 29500
 SERVER_PORT = 9100
+# The daemons' peer endpoint (the ring, peer allgather): one per namespace.
+PEER_PORT = 9300
 DAEMON_ID_BASE = 100
 
 
@@ -115,10 +117,11 @@ class NamespacedCluster:
                 "shm:\n  instance: %s\n"
                 "scheduler:\n  threads: 1\n  partition_bytes: %s\n"
                 "internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n"
+                "  peer_listen: \"tcp://%s:%d\"\n"
                 "logging:\n  levels: warn\n"
                 % (sock, int(self.start_timeout_s * 1000), instance, self.partition_bytes,
                    cluster_file,
-                   DAEMON_ID_BASE + n, nodes))
+                   DAEMON_ID_BASE + n, nodes, self.net.address(n), PEER_PORT))
 
     def _service_env(self):
         env = dict(os.environ)
