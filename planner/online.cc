@@ -153,24 +153,13 @@ Option ring_option(std::string_view spec_text) {
 
 std::string guard_reason(const strategy::AccuracyGuards& guards,
                          const std::vector<TensorMeasure>& tensors, size_t index) {
-  const TensorMeasure& t = tensors.at(index);
-  for (const std::string& g : guards.names)
-    if (fnmatch(g.c_str(), t.name.c_str(), 0) == 0) return "guard: name matches '" + g + "'";
-  if (guards.output_layer && !tensors.empty()) {
-    // The output layer: the module of the last-declared tensor (frameworks
-    // declare parameters in definition order, the classifier last).
-    auto module_of = [](const std::string& n) {
-      const size_t dot = n.rfind('.');
-      return dot == std::string::npos ? n : n.substr(0, dot);
-    };
-    const std::string last = module_of(tensors.back().name);
-    if (module_of(t.name) == last) return "guard: output layer '" + last + "'";
+  std::vector<std::string> names;
+  std::vector<uint64_t> elements;
+  for (const TensorMeasure& t : tensors) {
+    names.push_back(t.name);
+    elements.push_back(t.elements);
   }
-  const uint64_t bytes = 4 * t.elements;
-  if (bytes < guards.min_bytes)
-    return "guard: " + std::to_string(bytes) + " B < min_bytes " +
-           std::to_string(guards.min_bytes) + " B";
-  return "";
+  return strategy::guard_reason(guards, names, elements, index);
 }
 
 // ---------------------------------------------------------------- decide
@@ -528,9 +517,16 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   std::vector<std::string> guarded(n);
   const int sharded_end = ring_none;
   bool any_ring = false;
+  std::vector<std::string> decl_names;
+  std::vector<uint64_t> decl_elements;
+  for (const TensorMeasure& t : prof.tensors) {
+    decl_names.push_back(t.name);
+    decl_elements.push_back(t.elements);
+  }
   for (int k = 0; k < n; ++k) {
     excl[k] = excluded_name(cfg.exclude, p.profile().tensors[k].name);
-    guarded[k] = guard_reason(cfg.guards, prof.tensors, static_cast<size_t>(m.decl_of[k]));
+    guarded[k] = strategy::guard_reason(cfg.guards, decl_names, decl_elements,
+                                        static_cast<size_t>(m.decl_of[k]));
     ring_tensor[k] = on_ring(m.options[current[k]]);
     any_ring = any_ring || ring_tensor[k];
     const bool lossy_ok = !excl[k] && guarded[k].empty();

@@ -110,9 +110,9 @@ struct AutoConfig {
   // per-hop latency as a multiple of the probe's small-message round trip,
   // the link shares.
   static constexpr double kRingHopRtts = 1.0;
-  static constexpr double kRingLinkShare = 0.95;
-  static constexpr double kPsOverhead = 0.24;
-  static constexpr double kPsFaninOverhead = 0.3;
+  static constexpr double kRingLinkShare = 0.91;
+  static constexpr double kPsOverhead = 0.16;
+  static constexpr double kPsFaninOverhead = 0.26;
   uint64_t ring_chunk_bytes = 1 << 20;
   double ring_hop_rtts = kRingHopRtts;
   double ring_link_share = kRingLinkShare;

@@ -476,9 +476,15 @@ TEST(OnlineDecide, NoSingleTensorChangeWouldSaveMuch) {
   // save more than 0.2% of the predicted iteration (twice the search's own
   // resolution, 0.1%; without the runs a single change would save up to
   // 0.4%).
-  for_bench_cases([](const NodeProfile& p, const AutoConfig& cfg, double) {
-    const double gain = detail::best_single_move_gain(p, cfg);
-    EXPECT_LT(gain, 0.002);
+  // On ideal links (push/pull reaching the whole link, as before the ring
+  // model) that bound holds; on the fitted push/pull link model (1/1.42 of
+  // the link at 4 nodes) BERT-base at 1 Gbit/s leaves 0.48%, so the bound
+  // there is 0.5%.
+  for_bench_cases([](const NodeProfile& p, AutoConfig cfg, double) {
+    EXPECT_LT(detail::best_single_move_gain(p, cfg), 0.005);
+    cfg.ps_overhead = cfg.ps_fanin_overhead = 0;
+    cfg.ring_link_share = 1;
+    EXPECT_LT(detail::best_single_move_gain(p, cfg), 0.002);
   });
 }
 
@@ -960,8 +966,9 @@ int ring_tensors(const Decision& d) {
 TEST(OnlineRing, FreePlacementPutsLargeTensorsOnTheRingWhenTheModelSaysSo) {
   for (const uint32_t nodes : {2u, 4u}) {
     SCOPED_TRACE(std::to_string(nodes) + " nodes");
-    // 4 MiB tensors on a saturated 1 Gbit/s link: the ring's share (0.95)
-    // against push/pull's (1/1.24 at 2 nodes, 1/1.54 at 4).
+    // 4 MiB tensors on a saturated 1 Gbit/s link: the ring's measured share
+    // (AutoConfig::kRingLinkShare) against push/pull's (1/1.16 at 2 nodes,
+    // 1/1.42 at 4).
     NodeProfile p = flat_profile(1 << 20, 1.0, 200);
     p.iteration_us = 60000 + 40 * 2.0 * (nodes - 1) / nodes * 4 * (1 << 20) / 125.0;
     AutoConfig cfg = two_nodes({});
@@ -971,7 +978,8 @@ TEST(OnlineRing, FreePlacementPutsLargeTensorsOnTheRingWhenTheModelSaysSo) {
     EXPECT_EQ(ring_tensors(d), 40) << d.explain();
     // Uncompressed on the ring beats uncompressed push/pull; fp16 (always
     // a candidate) halves the ring's bytes and is taken too.
-    EXPECT_LT(alternative(d, "ring").predicted_us, 0.9 * alternative(d, "fp32").predicted_us);
+    // (2 nodes: 0.91 of the link against 1/1.16 = 0.86, about 6%.)
+    EXPECT_LT(alternative(d, "ring").predicted_us, 0.97 * alternative(d, "fp32").predicted_us);
     EXPECT_LE(d.predicted_us, alternative(d, "ring").predicted_us);
     EXPECT_EQ(d.strategy.meta.at("ring_tensors"), "40");
     // Not otherwise: a ring that reaches less of the link than push/pull.
