@@ -1035,6 +1035,38 @@ TEST(OnlineRing, ARunningJobKeepsItsRingTensorsOnTheRing) {
   }
 }
 
+TEST(OnlineRing, ScaleCliPredictsBothSchemesPerClusterSize) {
+  std::ostringstream out, err;
+  ASSERT_EQ(run_cli({"scale", "--nodes", "2,4,16,256", "--gbps", "1", "--json"}, out, err), 0)
+      << err.str();
+  // One row per size; the ring's time grows with the nodes (latency term)
+  // and stays at least the link's 2(N-1)/N bound; push/pull's too.
+  const std::string j = out.str();
+  std::vector<double> ring, ps, link;
+  for (size_t at = 0; (at = j.find("\"ps_ms\": ", at)) != std::string::npos; ++at) {
+    ps.push_back(std::stod(j.substr(at + 9)));
+    const size_t r = j.find("\"ring_ms\": ", at), l = j.find("\"link_ms\": ", at);
+    ring.push_back(std::stod(j.substr(r + 11)));
+    link.push_back(std::stod(j.substr(l + 11)));
+  }
+  ASSERT_EQ(ring.size(), 4u) << j;
+  for (size_t k = 0; k < 4; ++k) {
+    EXPECT_GE(ring[k], link[k]) << k;
+    EXPECT_GE(ps[k], link[k]) << k;
+    if (k > 0) {
+      EXPECT_GT(ring[k], ring[k - 1]) << k;
+      EXPECT_GT(ps[k], ps[k - 1]) << k;
+    }
+  }
+  // 8 x 4 MiB over 2 nodes at 1 Gbit/s: 2 x 16 MiB / 125 MB/s.
+  EXPECT_NEAR(link[0], 268.435, 1e-3);
+  std::ostringstream o2, e2;
+  EXPECT_EQ(run_cli({"scale", "--nodes", "1"}, o2, e2), 1);
+  EXPECT_NE(e2.str().find("--nodes"), std::string::npos) << e2.str();
+  EXPECT_EQ(run_cli({"scale", "--tensor-bytes", "6"}, o2, e2), 1);
+  EXPECT_NE(e2.str().find("multiple of 4"), std::string::npos) << e2.str();
+}
+
 // ---------------------------------------------------------------- CLI
 
 class ExplainCli : public ::testing::Test {
