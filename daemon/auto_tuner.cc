@@ -134,6 +134,11 @@ void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
   }
   current_yaml_ = ps->info().strategy_yaml;
   start_yaml_ = current_yaml_;
+  {
+    // bytecompctl shows the start placement (ring tensors) before any switch.
+    std::lock_guard lk(mu_);
+    view_.strategy_yaml = current_yaml_;
+  }
   profile_from_ = ps->info().start_iteration + o_.spec.skip_iterations;
   std::weak_ptr<AutoTuner> weak = weak_from_this();
   ps->on_auto([weak](const server::AutoEvent& e) {
