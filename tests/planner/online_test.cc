@@ -880,6 +880,32 @@ TEST(RingModel, BandwidthTermIsTwoNMinusOneOverNAndLatencyGrowsWithNodes) {
   EXPECT_NEAR(c.ring_us(big), 2.0 * 3 / 4 * big / (B * 0.5), 1e-6 * big / B);
 }
 
+TEST(RingModel, ClusterFileCarriesTheMeasuredShares) {
+  const Cluster c = Cluster::parse(
+      "version: 1\nmachines: 4\ncpu_cores: 2\ninter: {gbps: 1, latency_us: 200}\n"
+      "cpu_nodes: {pool_threads: 1, reduce: {a_us: 0, b_us_per_melem: 0}}\n"
+      "ring: {chunk_bytes: 256KiB, hop_us: 150, link_share: 0.91}\n"
+      "push_pull: {overhead: 0.16, fanin_overhead: 0.26}\n",
+      "c.yaml");
+  EXPECT_EQ(c.ring_chunk_bytes, 256u << 10);
+  EXPECT_EQ(c.ring_hop_us, 150);
+  EXPECT_EQ(c.ring_link_share, 0.91);
+  EXPECT_NEAR(c.ps_link_share(), 1 / 1.42, 1e-12);
+  const Cluster ideal = Cluster::parse(
+      "version: 1\nmachines: 4\ncpu_cores: 2\ninter: {gbps: 1, latency_us: 200}\n"
+      "cpu_nodes: {pool_threads: 1, reduce: {a_us: 0, b_us_per_melem: 0}}\n",
+      "ideal.yaml");
+  EXPECT_EQ(ideal.ps_link_share(), 1.0);
+  EXPECT_EQ(ideal.ring_link_share, 1.0);
+  try {
+    Cluster::parse("version: 1\nmachines: 2\ngpus_per_machine: 1\nring: {chunk_bytes: 2MiB}\n",
+                   "bad.yaml");
+    ADD_FAILURE();
+  } catch (const config::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("chunk_bytes"), std::string::npos) << e.what();
+  }
+}
+
 TEST(RingModel, PushPullShareFallsWithFanIn) {
   Cluster c;
   c.ps_overhead = 0.24;
