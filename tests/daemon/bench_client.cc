@@ -8,7 +8,9 @@
 //          waited; prints the median iteration time and the goodput (model
 //          bytes per second). Optional last argument NODE/NODES.
 //          model:K: K tensors of 4 MiB instead (1..1024; scripts/bench-ring
-//          uses smaller models on slow emulated links).
+//          uses smaller models on slow emulated links); model:K:BYTES: K
+//          tensors of BYTES bytes each (4..1 GiB, a multiple of 4; bench-ring
+//          --tensor-bytes, the planner's per-size check).
 #include <bytecomp/bytecomp.hpp>
 
 #include <algorithm>
@@ -33,7 +35,7 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   if (argc != 7 && argc != 8) {
     std::fprintf(stderr,
-                 "usage: bc_bench SOCKET JOB RANK SIZE big|small|model[:K] ITERATIONS [R/N]\n");
+                 "usage: bc_bench SOCKET JOB RANK SIZE big|small|model[:K[:BYTES]] ITERATIONS [R/N]\n");
     return 2;
   }
   uint32_t node_rank = 0, num_nodes = 1;
@@ -45,13 +47,24 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bc_bench: %s: expected model:K with K in 1..1024\n", argv[5]);
       return 2;
     }
+    uint64_t tensor_bytes = 4ull << 20;
+    if (const size_t colon = mode.find(':', 6); colon != std::string::npos) {
+      tensor_bytes = std::strtoull(mode.c_str() + colon + 1, nullptr, 10);
+      if (tensor_bytes < 4 || tensor_bytes > (1ull << 30) || tensor_bytes % 4 != 0) {
+        std::fprintf(stderr,
+                     "bc_bench: %s: expected model:K:BYTES with BYTES a multiple of 4 in "
+                     "4..1073741824\n",
+                     argv[5]);
+        return 2;
+      }
+    }
     try {
       bytecomp::Client c({.job_id = argv[2], .local_rank = static_cast<uint32_t>(std::atoi(argv[3])),
                           .local_size = static_cast<uint32_t>(std::atoi(argv[4])),
                           .node_rank = node_rank, .num_nodes = num_nodes,
                           .socket_path = argv[1], .connect_timeout_ms = 30000});
       const int kTensors = tensors;
-      constexpr uint64_t kCount = (4ull << 20) / 4;
+      const uint64_t kCount = tensor_bytes / 4;
       std::vector<uint32_t> ids;
       for (int t = 0; t < kTensors; ++t) {
         ids.push_back(c.declare("layer" + std::to_string(t), kCount, BYTECOMP_FLOAT32));
