@@ -309,10 +309,12 @@ TEST(Strategy, PerJobStrategyOverridesTheDefaultForThatJobOnly) {
   EXPECT_TRUE(no_shm_left(env.shm_prefix()));
 }
 
-// Option::pieces (the planner's pipelining) is accepted and ignored by the
-// CPU runtime, which pipelines every tensor by its partition_bytes: the
-// result is that of the same option in one piece.
-TEST(Strategy, PiecesAreAcceptedAndRunAsTheOptionWithoutThem) {
+// Option::pieces (the planner's pipelining) runs on one node with two
+// ranks: the tensor is cut into 8 times smaller partitions; fp16 is
+// elementwise, so the result is that of the same option in one piece.
+// (tests/daemon/client_compressed_test.cc checks the layout and a
+// compressor whose result depends on it.)
+TEST(Strategy, PiecesRunOnOneNodeWithTheOptionsResult) {
   DaemonEnv env("spieces");
   env.start();
   const std::vector<Tensor> ts = {{"fp.w", 5000}};
