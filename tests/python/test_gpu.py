@@ -170,6 +170,15 @@ class GpuTraining(unittest.TestCase):
                          self.digests("cpu", EFSIGN_SPLIT, extra=pb))
 
     @unittest.skipUnless(HAVE_CUDA, NEED_CUDA)
+    def test_gpu_pieces_cpu_share_aggregates_equal_cpu_placement(self):
+        """The same pieces and split with the CUDA kernels compressing each
+        32 KiB slice of the GPU part."""
+        pb = ["--partition-bytes", "64KiB"]
+        self.assertEqual(self.digests("cuda", EFSIGN_SPLIT_PIECES, placed=2, extra=pb,
+                                      split=["layer0 4/8", "layer2 1/2"]),
+                         self.digests("cpu", EFSIGN_SPLIT_PIECES, extra=pb))
+
+    @unittest.skipUnless(HAVE_CUDA, NEED_CUDA)
     def test_gpu_placement_aggregates_equal_cpu_placement(self):
         """efsignsgd compressed by the CUDA kernels in the training process,
         pushed compressed: the same aggregates, bit for bit, as the daemons'
