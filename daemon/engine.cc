@@ -125,12 +125,12 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
   phase_timestamps_ = tunables.phase_timestamps.load();
   if (!join_) {
     // Multi-node paths open on the engine thread, after the join.
-    setup_phases();
+    setup_phases(o.plans);
     own_timeline_ = std::make_unique<strategy::Timeline>(0, std::move(o.plans));
     timeline_ = own_timeline_.get();
     local_ = std::make_unique<LocalPath>(
         // The daemon's plans count their own compression (counting_plans).
-        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_, nullptr},
+        PathContext{job_, &tensors_, tensor_pb_, reducer_.get(), inbox_, &phases_, nullptr},
         node_rank_, timeline_->at(0));
     path_of_.assign(tensors_.size(), local_.get());
   }
@@ -182,6 +182,9 @@ void Engine::stop() {
 }
 
 void Engine::set_plans(std::vector<TensorPlan> plans) {
+  // layout_plans_ is fixed since the constructor (single-node jobs).
+  if (std::string why = strategy::layout_change(tensors_, layout_plans_, plans); !why.empty())
+    throw Error(ErrorCode::kInvalidArgument, "job " + job_ + ": " + why);
   {
     std::lock_guard lock(pending_mu_);
     pending_ = std::move(plans);
@@ -250,16 +253,28 @@ void Engine::adopt_pending() {
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": new strategy applies from iteration " << at;
 }
 
-void Engine::setup_phases() {
-  // Clients lay out compressed submissions by it (ipc::kSubmitCompressed).
+void Engine::setup_phases(const std::vector<TensorPlan>& plans) {
+  // Each tensor cut by its option's pieces (the servers' assignment does
+  // the same from the same plans). Clients lay out compressed submissions by
+  // the slots (ipc::kSubmitCompressed): written before the header's release
+  // store below, which is what clients wait for.
+  layout_plans_ = plans;
+  tensor_pb_.assign(tensors_.size(), partition_bytes_);
+  auto* slots = reinterpret_cast<ipc::TensorSlot*>(base_ + layout_.tensors_offset);
+  std::vector<uint32_t> parts;
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    if (t < plans.size()) tensor_pb_[t] = strategy::tensor_partition_bytes(plans[t], partition_bytes_);
+    const uint64_t n = strategy::partition_count(tensors_[t].bytes(), tensor_pb_[t]);
+    if (n > UINT32_MAX || tensor_pb_[t] > UINT32_MAX)
+      throw Error(ErrorCode::kInvalidArgument, "job " + job_ + ": tensor '" + tensors_[t].name +
+                                                   "' has too many partitions");
+    parts.push_back(static_cast<uint32_t>(n));
+    slots[t].partition_bytes = static_cast<uint32_t>(tensor_pb_[t]);
+    slots[t].partitions = static_cast<uint32_t>(n);
+  }
   header_->partition_bytes.store(
       static_cast<uint32_t>(std::min<uint64_t>(partition_bytes_, UINT32_MAX)),
       std::memory_order_release);
-  std::vector<uint32_t> parts;
-  for (const TensorSpec& t : tensors_) {
-    parts.push_back(static_cast<uint32_t>(
-        std::max<uint64_t>(1, (t.bytes() + partition_bytes_ - 1) / partition_bytes_)));
-  }
   phases_.setup(parts, phase_timestamps_);
 }
 
@@ -293,8 +308,7 @@ void Engine::begin_round(uint32_t tensor) {
   if (local_) local_->follow(tensor, in_force);
   if (round.compressed) {
     // The client's CPU share (leading dense partitions) must be the plan's.
-    const uint64_t parts =
-        std::max<uint64_t>(1, (tensors_[tensor].bytes() + partition_bytes_ - 1) / partition_bytes_);
+    const uint64_t parts = strategy::partition_count(tensors_[tensor].bytes(), tensor_pb_[tensor]);
     if (std::string why = check_split((*in_force.plans)[tensor], tensors_[tensor].name,
                                       round.iteration, parts, round.dense);
         !why.empty()) {
@@ -303,7 +317,7 @@ void Engine::begin_round(uint32_t tensor) {
     }
   }
   round.partitions_left = sched_.add(
-      tensor, round.iteration, tensors_[tensor].bytes(), partition_bytes_,
+      tensor, round.iteration, tensors_[tensor].bytes(), tensor_pb_[tensor],
       static_cast<uint32_t>(ipc::dtype_size(tensors_[tensor].dtype)),
       std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[tensor]),
       round.compressed, round.dense);
@@ -381,8 +395,14 @@ bool Engine::open_paths() {
   });
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                              << ps_->info().rank << " of " << ps_->info().nodes.size();
-  setup_phases();
-  const PathContext ctx{job_,   &tensors_, partition_bytes_, reducer_.get(),
+  // The job's first plans: what the servers' assignment was cut by.
+  try {
+    setup_phases(ps_->info().plans);
+  } catch (const Error& e) {
+    fail(e.code(), e.what());
+    return false;
+  }
+  const PathContext ctx{job_,   &tensors_, tensor_pb_, reducer_.get(),
                         inbox_, &phases_,  bytes_.get()};
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
@@ -404,7 +424,7 @@ bool Engine::open_paths() {
       path_of_[t] = ps_path_.get();
     }
   }
-  collectives_->joined(ps_, partition_bytes_);
+  collectives_->joined(ps_, tensor_pb_);
   if (on_joined_) on_joined_(*this, ps_, partition_bytes_);
   return true;
 }

@@ -139,7 +139,10 @@ class Engine {
   std::pair<ErrorCode, std::string> publish_abort(ErrorCode code, const std::string& reason);
   void stop();
   // Installs new plans (one per tensor, already checked) at the next
-  // iteration boundary. Thread-safe.
+  // iteration boundary. Thread-safe. Single-node jobs only. Throws
+  // Error(kInvalidArgument) naming the tensor when a plan changes its
+  // tensor's pieces (strategy::layout_change: the layout is fixed for the
+  // job); nothing changes then.
   void set_plans(std::vector<TensorPlan> plans);
   // Multi-node jobs: asks the coordinator to switch every node and server to
   // `strategy_yaml` at one iteration (a little after the latest begun here).
@@ -205,8 +208,9 @@ class Engine {
   void begin_round(uint32_t tensor);
   // Begins the held rounds once no strategy change of ours is unconfirmed.
   void release_held();
-  // Once partition_bytes_ is final.
-  void setup_phases();
+  // Once partition_bytes_ is final: every tensor's partition size from the
+  // job's first plans (its pieces), published in shared memory.
+  void setup_phases(const std::vector<TensorPlan>& plans);
   void log_phases() const;
   void publish_gauges();
 
@@ -225,6 +229,12 @@ class Engine {
   std::unique_ptr<std::atomic<bool>[]> left_;
   uint32_t node_rank_;
   uint64_t partition_bytes_;
+  // Per tensor: strategy::tensor_partition_bytes of the job's first plans;
+  // written by setup_phases() (the constructor for a single-node job, the
+  // engine thread after the join otherwise), fixed after.
+  std::vector<uint64_t> tensor_pb_;
+  // The plans the layout was cut by (a single-node job's, for set_plans).
+  std::vector<TensorPlan> layout_plans_;
   std::mutex pending_mu_;
   std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
   std::optional<std::string> pending_yaml_;          // guarded by pending_mu_

@@ -36,9 +36,9 @@ Collectives::Collectives(CollectiveContext ctx) : ctx_(std::move(ctx)) {
   barrier_.from.assign(ctx_.local_size, false);
 }
 
-void Collectives::joined(std::shared_ptr<server::PsJob> ps, uint64_t partition_bytes) {
+void Collectives::joined(std::shared_ptr<server::PsJob> ps, std::vector<uint64_t> partition_bytes) {
   ps_ = std::move(ps);
-  partition_bytes_ = partition_bytes;
+  partition_bytes_ = std::move(partition_bytes);
 }
 
 void Collectives::submit(uint32_t rank, const ipc::Collective& c) {
@@ -168,7 +168,7 @@ bool Collectives::begin(CollRound& c) {
   // Cut at the tensor's partitions, each to the server that owns it, so the
   // bytes fan out through every server at once; partition 0 always goes
   // (also for 0 bytes): every node's agreement is checked there.
-  const uint64_t pb = partition_bytes_;
+  const uint64_t pb = partition_bytes_.at(t);
   const uint64_t parts = std::max<uint64_t>(1, (op.nbytes + pb - 1) / pb);
   c.parts_left = parts;
   for (uint64_t p = 0; p < parts; ++p) {

@@ -46,7 +46,9 @@ class Collectives {
   explicit Collectives(CollectiveContext ctx);
 
   // Multi-node jobs, after the join: where broadcasts and barriers go.
-  void joined(std::shared_ptr<server::PsJob> ps, uint64_t partition_bytes);
+  // partition_bytes: per tensor, its partitions' size (the job's cut into
+  // its option's pieces): a broadcast is cut at the tensor's partitions.
+  void joined(std::shared_ptr<server::PsJob> ps, std::vector<uint64_t> partition_bytes);
   // Local rank `rank`'s call; the engine rings its doorbell after it.
   void submit(uint32_t rank, const ipc::Collective& c);
   // The queued calls; false after failing the job.
@@ -79,7 +81,7 @@ class Collectives {
 
   CollectiveContext ctx_;
   std::shared_ptr<server::PsJob> ps_;
-  uint64_t partition_bytes_ = 0;
+  std::vector<uint64_t> partition_bytes_;  // per tensor
   std::vector<CollRound> bcasts_;  // per tensor
   CollRound barrier_;
   std::mutex mu_;

@@ -13,9 +13,9 @@ namespace bytecomp::daemon {
 PsPath::PsPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
                std::shared_ptr<const void> keep_mapped)
     : ctx_(ctx), ps_(std::move(ps)), keep_mapped_(std::move(keep_mapped)) {
-  const uint64_t pb = ctx_.partition_bytes;
   ps_parts_.resize(ctx_.tensors->size());
   for (size_t t = 0; t < ps_parts_.size(); ++t) {
+    const uint64_t pb = ctx_.partition_bytes.at(t);
     ps_parts_[t].resize(static_cast<size_t>(((*ctx_.tensors)[t].bytes() + pb - 1) / pb));
   }
 }

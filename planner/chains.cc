@@ -508,8 +508,10 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
 
 void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
                                    std::vector<Op>& ops) const {
-  // The CPU runtime pipelines by its own partitions (the chunks) and ignores
-  // Option::pieces; cpu_share needs a GPU. Placement (ps vs ps_single) only
+  // The CPU runtime pipelines by its partitions (the chunks). It executes
+  // Option::pieces (smaller partitions, docs/gpu.md §4), but the CPU-runtime
+  // search never proposes them (pieces_option), so this chain does not
+  // model them; cpu_share needs a GPU. Placement (ps vs ps_single) only
   // moves which server holds a partition: the node's traffic is the same.
   const double n = static_cast<double>(elements);
   const double pool = std::max(1, cluster_.pool_threads);

@@ -480,6 +480,9 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
         }
         o.comp_device = o.decomp_device = Device::kCpu;  // the CPU runtime ran it there
         o.cpu_share = 0;
+        // An auto job runs pieces 1 throughout (it starts uncompressed and
+        // every candidate below has pieces 1; the runtime refuses a change
+        // of a tensor's pieces), so the plan never proposes a layout change.
         o.pieces = 1;
       }
       current[m.prob_of[d]] = option_index(m.options, o);

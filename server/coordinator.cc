@@ -607,6 +607,10 @@ void Coordinator::on_set_strategy(Incoming in, proto::SetStrategy m) {
                         std::string(to_string(current[t].placement)) + " to " +
                         std::string(to_string(plans[t].placement)) +
                         " (a placement change needs a new job)");
+    // Every party cut the tensors at admission by their pieces
+    // (assign_partitions, the nodes' paths, the clients' shared memory).
+    if (std::string why = strategy::layout_change(adm.tensors, current, plans); !why.empty())
+      throw Error(ErrorCode::kInvalidArgument, why);
   } catch (const Error& e) {
     unmark();
     return refuse("job '" + adm.name + "': " + e.what());

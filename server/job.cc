@@ -42,12 +42,14 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
                     " is below one fp32 element");
   if (tensors.size() > 0xFFFFFFFFull)
     throw Error(ErrorCode::kInvalidArgument, "assign_partitions: too many tensors");
-  const uint64_t per = partition_bytes / 4;
 
   Assignment a;
   a.by_tensor.resize(tensors.size());
   for (uint32_t t = 0; t < tensors.size(); ++t) {
     if (strategy::between_daemons(plans[t].placement)) continue;
+    // The tensor's own partition size (its option's pieces), as the nodes
+    // cut it.
+    const uint64_t per = strategy::tensor_partition_bytes(plans[t], partition_bytes) / 4;
     uint64_t n = tensors[t].count;
     uint64_t parts = n == 0 ? 0 : (n + per - 1) / per;
     if (parts > 0xFFFFFFFFull)

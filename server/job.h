@@ -96,7 +96,9 @@ struct Assignment {
 };
 
 // The pure assignment function. Tensors are cut into partitions of at most
-// partition_bytes (fp32 bytes; the last one may be shorter). Placement
+// strategy::tensor_partition_bytes(plan, partition_bytes) (fp32 bytes: the
+// job's partition size cut into the option's `pieces`; the last one may be
+// shorter), so the digest covers every tensor's pieces. Placement
 // kPeer and kRing tensors (between daemons) get none. Balancing (greedy, largest first, ties by key):
 // each kSharded partition goes to the server with the fewest assigned bytes,
 // each kSingle tensor as a whole to the least-loaded server; then within a

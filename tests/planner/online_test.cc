@@ -353,7 +353,9 @@ TEST(OnlineYaml, DecisionRoundTripAndErrors) {
 
 // ---------------------------------------------------------------- decide
 
-// The coordinator's contract: CPU runtime, placement unchanged (sharded).
+// The coordinator's contract: CPU runtime, placement unchanged (sharded),
+// pieces unchanged (an auto job starts at 1 and the runtime refuses a
+// change of a tensor's pieces, docs/gpu.md §4).
 void expect_executable(const NodeProfile& p, const Decision& d) {
   std::vector<TensorDecl> decl;
   for (const TensorMeasure& t : p.tensors) decl.push_back({t.name, 4 * t.elements});
@@ -364,6 +366,7 @@ void expect_executable(const NodeProfile& p, const Decision& d) {
               strategy::Placement::kSharded)
         << e.tensor << ": " << e.option.describe();
     EXPECT_EQ(cpu_runtime_unsupported(e.option), "") << e.tensor;
+    EXPECT_EQ(e.option.pieces, 1) << e.tensor << ": " << e.option.describe();
   }
   for (const Alternative& a : d.alternatives) {
     const Strategy s = Strategy::parse(a.strategy_yaml, a.name);
@@ -373,6 +376,8 @@ void expect_executable(const NodeProfile& p, const Decision& d) {
       EXPECT_EQ(strategy::plan_for_option(s.resolve(t.name, 4 * t.elements), t.name).placement,
                 strategy::Placement::kSharded)
           << a.name << " " << t.name;
+    for (const TensorMeasure& t : p.tensors)
+      EXPECT_EQ(s.resolve(t.name, 4 * t.elements).pieces, 1) << a.name << " " << t.name;
   }
 }
 

@@ -262,7 +262,7 @@ TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeSplitsCompressionOnly)
       << cpu_runtime_unsupported(decomp_split);
 }
 
-TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
+TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeAcceptsThem) {
   // An older file (no pieces) reads as one piece and is written as before.
   Strategy s = Strategy::parse(kSample, "s.yaml");
   EXPECT_EQ(s.resolve("fc.weight", 400).pieces, 1);
@@ -294,8 +294,8 @@ TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
   EXPECT_NE(error_of(base + "two}\n").find("pieces"), std::string::npos);
   EXPECT_NE(error_of(base + "2.5}\n").find("pieces"), std::string::npos);
 
-  // The CPU runtime pipelines every tensor by its own partition_bytes: it
-  // accepts pieces on an option it executes (and ignores the count), and
+  // The CPU runtime executes pieces (each tensor's partitions cut by it,
+  // strategy::tensor_partition_bytes) on every option it executes, and
   // refuses an option it cannot execute for that option's reason.
   Option cpu;
   cpu.compressor = "topk";

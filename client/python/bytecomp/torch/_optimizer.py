@@ -333,10 +333,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _bytecomp_codec(self, slot, client=None):
         """The slot's PartitionCodec (made at start, once the daemon
-        published the job's partition size); None: pushed dense."""
+        published the job's partition size); None: pushed dense. Laid out by
+        the tensor's own partitions (the job's cut into its strategy's
+        `pieces`), as the daemon publishes them."""
         if slot.codec is not None or slot.place is None:
             return slot.codec
-        pb = (client or self._bc_client).partition_bytes()
+        pb, _parts = (client or self._bc_client).tensor_partitions(slot.tid)
         if pb == 0:
             return None  # a multi-node job not joined yet: the daemon compresses
         p = slot.param
