@@ -6,7 +6,8 @@
 //
 // PeerHub is the daemon's side of it: one transport (internode.peer_listen)
 // shared by every job, a handler for peer data and the routing to the open
-// PeerJobs by job uid (the coordinator's cluster-unique job number). Peers
+// PeerJobs by job uid (the coordinator's cluster-unique job number); the
+// same for the ring allreduce (RingJob) and the broadcast chain (BcastJob). Peers
 // are the other daemons of a job, learnt from the coordinator at admission
 // (JobInfo::peer_addresses); the transport's heartbeats watch them, and a
 // peer lost fails every job it is part of. A peer stays connected after its
