@@ -155,6 +155,7 @@ void Engine::stop() {
   if (ps_path_) ps_path_->close();
   if (peer_path_) peer_path_->close();
   if (ring_path_) ring_path_->close();
+  collectives_->close();
   if (ps_) {
     // Tells the coordinator and fails what is still pending. An aborted job
     // is aborted for every node at once (a job the coordinator already
@@ -424,7 +425,7 @@ bool Engine::open_paths() {
       path_of_[t] = ps_path_.get();
     }
   }
-  collectives_->joined(ps_, tensor_pb_);
+  collectives_->joined(ps_, tensor_pb_, peer_opts_);
   if (on_joined_) on_joined_(*this, ps_, partition_bytes_);
   return true;
 }
@@ -444,6 +445,7 @@ void Engine::loop() {
       const auto now = std::chrono::steady_clock::now();
       Status late = peer_path_ ? peer_path_->check(now) : Status::Ok();
       if (late.ok() && ring_path_) late = ring_path_->check(now);
+      if (late.ok()) late = collectives_->check(now);
       if (!late.ok()) {
         fail(late.code(), "inter-node: " + late.message());
         break;
