@@ -5,6 +5,8 @@
 //   transport_bench [--backend zmq] [--endpoint tcp|ipc] [--size BYTES]
 //                   [--messages N] [--rtt-iters N] [--runs N] [--io-threads N]
 //                   [--variants default,typed,inline,spin20] [--spin-us N]
+//                   [--local-ipc 0|1]
+// (tcp: TCP on both sides unless --local-ipc 1, like the bare-ZeroMQ floor.)
 // Round trips are measured per variant, each with its own client transport
 // and peer process, one variant after the other (idle ones sleep):
 //   default  the config defaults on both sides (wait_spin_us: --spin-us
@@ -141,6 +143,9 @@ int main(int argc, char** argv) {
   int runs = 3;
   int io_threads = 2;  // ZeroMQ I/O threads on both sides
   int spin_us = -1;    // -1: the config default
+  // tcp runs stay TCP (the floor, bare ZeroMQ, and iperf3 are TCP):
+  // --local-ipc 1 lets the transport use its Unix-socket alias instead.
+  bool local_ipc = false;
   std::string variants_arg = "default,typed,inline,spin20";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -153,6 +158,7 @@ int main(int argc, char** argv) {
     else if (k == "--io-threads") io_threads = std::stoi(v);
     else if (k == "--variants") variants_arg = v;
     else if (k == "--spin-us") spin_us = std::stoi(v);
+    else if (k == "--local-ipc") local_ipc = v == "1" || v == "true";
     else {
       std::cerr << "transport_bench: unknown option " << k << "\n";
       return 2;
@@ -192,6 +198,7 @@ int main(int argc, char** argv) {
       yaml << "version: 1\ntransport:\n  backend: " << backend << "\n  io_threads: " << io_threads
            << "\n  listen: [\"" << listen("peer-" + name) << "\"]\n";
       if (name == "inline") yaml << "  inline_handlers: true\n";
+      yaml << "  local_ipc: " << (local_ipc ? "true" : "false") << "\n";
       if (spin >= 0) yaml << "  wait_spin_us: " << spin << "\n";
       std::ofstream(dir + "/peer-" + name + ".yaml") << yaml.str();
       v.peer = std::make_unique<testing::PeerProcess>(dir + "/peer-" + name + ".yaml", next_node);
@@ -200,6 +207,7 @@ int main(int argc, char** argv) {
       cfg.listen = {listen("bench-" + name)};
       cfg.node_id = 100 + next_node;
       cfg.io_threads = io_threads;
+      cfg.local_ipc = local_ipc;
       if (spin >= 0) cfg.wait_spin = std::chrono::microseconds{spin};
       v.client = make_transport(cfg);
       v.client->add_peer(next_node, v.peer->address());
