@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include <pthread.h>
+
 #include "common/log.h"
 #include "daemon/client_payload.h"
 #include "daemon/engine_local.h"
@@ -134,7 +136,10 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
         node_rank_, timeline_->at(0));
     path_of_.assign(tensors_.size(), local_.get());
   }
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "bc-engine");
+    loop();
+  });
 }
 
 Engine::~Engine() { stop(); }
