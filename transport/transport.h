@@ -249,8 +249,12 @@ struct TransportConfig {
   // socket when it exists in this namespace (for a 0.0.0.0 listener: when
   // HOST is one of this namespace's addresses). Same framing, heartbeats and
   // CURVE; about a third of loopback TCP's CPU per byte (docs/transport.md).
-  // false: always TCP. Key local_ipc.
-  bool local_ipc = true;
+  // Off by default: an abstract name has no owner or permission, so any
+  // process of the namespace (any user) that binds a listener's name first
+  // receives its local peers' traffic; the listener then refuses to start,
+  // but a peer that connects before its listener exists could still reach
+  // it. Turn it on where every local user is trusted. Key local_ipc.
+  bool local_ipc = false;
 
   Millis heartbeat_interval{500};
   // A peer silent for this long is reported lost (the detection bound).

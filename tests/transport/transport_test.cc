@@ -578,6 +578,47 @@ TEST_P(TransportTest, LocalPeerAtATcpAddressIsReachedThroughItsUnixSocket) {
   EXPECT_EQ(t.peer_state(2), PeerState::kAlive);
 }
 
+TEST_P(TransportTest, ALocalAliasHeldByAnotherProcessIsRefusedNamingIt) {
+  if (GetParam().backend != "zmq" || GetParam().scheme != "tcp") GTEST_SKIP() << "zmq over tcp only";
+  // A free port, then a squatter on its alias: an abstract name has no
+  // owner, so the listener must not start and leave local peers to it.
+  int tcp = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(tcp, 0);
+  sockaddr_in in{};
+  in.sin_family = AF_INET;
+  in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(tcp, reinterpret_cast<sockaddr*>(&in), sizeof in), 0);
+  socklen_t len = sizeof in;
+  ASSERT_EQ(getsockname(tcp, reinterpret_cast<sockaddr*>(&in), &len), 0);
+  const int port = ntohs(in.sin_port);
+  close(tcp);
+  const std::string name = "bytecomp-tcp-127.0.0.1:" + std::to_string(port);
+  int squat = socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(squat, 0);
+  sockaddr_un un{};
+  un.sun_family = AF_UNIX;
+  std::memcpy(un.sun_path + 1, name.data(), name.size());  // sun_path[0] = 0: abstract
+  ASSERT_EQ(bind(squat, reinterpret_cast<sockaddr*>(&un),
+                 static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size())),
+            0);
+  ASSERT_EQ(listen(squat, 4), 0);
+  const std::string listen = "tcp://127.0.0.1:" + std::to_string(port);
+  try {
+    Transport& t = parent("  local_ipc: true\n  listen: [\"" + listen + "\"]\n");
+    t.start();
+    ADD_FAILURE() << "the transport started although its local alias was held";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnavailable);
+    EXPECT_NE(std::string(e.what()).find("holds the local alias of " + listen), std::string::npos)
+        << e.what();
+  }
+  // Off, the same listener starts and ignores the name.
+  parent_.reset();
+  Transport& t = parent("  listen: [\"" + listen + "\"]\n");
+  t.start();
+  close(squat);
+}
+
 TEST_P(TransportTest, ManyPeersAndConcurrentSenders) {
   Transport& t = parent();
   t.start();

@@ -55,13 +55,15 @@ bool is_local_address(std::string host) {
 std::string local_route_for(const std::string& address) {
   const std::string exact = local_alias(address);
   if (exact.empty()) return address;
-  if (abstract_socket_exists(exact)) return "ipc://" + exact;
   const std::string hostport = address.substr(6);
   const size_t colon = hostport.rfind(':');
   if (colon == std::string::npos) return address;
+  // Only for an address of this namespace: an abstract name has no owner,
+  // so a name spelling another host's address is never trusted for it.
+  if (!is_local_address(hostport.substr(0, colon))) return address;
+  if (abstract_socket_exists(exact)) return "ipc://" + exact;
   const std::string wildcard = local_alias("tcp://0.0.0.0" + hostport.substr(colon));
-  if (abstract_socket_exists(wildcard) && is_local_address(hostport.substr(0, colon)))
-    return "ipc://" + wildcard;
+  if (abstract_socket_exists(wildcard)) return "ipc://" + wildcard;
   return address;
 }
 
@@ -118,13 +120,18 @@ ZmqTransport::ZmqTransport(const TransportConfig& config) : TransportBase(config
       const std::string alias = local_alias(bound_.back());
       if (config.local_ipc && !alias.empty()) {
         // Peers of this network namespace connect here instead (local_ipc).
-        // Taken already (another listener at the same host:port of this
-        // namespace cannot exist; a leftover cannot either: abstract names
-        // vanish with their socket): peers then use TCP.
+        // Taken already: no listener of ours can hold it (the TCP port is
+        // ours) and abstract names vanish with their socket, so another
+        // process holds it, and local peers would connect to that process:
+        // refuse to start rather than let them.
         if (zmq_bind(router_, ("ipc://" + alias).c_str()) != 0)
-          BC_LOG(LogZmq(), kWarn) << "node " << self() << ": cannot bind ipc://" << alias
-                                  << " (" << zmq_strerror(zmq_errno())
-                                  << "); peers on this host use TCP";
+          throw Error(ErrorCode::kUnavailable,
+                      "transport zmq: cannot bind ipc://" + alias + " (" +
+                          zmq_strerror(zmq_errno()) +
+                          "): another process of this network namespace holds the local "
+                          "alias of " + bound_.back() +
+                          ", and peers on this host would connect to it (find it in "
+                          "/proc/net/unix, or set transport.local_ipc: false)");
       }
     }
   } catch (...) {

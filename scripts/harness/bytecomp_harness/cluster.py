@@ -106,12 +106,13 @@ class NamespacedCluster:
                             [DAEMON_ID_BASE + n for n in range(self.nodes)],
                             admission_ms=int(self.start_timeout_s * 1000),
                             request_ms=self.timeout_ms, setup_ms=30000, heartbeat_ms=1000,
-                            peer_timeout_ms=30000)
+                            peer_timeout_ms=30000, local_ipc=True)
 
     def server_yaml(self, k, cluster_file):
         return ("version: 1\nserver: {node_id: %d, cluster_file: %s, engine_threads: 1}\n"
                 "transport: {io_threads: 1, handler_threads: 1, heartbeat_interval_ms: 1000, "
-                "peer_timeout_ms: 30000}\nlogging: {levels: warn}\n" % (k, cluster_file))
+                "peer_timeout_ms: 30000, local_ipc: true}\nlogging: {levels: warn}\n"
+                % (k, cluster_file))
 
     def daemon_yaml(self, n, cluster_file, sock, instance):
         nodes = ", ".join(str(DAEMON_ID_BASE + k) for k in range(self.nodes))

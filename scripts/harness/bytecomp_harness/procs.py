@@ -59,17 +59,19 @@ def wait_up(p, ready, what, timeout, error, output="its output is above", poll=0
 
 
 def cluster_yaml(partition_bytes, server_addresses, daemon_ids, admission_ms, request_ms,
-                 setup_ms, heartbeat_ms, peer_timeout_ms):
-    """The cluster file (server 0 coordinates) of an emulated cluster."""
+                 setup_ms, heartbeat_ms, peer_timeout_ms, local_ipc=False):
+    """The cluster file (server 0 coordinates) of an emulated cluster.
+    local_ipc: a daemon reaches its own node's server over a Unix socket
+    (transport.local_ipc; for hosts whose local users are trusted)."""
     servers = "".join('    - {id: %d, address: "%s"}\n' % (k, a)
                       for k, a in enumerate(server_addresses))
     daemons = "".join("    - {id: %d}\n" % d for d in daemon_ids)
     return ("version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: %s\n"
             "  servers:\n%s  daemons:\n%s"
             "  timeouts: {admission_ms: %d, request_ms: %d, setup_ms: %d}\n"
-            "transport: {heartbeat_interval_ms: %d, peer_timeout_ms: %d}\n"
+            "transport: {heartbeat_interval_ms: %d, peer_timeout_ms: %d, local_ipc: %s}\n"
             % (partition_bytes, servers, daemons, admission_ms, request_ms, setup_ms,
-               heartbeat_ms, peer_timeout_ms))
+               heartbeat_ms, peer_timeout_ms, "true" if local_ipc else "false"))
 
 
 class Interrupted(Exception):
