@@ -123,6 +123,7 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
       [this](ErrorCode code, const std::string& why) { fail(code, why); },
       [this](uint32_t t) { return rounds_[t].arrived > 0; }});
   phase_timestamps_ = tunables.phase_timestamps.load();
+  units_ = tensors_;
   if (!join_) {
     // Multi-node paths open on the engine thread, after the join.
     setup_phases();
@@ -256,9 +257,10 @@ void Engine::setup_phases() {
       static_cast<uint32_t>(std::min<uint64_t>(partition_bytes_, UINT32_MAX)),
       std::memory_order_release);
   std::vector<uint32_t> parts;
-  for (const TensorSpec& t : tensors_) {
-    parts.push_back(static_cast<uint32_t>(
-        std::max<uint64_t>(1, (t.bytes() + partition_bytes_ - 1) / partition_bytes_)));
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    const uint64_t pb = unit_partition_bytes(u);
+    parts.push_back(
+        static_cast<uint32_t>(std::max<uint64_t>(1, (units_[u].bytes() + pb - 1) / pb)));
   }
   phases_.setup(parts, phase_timestamps_);
 }
@@ -269,7 +271,7 @@ void Engine::log_phases() const {
   if (!LogPhases().enabled(log::Level::kDebug)) return;
   for (const PhaseRecord& r : phases_.snapshot()) {
     log::Line line(LogPhases(), log::Level::kDebug);
-    line.stream() << "job " << job_ << " tensor '" << tensors_[r.tensor].name << "' partition "
+    line.stream() << "job " << job_ << " tensor '" << unit_name(r.tensor) << "' partition "
                   << r.partition << " iteration " << r.iteration << " path "
                   << (r.tensor < path_of_.size() ? path_of_[r.tensor]->name() : "?") << ":";
     for (size_t p = 0; p < kPhaseCount; ++p) {
@@ -286,8 +288,43 @@ void Engine::publish_gauges() {
   waiting_pub_.store(waiting, std::memory_order_relaxed);
 }
 
+uint64_t Engine::unit_partition_bytes(uint32_t unit) const {
+  return unit < shard_elems_.size() && shard_elems_[unit] > 0 ? shard_elems_[unit] * 4
+                                                              : partition_bytes_;
+}
+
+const std::string& Engine::unit_name(uint32_t unit) const {
+  return unit < units_.size() ? units_[unit].name : tensors_.at(unit).name;
+}
+
 void Engine::begin_round(uint32_t tensor) {
   Round& round = rounds_[tensor];
+  if (fusion_ && fusion_->fused(tensor)) {
+    const auto b = static_cast<uint32_t>(fusion_->bucket_of[tensor]);
+    const auto unit = static_cast<uint32_t>(fusion_->declared + b);
+    BucketRound& br = buckets_[b];
+    if (round.compressed) {
+      fail(ErrorCode::kInvalidArgument,
+           "tensor '" + tensors_[tensor].name + "' (iteration " + std::to_string(round.iteration) +
+               ") was submitted compressed by the client, but it is fused into bucket '" +
+               unit_name(unit) + "' (tensor fusion fuses only tensors the daemon compresses)");
+      return;
+    }
+    if (br.ready == 0) {
+      br.iteration = round.iteration;
+      br.first_ns = round.first_ns;
+    } else if (br.iteration != round.iteration) {
+      // A member completes only with its bucket, so its next push cannot
+      // come before every member of this one.
+      fail(ErrorCode::kInternal, "bucket '" + unit_name(unit) + "': tensor '" +
+                                     tensors_[tensor].name + "' began iteration " +
+                                     std::to_string(round.iteration) + " while the bucket is at " +
+                                     std::to_string(br.iteration));
+      return;
+    }
+    if (++br.ready == fusion_->buckets[b].members.size()) begin_bucket(unit, br.iteration);
+    return;
+  }
   // The round's plan, fixed once for all its partitions.
   const strategy::Timeline::Entry in_force = timeline_->at(round.iteration);
   if (local_) local_->follow(tensor, in_force);
@@ -312,6 +349,68 @@ void Engine::begin_round(uint32_t tensor) {
     for (size_t p = 0; p < round.partitions_left; ++p) {
       phases_.begin(tensor, static_cast<uint32_t>(p), round.iteration, round.first_ns, now);
     }
+  }
+}
+
+void Engine::begin_bucket(uint32_t unit, uint64_t iteration) {
+  const server::Bucket& bucket = fusion_->bucket(unit);
+  BucketRound& br = buckets_[unit - fusion_->declared];
+  // Pack every member into every rank's staging copy (ready order, as the
+  // servers' and the other nodes' layout says).
+  pool_.parallel_for(
+      layout_.local_size, 1,
+      [&](size_t b, size_t e) {
+        for (size_t r = b; r < e; ++r) {
+          for (size_t i = 0; i < bucket.members.size(); ++i) {
+            const uint32_t m = bucket.members[i];
+            const ipc::TensorSlot& slot = layout_.tensors[m];
+            std::memcpy(br.bufs[r] + bucket.offsets[i] * 4, base_ + slot.offset + slot.stride * r,
+                        tensors_[m].bytes());
+          }
+        }
+      },
+      layout_.local_size);
+  const strategy::Timeline::Entry in_force = timeline_->at(iteration);
+  br.partitions_left = sched_.add(
+      unit, iteration, units_[unit].bytes(), unit_partition_bytes(unit), 4,
+      std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[unit]), false, 0,
+      bucket.members.back());
+  if (phases_.enabled()) {
+    const uint64_t now = monotonic_ns();
+    for (size_t p = 0; p < br.partitions_left; ++p) {
+      phases_.begin(unit, static_cast<uint32_t>(p), iteration, br.first_ns, now);
+    }
+  }
+}
+
+void Engine::complete_bucket(uint32_t unit) {
+  const server::Bucket& bucket = fusion_->bucket(unit);
+  BucketRound& br = buckets_[unit - fusion_->declared];
+  pool_.parallel_for(
+      layout_.local_size, 1,
+      [&](size_t b, size_t e) {
+        for (size_t r = b; r < e; ++r) {
+          for (size_t i = 0; i < bucket.members.size(); ++i) {
+            const uint32_t m = bucket.members[i];
+            const ipc::TensorSlot& slot = layout_.tensors[m];
+            std::memcpy(base_ + slot.offset + slot.stride * r, br.bufs[r] + bucket.offsets[i] * 4,
+                        tensors_[m].bytes());
+          }
+        }
+      },
+      layout_.local_size);
+  br.ready = 0;
+  for (uint32_t m : bucket.members) {
+    complete(m);
+    if (failed_.load()) return;
+  }
+}
+
+void Engine::partition_done(uint32_t unit) {
+  if (fusion_ && fusion_->is_bucket(unit)) {
+    if (--buckets_[unit - fusion_->declared].partitions_left == 0) complete_bucket(unit);
+  } else if (--rounds_[unit].partitions_left == 0) {
+    complete(unit);
   }
 }
 
@@ -375,6 +474,34 @@ bool Engine::open_paths() {
   }
   partition_bytes_ = pb;
   timeline_ = &ps_->timeline();
+  // The job's units: the declared tensors, then its fused buckets.
+  units_ = ps_->info().tensors;
+  if (!ps_->info().units.buckets.empty()) {
+    fusion_ = &ps_->info().units;
+    shard_elems_ = server::shard_elements(*fusion_, ps_->info().servers.size(), pb);
+    staging_ = std::make_shared<std::vector<std::unique_ptr<char[]>>>();
+    buckets_.resize(fusion_->buckets.size());
+    uint64_t fused = 0;
+    for (size_t b = 0; b < fusion_->buckets.size(); ++b) {
+      const uint64_t bytes = fusion_->buckets[b].count * 4;
+      fused += bytes;
+      for (uint32_t r = 0; r < layout_.local_size; ++r) {
+        staging_->push_back(std::make_unique<char[]>(bytes + 64));
+        const auto at = reinterpret_cast<uintptr_t>(staging_->back().get());
+        buckets_[b].bufs.push_back(reinterpret_cast<char*>((at + 63) / 64 * 64));
+      }
+    }
+    // The PS path may push straight from staging: keep it with the segment.
+    if (keep_mapped_) {
+      keep_mapped_ = std::shared_ptr<const void>(
+          std::make_shared<std::pair<std::shared_ptr<const void>,
+                                     std::shared_ptr<std::vector<std::unique_ptr<char[]>>>>>(
+              keep_mapped_, staging_));
+    }
+    BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": " << fusion_->buckets.size()
+                               << " fused buckets hold " << fused << " bytes of "
+                               << fusion_->declared << " tensors";
+  }
   std::weak_ptr<Inbox> inbox = inbox_;
   ps_->on_failure([inbox](const Status& s) {
     if (auto i = inbox.lock()) i->fail(s);
@@ -382,7 +509,7 @@ bool Engine::open_paths() {
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                              << ps_->info().rank << " of " << ps_->info().nodes.size();
   setup_phases();
-  const PathContext ctx{job_,   &tensors_, partition_bytes_, reducer_.get(),
+  const PathContext ctx{job_,   &units_, partition_bytes_, reducer_.get(),
                         inbox_, &phases_,  bytes_.get()};
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
@@ -394,8 +521,8 @@ bool Engine::open_paths() {
   }
   // A tensor's placement is fixed for the job (the coordinator refuses a
   // change of it), so its path is too.
-  path_of_.resize(tensors_.size());
-  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+  path_of_.resize(units_.size());
+  for (uint32_t t = 0; t < units_.size(); ++t) {
     if (peer_path_ && peer_path_->runs(t)) {
       path_of_[t] = peer_path_.get();
     } else if (ring_path_ && ring_path_->runs(t)) {
@@ -539,6 +666,10 @@ void Engine::submit_collective(uint32_t rank, const ipc::Collective& c) {
 }
 
 void Engine::buffers_of(uint32_t tensor, std::vector<char*>& out) const {
+  if (fusion_ && fusion_->is_bucket(tensor)) {
+    out = buckets_[tensor - fusion_->declared].bufs;
+    return;
+  }
   const ipc::TensorSlot& s = layout_.tensors[tensor];
   out.clear();
   for (uint32_t r = 0; r < layout_.local_size; ++r) out.push_back(base_ + s.offset + s.stride * r);
@@ -564,9 +695,7 @@ void Engine::run_batch(const std::vector<Task>& batch) {
       batch.size());
   // Asynchronous paths' tasks complete in process_arrivals().
   for (const Task& t : batch) {
-    if (path_of_[t.tensor]->synchronous() && --rounds_[t.tensor].partitions_left == 0) {
-      complete(t.tensor);
-    }
+    if (path_of_[t.tensor]->synchronous()) partition_done(t.tensor);
   }
 }
 
@@ -587,7 +716,7 @@ bool Engine::process_arrivals() {
   if (arrived.empty()) return true;
   for (const auto& a : arrived) {
     if (!a.status.ok()) {
-      fail(a.status.code(), "pull of tensor '" + tensors_[a.task.tensor].name + "' (iteration " +
+      fail(a.status.code(), "pull of tensor '" + unit_name(a.task.tensor) + "' (iteration " +
                                 std::to_string(a.task.iteration) + ") failed: " + a.status.message());
       return false;
     }
@@ -608,16 +737,14 @@ bool Engine::process_arrivals() {
       arrived.size());
   for (size_t i = 0; i < arrived.size(); ++i) {
     if (!errors[i].empty()) {
-      fail(ErrorCode::kMalformed, "answer for tensor '" + tensors_[arrived[i].task.tensor].name +
+      fail(ErrorCode::kMalformed, "answer for tensor '" + unit_name(arrived[i].task.tensor) +
                                       "' unusable: " + errors[i]);
       return false;
     }
   }
   // Bytes in flight were released by the acknowledgements (servers' for
   // pushes, peers' for allgather payloads), not here.
-  for (const auto& a : arrived) {
-    if (--rounds_[a.task.tensor].partitions_left == 0) complete(a.task.tensor);
-  }
+  for (const auto& a : arrived) partition_done(a.task.tensor);
   return true;
 }
 

@@ -2,6 +2,7 @@
 #include "planner/strategy/partition.h"
 #include "daemon/engine_ps.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "compress/reduce.h"
@@ -15,8 +16,12 @@ PsPath::PsPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
     : ctx_(ctx), ps_(std::move(ps)), keep_mapped_(std::move(keep_mapped)) {
   const uint64_t pb = ctx_.partition_bytes;
   ps_parts_.resize(ctx_.tensors->size());
+  const server::Assignment& a = ps_->info().assignment;
   for (size_t t = 0; t < ps_parts_.size(); ++t) {
-    ps_parts_[t].resize(static_cast<size_t>(((*ctx_.tensors)[t].bytes() + pb - 1) / pb));
+    // A fused bucket's equal shards are not partition_bytes long: the
+    // servers' assignment has the count.
+    const size_t cut = static_cast<size_t>(((*ctx_.tensors)[t].bytes() + pb - 1) / pb);
+    ps_parts_[t].resize(t < a.by_tensor.size() ? std::max(cut, a.by_tensor[t].size()) : cut);
   }
 }
 
