@@ -33,7 +33,8 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   if (argc != 7 && argc != 8) {
     std::fprintf(stderr,
-                 "usage: bc_bench SOCKET JOB RANK SIZE big|small|model[:K] ITERATIONS [R/N]\n");
+                 "usage: bc_bench SOCKET JOB RANK SIZE big|small|model[:K[:BYTES]] ITERATIONS "
+                 "[R/N]\n");
     return 2;
   }
   uint32_t node_rank = 0, num_nodes = 1;
@@ -41,8 +42,16 @@ int main(int argc, char** argv) {
   const std::string mode = argv[5];
   if (mode == "model" || mode.rfind("model:", 0) == 0) {
     const int tensors = mode == "model" ? 64 : std::atoi(mode.c_str() + 6);
-    if (tensors < 1 || tensors > 1024) {
-      std::fprintf(stderr, "bc_bench: %s: expected model:K with K in 1..1024\n", argv[5]);
+    // model:K:BYTES: K tensors of BYTES each (many small ones: tensor fusion).
+    const size_t colon = mode.find(':', 6);
+    const long long tensor_bytes =
+        colon == std::string::npos ? (4ll << 20) : std::atoll(mode.c_str() + colon + 1);
+    if (tensors < 1 || tensors > 4096 || tensor_bytes < 4 || tensor_bytes > (1ll << 30) ||
+        tensor_bytes % 4 != 0) {
+      std::fprintf(stderr,
+                   "bc_bench: %s: expected model:K[:BYTES] with K in 1..4096 and BYTES a multiple "
+                   "of 4 in 4..1 GiB\n",
+                   argv[5]);
       return 2;
     }
     try {
@@ -51,7 +60,7 @@ int main(int argc, char** argv) {
                           .node_rank = node_rank, .num_nodes = num_nodes,
                           .socket_path = argv[1], .connect_timeout_ms = 30000});
       const int kTensors = tensors;
-      constexpr uint64_t kCount = (4ull << 20) / 4;
+      const uint64_t kCount = static_cast<uint64_t>(tensor_bytes) / 4;
       std::vector<uint32_t> ids;
       for (int t = 0; t < kTensors; ++t) {
         ids.push_back(c.declare("layer" + std::to_string(t), kCount, BYTECOMP_FLOAT32));
