@@ -374,7 +374,12 @@ void Engine::begin_bucket(uint32_t unit, uint64_t iteration) {
   br.partitions_left = sched_.add(
       unit, iteration, units_[unit].bytes(), unit_partition_bytes(unit), 4,
       std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[unit]), false, 0,
-      bucket.members.back());
+      bucket.members.back(),
+      // Shard i sits on server (s0 + i) mod S: node r starting at shard r
+      // pushes to another server than every other node at each step (the
+      // same order everywhere made all nodes push to one server at a time:
+      // 0.80x of unfused at 100 Mbit/s, 4 nodes).
+      unit < shard_elems_.size() && shard_elems_[unit] > 0 ? node_rank_ : 0);
   if (phases_.enabled()) {
     const uint64_t now = monotonic_ns();
     for (size_t p = 0; p < br.partitions_left; ++p) {

@@ -142,8 +142,15 @@ uint64_t shard_elements(const JobUnits& units, uint32_t unit, size_t servers,
   if (units.plans[unit].placement != Placement::kSharded) return 0;
   const uint64_t n = units.tensors[unit].count;
   const uint64_t per_max = std::max<uint64_t>(16, partition_bytes / 4 / 16 * 16);
-  // k rounds of one shard per server, each shard at most partition_bytes.
-  const uint64_t k = std::max<uint64_t>(1, (n + servers * per_max - 1) / (servers * per_max));
+  // k rounds of one shard per server, each shard at most partition_bytes,
+  // and up to 4 while shards stay at least 64 KiB: a server's pull can
+  // only start once every node pushed the shard, so one shard per server
+  // leaves the links idle in turn (4 nodes at 100 Mbit/s: 0.87x of unfused
+  // with one, see docs/daemon.md).
+  constexpr uint64_t kMinShard = 16384;  // elements
+  const uint64_t k = std::max<uint64_t>(
+      {1, (n + servers * per_max - 1) / (servers * per_max),
+       std::min<uint64_t>(4, n / (servers * kMinShard))});
   const uint64_t shards = k * servers;
   uint64_t per = (n + shards - 1) / shards;
   per = (per + 15) / 16 * 16;

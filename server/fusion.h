@@ -88,9 +88,10 @@ std::vector<strategy::TensorPlan> unit_plans(const JobUnits& units,
                                              const std::vector<strategy::TensorPlan>& plans);
 
 // Elements per partition of unit `unit` on the servers: a sharded bucket is
-// cut into equal shards, a multiple of the server count, each at most
-// partition_bytes and a multiple of 16 elements (64 bytes, the daemons'
-// partition granularity); 0 for everything else (partition_bytes / 4).
+// cut into equal shards, k per server, each at most partition_bytes and a
+// multiple of 16 elements (64 bytes, the daemons' partition granularity),
+// k up to 4 while shards stay >= 64 KiB (so pushes and pulls pipeline); 0
+// for everything else (partition_bytes / 4).
 uint64_t shard_elements(const JobUnits& units, uint32_t unit, size_t servers,
                         uint64_t partition_bytes);
 // Per unit, for assign_partitions.

@@ -184,9 +184,10 @@ TEST(FusionTest, EqualShardsOverEveryServer) {
         per[p.server] += p.count;
       }
       EXPECT_EQ(total, u.tensors[unit].count);
-      // Every server holds at most its share (rounded up to 16 elements).
+      // Every server holds at most its share, up to the rounding of each of
+      // its (at most 4) shards to 16 elements.
       const uint64_t share = (u.tensors[unit].count + ns - 1) / ns;
-      for (auto [s, n] : per) EXPECT_LE(n, (share + 15) / 16 * 16) << ns << " servers, server " << s;
+      for (auto [s, n] : per) EXPECT_LE(n, share + 4 * 16) << ns << " servers, server " << s;
       if (u.tensors[unit].count >= static_cast<uint64_t>(16 * ns)) {
         EXPECT_EQ(per.size(), static_cast<size_t>(ns));
       }
@@ -204,8 +205,8 @@ TEST(FusionTest, EqualShardsOverEveryServer) {
 }
 
 TEST(FusionTest, ShardsRespectThePartitionSize) {
-  // A 20 MiB bucket over 2 servers with 4 MiB partitions: 6 shards of
-  // ~3.3 MiB, 3 per server.
+  // A 20 MiB bucket over 2 servers with 4 MiB partitions: at least 6
+  // shards of <= 4 MiB; 4 per server to pipeline (8 of 2.5 MiB).
   auto t = tensors({2621440, 2621440});
   JobUnits u = fuse_job(t, plan_job(t, ""), on(40 << 20, 40 << 20));
   ASSERT_EQ(u.buckets.size(), 1u);
@@ -214,11 +215,19 @@ TEST(FusionTest, ShardsRespectThePartitionSize) {
   EXPECT_EQ(per % 16, 0u);
   Assignment a = assign_partitions(u.tensors, u.plans, servers(2), 4 << 20,
                                    shard_elements(u, 2, 4 << 20));
-  ASSERT_EQ(a.by_tensor[2].size(), 6u);
+  ASSERT_EQ(a.by_tensor[2].size(), 8u);
   std::map<NodeId, int> n;
   for (uint32_t i : a.by_tensor[2]) ++n[a.partitions[i].server];
-  EXPECT_EQ(n[0], 3);
-  EXPECT_EQ(n[1], 3);
+  EXPECT_EQ(n[0], 4);
+  EXPECT_EQ(n[1], 4);
+  // A 1 MiB bucket over 4 servers: 4 shards of 64 KiB each per server; a
+  // 256 KiB one: one 64 KiB shard per server.
+  auto small = tensors({131072, 131072});
+  JobUnits s = fuse_job(small, plan_job(small, ""), on(2 << 20, 2 << 20));
+  EXPECT_EQ(shard_elements(s, 2, 4, 4 << 20), 16384u);
+  auto tiny = tensors({32768, 32768});
+  JobUnits ti = fuse_job(tiny, plan_job(tiny, ""), on(2 << 20, 2 << 20));
+  EXPECT_EQ(shard_elements(ti, 2, 4, 4 << 20), 16384u);
 }
 
 TEST(FusionTest, ProtocolCarriesTheConfigAndRefusesNonsense) {
