@@ -63,6 +63,9 @@ JobUnits fuse_job(const std::vector<strategy::PlanTensor>& tensors,
     const auto t = static_cast<uint32_t>(i);
     if (!fusable(plans[t]) || tensors[t].dtype != DType::kFloat32 || tensors[t].count == 0)
       continue;
+    // bytecomp.torch's own tensors (its control job's): pushed one at a
+    // time or only broadcast, so a bucket of them would never fill.
+    if (tensors[t].name.rfind("bytecomp.", 0) == 0) continue;
     auto it = std::find_if(open.begin(), open.end(),
                            [&](const Open& o) { return *o.plan == plans[t]; });
     if (it == open.end()) {

@@ -18,7 +18,9 @@
 // them ("ps") or on the daemons' ring ("ring"), its compression on the CPU
 // (the client never compresses it itself). Only tensors with identical plans
 // share a bucket. Compressed tensors (every other compressor), ps_single and
-// allgather tensors are never fused.
+// allgather tensors are never fused, nor tensors named "bytecomp.*"
+// (bytecomp.torch's control job pushes one alone and only broadcasts the
+// others: a bucket of them would never fill).
 //
 // Order: DDP's. Backward produces gradients in reverse declaration order, so
 // buckets are filled from the last declared tensor to the first; per plan

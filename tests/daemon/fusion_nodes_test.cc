@@ -403,5 +403,62 @@ TEST_P(FusionNodes, NodesWithDifferentFusionSettingsAreRefused) {
         << n << ": " << errors[n] << "\n" << nodes_[n]->daemon().output();
 }
 
+// A fused tensor keeps its own partitions for broadcasts (the servers keep
+// their broadcast rounds, without a sum round): after a fused push_pull,
+// a broadcast of one member from the last rank reaches every rank.
+TEST_P(FusionNodes, BroadcastOfAFusedTensorAfterAFusedPushPull) {
+  start("version: 1\ndefault: {compressor: none}\n", "fusion: {enabled: true}\n");
+  if (HasFatalFailure()) return;
+  const uint64_t counts[] = {300, 70001, 5};
+  constexpr size_t kT = std::size(counts);
+  std::vector<float> got[4];
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "bcast");
+    ASSERT_NE(c, nullptr);
+    uint32_t ids[kT];
+    for (size_t k = 0; k < kT; ++k) {
+      ASSERT_EQ(bytecomp_declare_tensor(c, ("w" + std::to_string(k)).c_str(), counts[k],
+                                        BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &ids[k]),
+                BYTECOMP_OK);
+    }
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    float* p[kT];
+    bytecomp_handle hs[kT];
+    for (size_t k = 0; k < kT; ++k) {
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                BYTECOMP_OK);
+      for (uint64_t i = 0; i < counts[k]; ++i) p[k][i] = static_cast<float>((i + grank) % 50);
+      ASSERT_EQ(bytecomp_push_pull(c, ids[k], 0, &hs[k]), BYTECOMP_OK);
+    }
+    for (size_t k = 0; k < kT; ++k) {
+      ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK) << bytecomp_last_error();
+      for (uint64_t i = 0; i < counts[k]; ++i) {
+        float e = 0;
+        for (uint32_t g = 0; g < 4; ++g) e += static_cast<float>((i + g) % 50);
+        ASSERT_EQ(p[k][i], e) << "w" << k << "[" << i << "]";
+      }
+    }
+    // Tensor 1 from global rank 3.
+    for (uint64_t i = 0; i < counts[1]; ++i) p[1][i] = grank == 3 ? static_cast<float>(i) : -1.0f;
+    bytecomp_handle hb = 0;
+    ASSERT_EQ(bytecomp_broadcast(c, ids[1], 1, 3, counts[1] * 4, 7, &hb), BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_wait(c, hb, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    got[grank].assign(p[1], p[1] + counts[1]);
+    bytecomp_close(c);
+  };
+  on_every_rank(run);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_NE(nodes_[0]->daemon().output().find("fused buckets hold"), std::string::npos)
+      << nodes_[0]->daemon().output();
+  for (uint32_t g = 0; g < 4; ++g) {
+    ASSERT_EQ(got[g].size(), counts[1]);
+    size_t bad = 0;
+    for (uint64_t i = 0; i < counts[1]; ++i) bad += got[g][i] != static_cast<float>(i);
+    EXPECT_EQ(bad, 0u) << "rank " << g;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, FusionNodes, ::testing::Values("zmq"),
                          [](const auto& info) { return info.param; });

@@ -119,6 +119,14 @@ TEST(FusionTest, CompressedTensorsAreNeverFusedAndPlansDoNotMix) {
   }
 }
 
+TEST(FusionTest, BytecompsOwnTensorsAreNeverFused) {
+  // bytecomp.torch's control job: its control tensor is pushed alone.
+  std::vector<TensorSpec> t = {{"bytecomp.control", 1024},
+                               {"bytecomp.broadcast.0", 1024},
+                               {"bytecomp.broadcast.1", 1024}};
+  EXPECT_TRUE(fuse_job(t, plan_job(t, ""), on(64 << 20, 64 << 20)).buckets.empty());
+}
+
 TEST(FusionTest, RingTensorsFuseByFormat) {
   auto t = tensors({256, 256, 256, 256});
   auto plans = plan_job(t, "version: 1\ndefault: {compressor: none, inter: allreduce}\n"
