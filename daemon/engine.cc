@@ -18,6 +18,33 @@ BC_LOG_CATEGORY(LogEngine, "daemon.engine");
 BC_LOG_CATEGORY(LogPhases, "daemon.phases");
 
 namespace {
+
+// Tensor fusion: copies the bytes [begin, end) of a bucket between every
+// local rank's staging copy (`bufs`) and its members' buffers in the
+// segment (pack: members -> staging). Per partition, on the pool worker
+// that runs it, so packing overlaps the other partitions' rounds.
+void bucket_copy(const server::Bucket& bucket, const std::vector<TensorSpec>& tensors,
+                 const ipc::Layout& layout, char* base, const std::vector<char*>& bufs,
+                 uint64_t begin, uint64_t end, bool pack) {
+  for (size_t i = 0; i < bucket.members.size(); ++i) {
+    const uint32_t m = bucket.members[i];
+    const uint64_t first = bucket.offsets[i] * 4;
+    const uint64_t last = first + tensors[m].bytes();
+    const uint64_t from = std::max(first, begin), to = std::min(last, end);
+    if (from >= to) continue;
+    const ipc::TensorSlot& slot = layout.tensors[m];
+    for (size_t r = 0; r < bufs.size(); ++r) {
+      char* member = base + slot.offset + slot.stride * r + (from - first);
+      char* staged = bufs[r] + from;
+      if (pack) {
+        std::memcpy(staged, member, to - from);
+      } else {
+        std::memcpy(member, staged, to - from);
+      }
+    }
+  }
+}
+
 // Bound on one idle sleep; stop() also posts the doorbell, so this only
 // limits how stale a missed wake-up can get.
 constexpr auto kIdleWait = std::chrono::milliseconds(200);
@@ -355,21 +382,9 @@ void Engine::begin_round(uint32_t tensor) {
 void Engine::begin_bucket(uint32_t unit, uint64_t iteration) {
   const server::Bucket& bucket = fusion_->bucket(unit);
   BucketRound& br = buckets_[unit - fusion_->declared];
-  // Pack every member into every rank's staging copy (ready order, as the
-  // servers' and the other nodes' layout says).
-  pool_.parallel_for(
-      layout_.local_size, 1,
-      [&](size_t b, size_t e) {
-        for (size_t r = b; r < e; ++r) {
-          for (size_t i = 0; i < bucket.members.size(); ++i) {
-            const uint32_t m = bucket.members[i];
-            const ipc::TensorSlot& slot = layout_.tensors[m];
-            std::memcpy(br.bufs[r] + bucket.offsets[i] * 4, base_ + slot.offset + slot.stride * r,
-                        tensors_[m].bytes());
-          }
-        }
-      },
-      layout_.local_size);
+  // The members are packed into the staging copies (in ready order, as the
+  // servers' and the other nodes' layout says) partition by partition, in
+  // run_batch(), and unpacked in process_arrivals().
   const strategy::Timeline::Entry in_force = timeline_->at(iteration);
   br.partitions_left = sched_.add(
       unit, iteration, units_[unit].bytes(), unit_partition_bytes(unit), 4,
@@ -389,21 +404,9 @@ void Engine::begin_bucket(uint32_t unit, uint64_t iteration) {
 }
 
 void Engine::complete_bucket(uint32_t unit) {
+  // Every partition was unpacked into the members as it finished.
   const server::Bucket& bucket = fusion_->bucket(unit);
   BucketRound& br = buckets_[unit - fusion_->declared];
-  pool_.parallel_for(
-      layout_.local_size, 1,
-      [&](size_t b, size_t e) {
-        for (size_t r = b; r < e; ++r) {
-          for (size_t i = 0; i < bucket.members.size(); ++i) {
-            const uint32_t m = bucket.members[i];
-            const ipc::TensorSlot& slot = layout_.tensors[m];
-            std::memcpy(base_ + slot.offset + slot.stride * r, br.bufs[r] + bucket.offsets[i] * 4,
-                        tensors_[m].bytes());
-          }
-        }
-      },
-      layout_.local_size);
   br.ready = 0;
   for (uint32_t m : bucket.members) {
     complete(m);
@@ -693,8 +696,19 @@ void Engine::run_batch(const std::vector<Task>& batch) {
           const Task& t = batch[i];
           phases_.stamp(t.tensor, t.index, t.iteration, Phase::kStart);
           ExecutionPath& path = *path_of_[t.tensor];
+          const bool bucket = fusion_ && fusion_->is_bucket(t.tensor);
+          if (bucket) {
+            bucket_copy(fusion_->bucket(t.tensor), tensors_, layout_, base_, bufs[i], t.begin,
+                        t.end, true);
+          }
           path.start(t, bufs[i]);
-          if (path.synchronous()) phases_.end(t.tensor, t.index, t.iteration);
+          if (path.synchronous()) {
+            if (bucket) {
+              bucket_copy(fusion_->bucket(t.tensor), tensors_, layout_, base_, bufs[i], t.begin,
+                          t.end, false);
+            }
+            phases_.end(t.tensor, t.index, t.iteration);
+          }
         }
       },
       batch.size());
@@ -736,6 +750,10 @@ bool Engine::process_arrivals() {
           phases_.stamp(t.tensor, t.index, t.iteration, Phase::kArrived, arrived[i].at_ns);
           buffers_of(t.tensor, bufs);
           errors[i] = path_of_[t.tensor]->finish(arrived[i], bufs);
+          if (errors[i].empty() && fusion_ && fusion_->is_bucket(t.tensor)) {
+            bucket_copy(fusion_->bucket(t.tensor), tensors_, layout_, base_, bufs, t.begin, t.end,
+                        false);
+          }
           if (errors[i].empty()) phases_.end(t.tensor, t.index, t.iteration);
         }
       },
