@@ -5,11 +5,17 @@
 #include <exception>
 #include <memory>
 
+#include <pthread.h>
+
 namespace bytecomp {
 
 ThreadPool::ThreadPool(size_t threads) {
   workers_.reserve(threads);
-  for (size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+  for (size_t i = 0; i < threads; ++i)
+    workers_.emplace_back([this] {
+      pthread_setname_np(pthread_self(), "bc-pool");
+      worker_loop();
+    });
 }
 
 ThreadPool::~ThreadPool() {

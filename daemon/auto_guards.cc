@@ -75,9 +75,12 @@ namespace {
 constexpr const char* kRollbackWriter = "bytecompd loss guard";
 }
 
-std::string rollback_yaml(uint32_t node_rank, const std::string& why) {
-  strategy::Strategy s = strategy::Strategy::parse("version: 1\ndefault: {compressor: none}\n",
-                                                   "loss guard rollback");
+std::string rollback_yaml(uint32_t node_rank, const std::string& why,
+                          const std::string& start_yaml) {
+  strategy::Strategy s = strategy::Strategy::parse(
+      start_yaml.empty() ? std::string("version: 1\ndefault: {compressor: none}\n") : start_yaml,
+      "loss guard rollback");
+  s.meta.clear();
   s.meta["written_by"] = kRollbackWriter;
   s.meta["node"] = std::to_string(node_rank);
   s.meta["reason"] = why;

@@ -108,7 +108,7 @@ void AutoTuner::roll_back(const Rollback& r, bool own) {
     // does not ask again (a request racing it is refused by the coordinator,
     // which admits one change at a time).
     if (!rollback_of(*ps_->timeline().latest().yaml))
-      engine_->request_strategy(rollback_yaml(r.node_rank, r.why));
+      engine_->request_strategy(rollback_yaml(r.node_rank, r.why, start_yaml_));
   } else {
     BC_LOG(LogAuto(), kWarn) << "job " << o_.job << ": rolled back by " << text;
   }
@@ -133,6 +133,12 @@ void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
     last_elems_.push_back(n - (parts - 1) * per);
   }
   current_yaml_ = ps->info().strategy_yaml;
+  start_yaml_ = current_yaml_;
+  {
+    // bytecompctl shows the start placement (ring tensors) before any switch.
+    std::lock_guard lk(mu_);
+    view_.strategy_yaml = current_yaml_;
+  }
   profile_from_ = ps->info().start_iteration + o_.spec.skip_iterations;
   std::weak_ptr<AutoTuner> weak = weak_from_this();
   ps->on_auto([weak](const server::AutoEvent& e) {

@@ -222,7 +222,11 @@ class LossGuard {
 // ranks' losses); the change it requests applies on every node, and every
 // node recognises it in the job's timeline by this mark (rollback_of), so
 // the whole job is rolled back whichever node judged it diverged.
-std::string rollback_yaml(uint32_t node_rank, const std::string& why);
+// `start_yaml`: the job's start strategy (its ring tensors stay on the
+// ring, uncompressed: a running job cannot move them); "" = every tensor
+// uncompressed on the servers.
+std::string rollback_yaml(uint32_t node_rank, const std::string& why,
+                          const std::string& start_yaml = "");
 struct Rollback {
   uint32_t node_rank = 0;
   std::string why;
@@ -320,6 +324,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   std::vector<strategy::CompressorMeasure> measures_;
   double link_gbps_ = 0, link_latency_us_ = 0;
   std::string current_yaml_;
+  std::string start_yaml_;  // the join strategy (the job's placements)
   double predicted_us_ = 0;
   uint64_t switch_iteration_ = 0;
   bool have_switch_ = false;

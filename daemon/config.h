@@ -50,8 +50,9 @@ struct DaemonConfig {
   // (tcp://host:port, port 0 = ephemeral; ipc:///path); sent to them through
   // the coordinator at each job's admission. Empty: no peer allgather.
   std::string peer_listen;
-  // Chunk size of the ring allreduce (inter: allreduce), 64 B .. 1 MiB, a
-  // multiple of 4; every node of a job must use the same.
+  // Chunk size of the ring allreduce (inter: allreduce) and of the
+  // broadcast chain, 64 B .. 1 MiB, a multiple of 4; every node of a job
+  // must use the same.
   uint64_t ring_chunk_bytes = 1u << 20;
   // fusion (reloadable, new jobs): tensor fusion of multi-node jobs
   // (server/fusion.h); every node of a job must have the same values (the

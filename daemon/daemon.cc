@@ -100,7 +100,7 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
       pc.node_id = config_.node_id;
       pc.listen = {config_.peer_listen};
       try {
-        peer_hub_ = std::make_unique<PeerHub>(pc);
+        peer_hub_ = std::make_unique<PeerHub>(pc, cluster.request_timeout);
       } catch (const Error& e) {
         throw Error(ErrorCode::kConfig,
                     "internode.peer_listen '" + config_.peer_listen + "': " + e.what());

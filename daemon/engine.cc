@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include <pthread.h>
+
 #include "common/log.h"
 #include "daemon/client_payload.h"
 #include "daemon/engine_local.h"
@@ -153,16 +155,19 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
   units_ = tensors_;
   if (!join_) {
     // Multi-node paths open on the engine thread, after the join.
-    setup_phases();
+    setup_phases(o.plans);
     own_timeline_ = std::make_unique<strategy::Timeline>(0, std::move(o.plans));
     timeline_ = own_timeline_.get();
     local_ = std::make_unique<LocalPath>(
         // The daemon's plans count their own compression (counting_plans).
-        PathContext{job_, &tensors_, partition_bytes_, reducer_.get(), inbox_, &phases_, nullptr},
+        PathContext{job_, &tensors_, tensor_pb_, reducer_.get(), inbox_, &phases_, nullptr},
         node_rank_, timeline_->at(0));
     path_of_.assign(tensors_.size(), local_.get());
   }
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "bc-engine");
+    loop();
+  });
 }
 
 Engine::~Engine() { stop(); }
@@ -183,6 +188,7 @@ void Engine::stop() {
   if (ps_path_) ps_path_->close();
   if (peer_path_) peer_path_->close();
   if (ring_path_) ring_path_->close();
+  collectives_->close();
   if (ps_) {
     // Tells the coordinator and fails what is still pending. An aborted job
     // is aborted for every node at once (a job the coordinator already
@@ -210,6 +216,9 @@ void Engine::stop() {
 }
 
 void Engine::set_plans(std::vector<TensorPlan> plans) {
+  // layout_plans_ is fixed since the constructor (single-node jobs).
+  if (std::string why = strategy::layout_change(tensors_, layout_plans_, plans); !why.empty())
+    throw Error(ErrorCode::kInvalidArgument, "job " + job_ + ": " + why);
   {
     std::lock_guard lock(pending_mu_);
     pending_ = std::move(plans);
@@ -278,17 +287,37 @@ void Engine::adopt_pending() {
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": new strategy applies from iteration " << at;
 }
 
-void Engine::setup_phases() {
-  // Clients lay out compressed submissions by it (ipc::kSubmitCompressed).
+void Engine::setup_phases(const std::vector<TensorPlan>& plans) {
+  // Each unit cut by server::unit_partition_bytes: a sharded bucket into its
+  // equal shards, everything else by its option's pieces (the servers'
+  // assignment does the same from the same plans). `plans` are per unit
+  // (ps_->info().plans, or a single-node job's per declared tensor).
+  // Clients lay out compressed submissions by the declared tensors' slots
+  // (ipc::kSubmitCompressed): written before the header's release store
+  // below, which is what clients wait for. A fused member's slot holds its
+  // own cut (pieces 1, server/fusion.h), which is also how its partitions
+  // sit on the servers for broadcasts; its reductions run in its bucket.
+  layout_plans_ = plans;
+  tensor_pb_.assign(units_.size(), partition_bytes_);
+  std::vector<uint32_t> parts;
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    if (u < plans.size())
+      tensor_pb_[u] = server::unit_partition_bytes(
+          plans[u], u < shard_elems_.size() ? shard_elems_[u] : 0, partition_bytes_);
+    const uint64_t n = strategy::partition_count(units_[u].bytes(), tensor_pb_[u]);
+    if (n > UINT32_MAX || tensor_pb_[u] > UINT32_MAX)
+      throw Error(ErrorCode::kInvalidArgument, "job " + job_ + ": tensor '" + units_[u].name +
+                                                   "' has too many partitions");
+    parts.push_back(static_cast<uint32_t>(n));
+  }
+  auto* slots = reinterpret_cast<ipc::TensorSlot*>(base_ + layout_.tensors_offset);
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+    slots[t].partition_bytes = static_cast<uint32_t>(tensor_pb_[t]);
+    slots[t].partitions = parts[t];
+  }
   header_->partition_bytes.store(
       static_cast<uint32_t>(std::min<uint64_t>(partition_bytes_, UINT32_MAX)),
       std::memory_order_release);
-  std::vector<uint32_t> parts;
-  for (uint32_t u = 0; u < units_.size(); ++u) {
-    const uint64_t pb = unit_partition_bytes(u);
-    parts.push_back(
-        static_cast<uint32_t>(std::max<uint64_t>(1, (units_[u].bytes() + pb - 1) / pb)));
-  }
   phases_.setup(parts, phase_timestamps_);
 }
 
@@ -315,10 +344,7 @@ void Engine::publish_gauges() {
   waiting_pub_.store(waiting, std::memory_order_relaxed);
 }
 
-uint64_t Engine::unit_partition_bytes(uint32_t unit) const {
-  return unit < shard_elems_.size() && shard_elems_[unit] > 0 ? shard_elems_[unit] * 4
-                                                              : partition_bytes_;
-}
+uint64_t Engine::unit_partition_bytes(uint32_t unit) const { return tensor_pb_.at(unit); }
 
 const std::string& Engine::unit_name(uint32_t unit) const {
   return unit < units_.size() ? units_[unit].name : tensors_.at(unit).name;
@@ -357,8 +383,7 @@ void Engine::begin_round(uint32_t tensor) {
   if (local_) local_->follow(tensor, in_force);
   if (round.compressed) {
     // The client's CPU share (leading dense partitions) must be the plan's.
-    const uint64_t parts =
-        std::max<uint64_t>(1, (tensors_[tensor].bytes() + partition_bytes_ - 1) / partition_bytes_);
+    const uint64_t parts = strategy::partition_count(tensors_[tensor].bytes(), tensor_pb_[tensor]);
     if (std::string why = check_split((*in_force.plans)[tensor], tensors_[tensor].name,
                                       round.iteration, parts, round.dense);
         !why.empty()) {
@@ -367,7 +392,7 @@ void Engine::begin_round(uint32_t tensor) {
     }
   }
   round.partitions_left = sched_.add(
-      tensor, round.iteration, tensors_[tensor].bytes(), partition_bytes_,
+      tensor, round.iteration, tensors_[tensor].bytes(), tensor_pb_[tensor],
       static_cast<uint32_t>(ipc::dtype_size(tensors_[tensor].dtype)),
       std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[tensor]),
       round.compressed, round.dense);
@@ -516,8 +541,14 @@ bool Engine::open_paths() {
   });
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                              << ps_->info().rank << " of " << ps_->info().nodes.size();
-  setup_phases();
-  const PathContext ctx{job_,   &units_, partition_bytes_, reducer_.get(),
+  // The job's first plans, per unit: what the servers' assignment was cut by.
+  try {
+    setup_phases(ps_->info().plans);
+  } catch (const Error& e) {
+    fail(e.code(), e.what());
+    return false;
+  }
+  const PathContext ctx{job_,   &units_, tensor_pb_, reducer_.get(),
                         inbox_, &phases_,  bytes_.get()};
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
@@ -539,7 +570,7 @@ bool Engine::open_paths() {
       path_of_[t] = ps_path_.get();
     }
   }
-  collectives_->joined(ps_, partition_bytes_);
+  collectives_->joined(ps_, tensor_pb_, peer_opts_);
   if (on_joined_) on_joined_(*this, ps_, partition_bytes_);
   return true;
 }
@@ -559,6 +590,7 @@ void Engine::loop() {
       const auto now = std::chrono::steady_clock::now();
       Status late = peer_path_ ? peer_path_->check(now) : Status::Ok();
       if (late.ok() && ring_path_) late = ring_path_->check(now);
+      if (late.ok()) late = collectives_->check(now);
       if (!late.ok()) {
         fail(late.code(), "inter-node: " + late.message());
         break;

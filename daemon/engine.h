@@ -139,7 +139,10 @@ class Engine {
   std::pair<ErrorCode, std::string> publish_abort(ErrorCode code, const std::string& reason);
   void stop();
   // Installs new plans (one per tensor, already checked) at the next
-  // iteration boundary. Thread-safe.
+  // iteration boundary. Thread-safe. Single-node jobs only. Throws
+  // Error(kInvalidArgument) naming the tensor when a plan changes its
+  // tensor's pieces (strategy::layout_change: the layout is fixed for the
+  // job); nothing changes then.
   void set_plans(std::vector<TensorPlan> plans);
   // Multi-node jobs: asks the coordinator to switch every node and server to
   // `strategy_yaml` at one iteration (a little after the latest begun here).
@@ -211,14 +214,16 @@ class Engine {
   void partition_done(uint32_t unit);
   // Unpacks a finished bucket into its members' buffers and completes them.
   void complete_bucket(uint32_t unit);
-  // Bytes per scheduler partition of a unit (a sharded bucket's equal
-  // shards, else partition_bytes_).
+  // Bytes per scheduler partition of a unit (tensor_pb_: a sharded bucket's
+  // equal shards, else its option's pieces).
   uint64_t unit_partition_bytes(uint32_t unit) const;
   const std::string& unit_name(uint32_t unit) const;
   // Begins the held rounds once no strategy change of ours is unconfirmed.
   void release_held();
-  // Once partition_bytes_ is final.
-  void setup_phases();
+  // Once partition_bytes_ (and shard_elems_) are final: every unit's
+  // partition size from the job's first plans (server::unit_partition_bytes),
+  // the declared tensors' published in shared memory.
+  void setup_phases(const std::vector<TensorPlan>& plans);
   void log_phases() const;
   void publish_gauges();
 
@@ -237,6 +242,12 @@ class Engine {
   std::unique_ptr<std::atomic<bool>[]> left_;
   uint32_t node_rank_;
   uint64_t partition_bytes_;
+  // Per unit (units_): server::unit_partition_bytes of the job's first plans;
+  // written by setup_phases() (the constructor for a single-node job, the
+  // engine thread after the join otherwise), fixed after.
+  std::vector<uint64_t> tensor_pb_;
+  // The plans the layout was cut by (a single-node job's, for set_plans).
+  std::vector<TensorPlan> layout_plans_;
   std::mutex pending_mu_;
   std::optional<std::vector<TensorPlan>> pending_;  // guarded by pending_mu_
   std::optional<std::string> pending_yaml_;          // guarded by pending_mu_

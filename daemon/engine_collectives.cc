@@ -4,9 +4,12 @@
 #include <cstdio>
 #include <cstring>
 
+#include "common/log.h"
 #include "planner/strategy/partition.h"
 
 namespace bytecomp::daemon {
+
+BC_LOG_CATEGORY(LogCollectives, "daemon.engine");
 
 namespace {
 
@@ -36,9 +39,26 @@ Collectives::Collectives(CollectiveContext ctx) : ctx_(std::move(ctx)) {
   barrier_.from.assign(ctx_.local_size, false);
 }
 
-void Collectives::joined(std::shared_ptr<server::PsJob> ps, uint64_t partition_bytes) {
+Collectives::~Collectives() { close(); }
+
+void Collectives::joined(std::shared_ptr<server::PsJob> ps, std::vector<uint64_t> partition_bytes,
+                         const PeerOptions& peers) {
   ps_ = std::move(ps);
-  partition_bytes_ = partition_bytes;
+  partition_bytes_ = std::move(partition_bytes);
+  peers_ = peers;
+  const server::JobInfo& info = ps_->info();
+  chain_ = peers.hub != nullptr && info.nodes.size() > 1 &&
+           info.peer_addresses.size() == info.nodes.size();
+  for (size_t r = 0; chain_ && r < info.peer_addresses.size(); ++r)
+    chain_ = r == info.rank || !info.peer_addresses[r].empty();
+}
+
+Status Collectives::check(std::chrono::steady_clock::time_point now) {
+  return bcast_ ? bcast_->check_deadlines(now) : Status::Ok();
+}
+
+void Collectives::close() {
+  if (bcast_) bcast_->close();
 }
 
 void Collectives::submit(uint32_t rank, const ipc::Collective& c) {
@@ -165,10 +185,11 @@ bool Collectives::begin(CollRound& c) {
     complete(c);
     return true;
   }
+  if (chain_) return begin_chain(c, bufs);
   // Cut at the tensor's partitions, each to the server that owns it, so the
   // bytes fan out through every server at once; partition 0 always goes
   // (also for 0 bytes): every node's agreement is checked there.
-  const uint64_t pb = partition_bytes_;
+  const uint64_t pb = partition_bytes_.at(t);
   const uint64_t parts = std::max<uint64_t>(1, (op.nbytes + pb - 1) / pb);
   c.parts_left = parts;
   for (uint64_t p = 0; p < parts; ++p) {
@@ -197,6 +218,64 @@ bool Collectives::begin(CollRound& c) {
                        i->deliver({collective_task(t, it, begin, end), s, std::move(result), 0,
                                    Inbox::Arrival::Kind::kBroadcast});
                    });
+  }
+  return true;
+}
+
+bool Collectives::begin_chain(CollRound& c, std::vector<char*>& bufs) {
+  const ipc::Collective& op = c.first;
+  const uint32_t t = op.tensor;
+  const uint32_t root_local = op.root % ctx_.local_size;
+  const bool here = op.root / ctx_.local_size == ctx_.node_rank;
+  try {
+    if (!bcast_) {
+      const server::JobInfo& info = ps_->info();
+      BcastJobSpec spec;
+      spec.name = info.name;
+      spec.uid = info.uid;
+      spec.rank = info.rank;
+      spec.local_size = ctx_.local_size;
+      spec.nodes = info.nodes;
+      spec.addresses = info.peer_addresses;
+      for (const TensorSpec& ts : *ctx_.tensors) {
+        spec.tensor_names.push_back(ts.name);
+        spec.tensor_bytes.push_back(ts.bytes());
+      }
+      spec.chunk_bytes = std::min<uint64_t>(peers_.ring_chunk_bytes, kBcastMaxChunkBytes);
+      spec.window = std::max<uint32_t>(2, peers_.ring_window);
+      spec.timeout = peers_.timeout;
+      std::weak_ptr<Inbox> inbox = ctx_.inbox;
+      bcast_ = peers_.hub->open_bcast(
+          std::move(spec),
+          [inbox](uint32_t tensor, uint64_t iteration) {
+            // The bytes are in every local rank's buffer already: no range.
+            if (auto i = inbox.lock())
+              i->deliver({collective_task(tensor, iteration, 0, 0), Status::Ok(), {}, 0,
+                          Inbox::Arrival::Kind::kBroadcast});
+          },
+          [inbox](const Status& s) {
+            if (auto i = inbox.lock()) i->fail(s);
+          });
+      BC_LOG(LogCollectives(), kInfo) << "job " << info.name << ": broadcasts down a chain of "
+                                      << info.nodes.size() << " daemons (rank " << info.rank
+                                      << ")";
+    }
+    std::vector<char*> dsts;
+    if (here) {
+      // The root's node: its other local ranks copy here, the chain sends
+      // from the root's buffer.
+      for (uint32_t r = 0; r < ctx_.local_size; ++r)
+        if (r != root_local && op.nbytes > 0) std::memcpy(bufs[r], bufs[root_local], op.nbytes);
+    } else {
+      dsts = bufs;
+    }
+    c.parts_left = 1;
+    bcast_->start(t, op.iteration, BcastCall{op.root, op.nbytes, op.tag},
+                  here ? bufs[root_local] : nullptr, std::move(dsts), ctx_.keep_mapped);
+  } catch (const Error& e) {
+    ctx_.fail(e.code(), "the broadcast of tensor '" + (*ctx_.tensors)[t].name + "' (iteration " +
+                            std::to_string(op.iteration) + "): " + e.what());
+    return false;
   }
   return true;
 }

@@ -2,9 +2,11 @@
 // broadcast (per tensor) and barrier (docs/daemon.md "Broadcast and
 // barrier"). Every local rank sends the same call; once all did, a
 // single-node job copies from the root's buffer (or just completes the
-// barrier), a multi-node one sends each partition of the broadcast to the
-// server that owns it (kBroadcast) or the barrier to the coordinator, and
-// finishes when the answers arrive through the engine's Inbox.
+// barrier). A multi-node one sends the broadcast down the chain of the
+// job's daemons (daemon/peer_broadcast.h) when every daemon of the job has
+// a peer endpoint, else each partition of it to the server that owns it
+// (kBroadcast); the barrier goes to the coordinator. It finishes when the
+// chain, the servers or the coordinator answer through the engine's Inbox.
 //
 // Threading: submit() is thread-safe (the control thread calls it); the rest
 // runs on the engine thread. What the engine lends (CollectiveContext)
@@ -22,6 +24,8 @@
 #include "client/ipc/protocol.h"
 #include "common/error.h"
 #include "daemon/engine_path.h"
+#include "daemon/engine_peer.h"
+#include "daemon/peer_broadcast.h"
 #include "server/ps_client.h"
 
 namespace bytecomp::daemon {
@@ -45,8 +49,14 @@ class Collectives {
  public:
   explicit Collectives(CollectiveContext ctx);
 
+  ~Collectives();
   // Multi-node jobs, after the join: where broadcasts and barriers go.
-  void joined(std::shared_ptr<server::PsJob> ps, uint64_t partition_bytes);
+  // partition_bytes: per tensor, its partitions' size (the job's cut into
+  // its option's pieces): a broadcast through the servers is cut at the
+  // tensor's partitions. `peers`: the daemon's peer endpoint, the chain's
+  // timeout, chunk and window.
+  void joined(std::shared_ptr<server::PsJob> ps, std::vector<uint64_t> partition_bytes,
+              const PeerOptions& peers);
   // Local rank `rank`'s call; the engine rings its doorbell after it.
   void submit(uint32_t rank, const ipc::Collective& c);
   // The queued calls; false after failing the job.
@@ -57,6 +67,11 @@ class Collectives {
   // Local rank `rank` left: fails the job (false) when a collective waits
   // for it or it left one in flight.
   bool check_left(uint32_t rank);
+  // A broadcast on the chain that made no progress within its timeout
+  // (the job's failure, also reported through the Inbox).
+  Status check(std::chrono::steady_clock::time_point now);
+  // Ends the chain: no byte is written into the buffers after it returns.
+  void close();
 
  private:
   // A broadcast (per tensor) or the barrier, as the local ranks join it.
@@ -70,8 +85,11 @@ class Collectives {
     size_t parts_left = 0;
   };
 
-  // Every local rank joined: copies, or sends to the servers/coordinator.
+  // Every local rank joined: copies, or sends down the chain or to the
+  // servers/coordinator.
   bool begin(CollRound& c);
+  // Multi-node broadcasts over the chain of daemons.
+  bool begin_chain(CollRound& c, std::vector<char*>& bufs);
   void complete(CollRound& c);
   CollRound& coll_of(uint32_t tensor) {
     return tensor == ipc::kBarrierTensor ? barrier_ : bcasts_[tensor];
@@ -79,7 +97,12 @@ class Collectives {
 
   CollectiveContext ctx_;
   std::shared_ptr<server::PsJob> ps_;
-  uint64_t partition_bytes_ = 0;
+  std::vector<uint64_t> partition_bytes_;  // per tensor
+  PeerOptions peers_;
+  // Every daemon of the job has a peer endpoint (the same on every node:
+  // the coordinator's addresses), so broadcasts take the chain.
+  bool chain_ = false;
+  std::shared_ptr<BcastJob> bcast_;  // opened at the first broadcast
   std::vector<CollRound> bcasts_;  // per tensor
   CollRound barrier_;
   std::mutex mu_;

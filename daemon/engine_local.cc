@@ -25,7 +25,7 @@ void LocalPath::follow(uint32_t t, const strategy::Timeline::Entry& in_force) {
   run.scratch.clear();
   if (plan.compressor) {
     const uint64_t bytes = (*ctx_.tensors)[t].bytes();
-    const uint64_t pb = ctx_.partition_bytes;
+    const uint64_t pb = ctx_.partition_bytes.at(t);
     for (uint64_t b = 0; b < bytes; b += pb) {
       const size_t n = static_cast<size_t>((std::min(bytes, b + pb) - b) / 4);
       run.states.push_back(plan.compressor->make_state(n));

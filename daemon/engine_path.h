@@ -85,7 +85,9 @@ class Inbox {
 struct PathContext {
   std::string job;
   const std::vector<TensorSpec>* tensors = nullptr;
-  uint64_t partition_bytes = 0;  // fixed for the life of the job
+  // Per tensor: its partition size (strategy::tensor_partition_bytes: the
+  // job's cut into the option's pieces), fixed for the life of the job.
+  std::vector<uint64_t> partition_bytes;
   IntraNodeReducer* reducer = nullptr;
   std::shared_ptr<Inbox> inbox;
   // Paths stamp kReduced..kSent in start() and kDecompressed, kCopiedOut in

@@ -53,7 +53,8 @@ std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
   // the job's timeline, which the PS client keeps and every announced change
   // extends: nothing to parse here.
   std::weak_ptr<Inbox> inbox = ctx.inbox;
-  const uint64_t pb = ctx.partition_bytes;
+  // Per tensor (its pieces), as the scheduler cuts it.
+  const std::vector<uint64_t> pbs = ctx.partition_bytes;
   PeerJobSpec spec;
   spec.name = info.name;
   spec.uid = info.uid;
@@ -67,17 +68,19 @@ std::unique_ptr<PeerPath> PeerPath::open(const PathContext& ctx,
     spec.tensor_names.push_back(tensors[t].name);
     bytes.push_back(tensors[t].bytes());
     const auto parts = path->peer_tensor_[t]
-                           ? static_cast<uint32_t>((tensors[t].bytes() + pb - 1) / pb)
+                           ? static_cast<uint32_t>((tensors[t].bytes() + pbs.at(t) - 1) / pbs.at(t))
                            : 0u;
     spec.partitions.push_back(parts);
     path->peer_parts_[t].resize(parts);
   }
-  spec.partition_count = [bytes, pb](uint32_t tensor, uint32_t index) -> uint64_t {
+  spec.partition_count = [bytes, pbs](uint32_t tensor, uint32_t index) -> uint64_t {
+    const uint64_t pb = pbs.at(tensor);
     const uint64_t begin = uint64_t{index} * pb;
     return (std::min(bytes.at(tensor), begin + pb) - begin) / 4;
   };
-  auto ready = [inbox, bytes, pb](uint32_t tensor, uint32_t index, uint64_t iteration) {
+  auto ready = [inbox, bytes, pbs](uint32_t tensor, uint32_t index, uint64_t iteration) {
     if (auto i = inbox.lock()) {
+      const uint64_t pb = pbs[tensor];
       const uint64_t begin = uint64_t{index} * pb;
       // Only the partition's identity: finish() takes the round's plan
       // from the contributing task's record.

@@ -14,14 +14,12 @@ namespace bytecomp::daemon {
 PsPath::PsPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
                std::shared_ptr<const void> keep_mapped)
     : ctx_(ctx), ps_(std::move(ps)), keep_mapped_(std::move(keep_mapped)) {
-  const uint64_t pb = ctx_.partition_bytes;
   ps_parts_.resize(ctx_.tensors->size());
-  const server::Assignment& a = ps_->info().assignment;
   for (size_t t = 0; t < ps_parts_.size(); ++t) {
-    // A fused bucket's equal shards are not partition_bytes long: the
-    // servers' assignment has the count.
-    const size_t cut = static_cast<size_t>(((*ctx_.tensors)[t].bytes() + pb - 1) / pb);
-    ps_parts_[t].resize(t < a.by_tensor.size() ? std::max(cut, a.by_tensor[t].size()) : cut);
+    // Per unit (server::unit_partition_bytes: a fused bucket's equal shards,
+    // else its pieces), as assign_partitions cut it.
+    const uint64_t pb = ctx_.partition_bytes.at(t);
+    ps_parts_[t].resize(static_cast<size_t>(((*ctx_.tensors)[t].bytes() + pb - 1) / pb));
   }
 }
 

@@ -42,7 +42,8 @@ std::unique_ptr<RingPath> RingPath::open(const PathContext& ctx,
   }
   std::unique_ptr<RingPath> path(new RingPath(ctx, ps, std::move(ring_tensor)));
   std::weak_ptr<Inbox> inbox = ctx.inbox;
-  const uint64_t pb = ctx.partition_bytes;
+  // Per tensor (its pieces), as the scheduler cuts it.
+  const std::vector<uint64_t> pbs = ctx.partition_bytes;
   RingJobSpec spec;
   spec.name = info.name;
   spec.uid = info.uid;
@@ -57,15 +58,17 @@ std::unique_ptr<RingPath> RingPath::open(const PathContext& ctx,
     spec.tensor_names.push_back(tensors[t].name);
     bytes.push_back(tensors[t].bytes());
     spec.partitions.push_back(path->ring_tensor_[t]
-                                  ? static_cast<uint32_t>((tensors[t].bytes() + pb - 1) / pb)
+                                  ? static_cast<uint32_t>((tensors[t].bytes() + pbs.at(t) - 1) / pbs.at(t))
                                   : 0u);
   }
-  spec.partition_count = [bytes, pb](uint32_t tensor, uint32_t index) -> uint64_t {
+  spec.partition_count = [bytes, pbs](uint32_t tensor, uint32_t index) -> uint64_t {
+    const uint64_t pb = pbs.at(tensor);
     const uint64_t begin = uint64_t{index} * pb;
     return (std::min(bytes.at(tensor), begin + pb) - begin) / 4;
   };
-  auto ready = [inbox, bytes, pb](uint32_t tensor, uint32_t index, uint64_t iteration) {
+  auto ready = [inbox, bytes, pbs](uint32_t tensor, uint32_t index, uint64_t iteration) {
     if (auto i = inbox.lock()) {
+      const uint64_t pb = pbs[tensor];
       const uint64_t begin = uint64_t{index} * pb;
       Task t;
       t.tensor = tensor;

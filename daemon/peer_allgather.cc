@@ -316,7 +316,8 @@ Status PeerJob::check_deadlines(Clock::time_point now) {
 // ---------------------------------------------------------------------------
 // PeerHub
 
-PeerHub::PeerHub(const transport::TransportConfig& config) {
+PeerHub::PeerHub(const transport::TransportConfig& config, std::chrono::milliseconds park_timeout)
+    : park_timeout_(park_timeout) {
   tp_ = transport::make_transport(config);
   const auto addrs = tp_->local_addresses();
   if (addrs.empty()) {
@@ -326,6 +327,7 @@ PeerHub::PeerHub(const transport::TransportConfig& config) {
   address_ = addrs.front();
   tp_->set_handler(kPeerData, [this](Incoming in) { on_data(std::move(in)); });
   tp_->set_handler(kRingData, [this](Incoming in) { on_ring_data(std::move(in)); });
+  tp_->set_handler(kBcastData, [this](Incoming in) { on_bcast_data(std::move(in)); });
   tp_->on_peer_failure([this](NodeId id, const Status& s) { on_peer_lost(id, s); });
   tp_->start();
   BC_LOG(LogPeer(), kInfo) << "peer endpoint " << address_ << " (node " << tp_->self() << ")";
@@ -414,6 +416,70 @@ std::shared_ptr<RingJob> PeerHub::open_ring(RingJobSpec spec, RingJob::ReadyFn r
   return job;
 }
 
+std::shared_ptr<BcastJob> PeerHub::open_bcast(BcastJobSpec spec, BcastJob::ReadyFn ready,
+                                              BcastJob::FailFn fail) {
+  check_peers(spec.name, spec.rank, spec.nodes, spec.addresses, "broadcast");
+  if (spec.chunk_bytes < 1 || spec.chunk_bytes > kBcastMaxChunkBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "job '" + spec.name + "': broadcast chunk of " + std::to_string(spec.chunk_bytes) +
+                    " bytes (accepted: 1 B to 1 MiB)");
+  }
+  if (spec.window < 2) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "job '" + spec.name + "': broadcast window " + std::to_string(spec.window) +
+                    " (at least 2 chunks in flight)");
+  }
+  if (spec.local_size == 0 || spec.tensor_bytes.size() != spec.tensor_names.size()) {
+    throw Error(ErrorCode::kInternal, "job '" + spec.name + "': broadcast spec without ranks or "
+                                      "with tensor sizes that do not match its names");
+  }
+  std::shared_ptr<BcastJob> job(new BcastJob(*this, spec, std::move(ready), std::move(fail)));
+  job->self_ = job;
+  std::vector<Parked> parked;
+  std::vector<Incoming> expired;
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = bcasts_.find(spec.uid); it != bcasts_.end() && !it->second.expired()) {
+      job->closed_ = true;  // not registered: its destructor must not unregister the other
+      throw Error(ErrorCode::kInvalidArgument,
+                  "job uid " + std::to_string(spec.uid) + " already has a broadcast chain here");
+    }
+    bcasts_[spec.uid] = job;
+    connect_peers(spec.rank, spec.nodes, spec.addresses);
+    expire_parked(Clock::now(), expired);
+    if (auto it = parked_.find(spec.uid); it != parked_.end()) {
+      parked = std::move(it->second);
+      parked_.erase(it);
+      for (const Parked& p : parked) parked_bytes_ -= p.in.message.payload_bytes();
+    }
+  }
+  for (Incoming& in : expired) {
+    refuse(in, ErrorCode::kUnavailable,
+           "no job with uid " + std::to_string(in.message.header.aux) +
+               " opened its broadcast on node " + std::to_string(self()) + " within " +
+               std::to_string(park_timeout_.count()) + " ms",
+           kBcastError);
+  }
+  // In arrival order; the handler threads deliver what comes from now on.
+  for (Parked& p : parked) deliver_bcast(job, std::move(p.in), p.header);
+  return job;
+}
+
+void PeerHub::expire_parked(Clock::time_point now, std::vector<Incoming>& expired) {
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    auto& v = it->second;
+    auto keep = std::stable_partition(v.begin(), v.end(), [&](const Parked& p) {
+      return now - p.at <= park_timeout_;
+    });
+    for (auto e = keep; e != v.end(); ++e) {
+      parked_bytes_ -= e->in.message.payload_bytes();
+      expired.push_back(std::move(e->in));
+    }
+    v.erase(keep, v.end());
+    it = v.empty() ? parked_.erase(it) : std::next(it);
+  }
+}
+
 void PeerHub::release_peers(const std::vector<NodeId>& peers) {
   // A peer stays connected after its last job ends: removing it would fail
   // this job's last replies and sends still queued for it, which the peer
@@ -447,8 +513,20 @@ void PeerHub::unregister_ring(const RingJob* job, uint32_t uid, const std::vecto
   release_peers(peers);
 }
 
+void PeerHub::unregister_bcast(const BcastJob* job, uint32_t uid, const std::vector<NodeId>& peers) {
+  std::lock_guard lock(mu_);
+  if (auto it = bcasts_.find(uid); it != bcasts_.end()) {
+    auto current = it->second.lock();
+    if (!current || current.get() == job) bcasts_.erase(it);
+  }
+  release_peers(peers);
+}
+
 void PeerHub::refuse(const Incoming& in, ErrorCode code, const std::string& why, uint16_t type) {
-  BC_LOG(LogPeer(), kError) << (type == kRingError ? "ring" : "peer") << " data from node "
+  BC_LOG(LogPeer(), kError) << (type == kRingError    ? "ring"
+                                : type == kBcastError ? "broadcast"
+                                                      : "peer")
+                            << " data from node "
                             << in.from << " refused: " << why;
   if (!in.expects_reply) return;
   Message m;
@@ -552,9 +630,88 @@ void PeerHub::on_ring_data(Incoming in) {
   }
 }
 
+void PeerHub::on_bcast_data(Incoming in) {
+  auto refuse_bcast = [&](ErrorCode code, const std::string& why) {
+    refuse(in, code, why, kBcastError);
+  };
+  if (!in.expects_reply) {
+    return refuse_bcast(ErrorCode::kMalformed, "broadcast data sent one-way (a request is expected)");
+  }
+  if (in.message.payloads.size() != 2) {
+    return refuse_bcast(ErrorCode::kMalformed,
+                        "broadcast data with " + std::to_string(in.message.payloads.size()) +
+                            " payloads (expected 2: header and data)");
+  }
+  BcastHeader h;
+  try {
+    h = decode_bcast_header(in.message.payloads[0].span());
+  } catch (const Error& e) {
+    return refuse_bcast(e.code(), e.what());
+  }
+  if (h.data_bytes != in.message.payloads[1].size()) {
+    return refuse_bcast(ErrorCode::kMalformed,
+                        "broadcast data header says " + std::to_string(h.data_bytes) +
+                            " bytes, " + std::to_string(in.message.payloads[1].size()) + " came");
+  }
+  std::shared_ptr<BcastJob> job;
+  std::vector<Incoming> expired;
+  std::string full;
+  {
+    std::lock_guard lock(mu_);
+    const uint32_t uid = in.message.header.aux;
+    if (auto it = bcasts_.find(uid); it != bcasts_.end()) job = it->second.lock();
+    if (!job) {
+      // Its node has not broadcast yet: wait for it (answered when it opens).
+      const auto now = Clock::now();
+      expire_parked(now, expired);
+      const size_t bytes = in.message.payload_bytes();
+      if (parked_bytes_ + bytes > kMaxParkedBytes) {
+        full = "broadcast data for job uid " + std::to_string(uid) + ", which has not opened "
+               "its broadcast on node " + std::to_string(self()) + ": " +
+               std::to_string(parked_bytes_) + " bytes wait already (at most " +
+               std::to_string(kMaxParkedBytes) + ")";
+      } else {
+        parked_bytes_ += bytes;
+        auto& waiting = parked_[uid];
+        if (waiting.empty()) {
+          BC_LOG(LogPeer(), kInfo) << "broadcast data from node " << in.from << " for job uid "
+                                   << uid << " waits until that job's broadcasts open here";
+        }
+        waiting.push_back({std::move(in), h, now});
+      }
+    }
+  }
+  for (Incoming& e : expired) {
+    refuse(e, ErrorCode::kUnavailable,
+           "no job with uid " + std::to_string(e.message.header.aux) +
+               " opened its broadcast on node " + std::to_string(self()) + " within " +
+               std::to_string(park_timeout_.count()) + " ms",
+           kBcastError);
+  }
+  if (!full.empty()) return refuse_bcast(ErrorCode::kResourceExhausted, full);
+  if (job) deliver_bcast(job, std::move(in), h);
+}
+
+void PeerHub::deliver_bcast(const std::shared_ptr<BcastJob>& job, Incoming in, BcastHeader header) {
+  BcastJob::Received r;
+  r.header = header;
+  r.data = in.message.payloads[1];
+  const Status s =
+      job->receive(in.from, in.message.header.key, in.message.header.arg, std::move(r));
+  if (!s.ok()) return refuse(in, s.code(), s.message(), kBcastError);
+  Message ok;
+  ok.header.type = kBcastOk;
+  try {
+    tp_->reply(in, std::move(ok), nullptr);
+  } catch (const Error& e) {
+    BC_LOG(LogPeer(), kError) << "reply to node " << in.from << ": " << e.what();
+  }
+}
+
 void PeerHub::on_peer_lost(NodeId id, const Status& s) {
   std::vector<std::shared_ptr<PeerJob>> hit;
   std::vector<std::shared_ptr<RingJob>> rings_hit;
+  std::vector<std::shared_ptr<BcastJob>> bcasts_hit;
   {
     std::lock_guard lock(mu_);
     if (auto it = peers_.find(id); it != peers_.end() && it->second.jobs <= 0) {
@@ -574,6 +731,12 @@ void PeerHub::on_peer_lost(NodeId id, const Status& s) {
       const auto& nodes = ring->spec().nodes;
       if (std::find(nodes.begin(), nodes.end(), id) != nodes.end()) rings_hit.push_back(ring);
     }
+    for (auto& [uid, weak] : bcasts_) {
+      auto job = weak.lock();
+      if (!job) continue;
+      const auto& nodes = job->spec().nodes;
+      if (std::find(nodes.begin(), nodes.end(), id) != nodes.end()) bcasts_hit.push_back(job);
+    }
   }
   for (auto& job : hit) {
     const auto& nodes = job->spec().nodes;
@@ -592,6 +755,15 @@ void PeerHub::on_peer_lost(NodeId id, const Status& s) {
                                                 ring->spec().name +
                                                 "' stopped answering (ring allreduce peer): " +
                                                 s.message()));
+  }
+  for (auto& job : bcasts_hit) {
+    const auto& nodes = job->spec().nodes;
+    const auto rank = static_cast<uint32_t>(std::find(nodes.begin(), nodes.end(), id) -
+                                            nodes.begin());
+    job->fail(Status(ErrorCode::kPeerLost, "the daemon of " + job->who(rank) + " of job '" +
+                                               job->spec().name +
+                                               "' stopped answering (broadcast peer): " +
+                                               s.message()));
   }
 }
 

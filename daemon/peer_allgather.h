@@ -6,7 +6,8 @@
 //
 // PeerHub is the daemon's side of it: one transport (internode.peer_listen)
 // shared by every job, a handler for peer data and the routing to the open
-// PeerJobs by job uid (the coordinator's cluster-unique job number). Peers
+// PeerJobs by job uid (the coordinator's cluster-unique job number); the
+// same for the ring allreduce (RingJob) and the broadcast chain (BcastJob). Peers
 // are the other daemons of a job, learnt from the coordinator at admission
 // (JobInfo::peer_addresses); the transport's heartbeats watch them, and a
 // peer lost fails every job it is part of. A peer stays connected after its
@@ -56,6 +57,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "daemon/peer_broadcast.h"
 #include "daemon/ring_allreduce.h"
 #include "transport/transport.h"
 
@@ -176,8 +178,11 @@ class PeerJob {
 class PeerHub {
  public:
   // Creates the transport (config.listen holds internode.peer_listen,
-  // config.node_id this daemon's id) and starts dispatch. Throws Error.
-  explicit PeerHub(const transport::TransportConfig& config);
+  // config.node_id this daemon's id) and starts dispatch. `park_timeout`:
+  // how long broadcast data for a job not open here yet waits for it
+  // (open_bcast()). Throws Error.
+  explicit PeerHub(const transport::TransportConfig& config,
+                   std::chrono::milliseconds park_timeout = std::chrono::milliseconds(30000));
   ~PeerHub();
   PeerHub(const PeerHub&) = delete;
   PeerHub& operator=(const PeerHub&) = delete;
@@ -194,12 +199,26 @@ class PeerHub {
   // refuses a chunk size or window out of range.
   std::shared_ptr<RingJob> open_ring(RingJobSpec spec, RingJob::ReadyFn ready,
                                      RingJob::FailFn fail);
+  // The same for a job's broadcasts (daemon/peer_broadcast.h), opened by
+  // each node at its first broadcast: a node's chunks may reach another
+  // before that node opened the job. Such data is parked here unanswered
+  // (at most park_timeout, and kMaxParkedBytes in all: beyond, refused) and
+  // handed to the job when it opens, on the caller's thread.
+  std::shared_ptr<BcastJob> open_bcast(BcastJobSpec spec, BcastJob::ReadyFn ready,
+                                       BcastJob::FailFn fail);
+
+  static constexpr size_t kMaxParkedBytes = size_t{64} << 20;
 
  private:
   friend class PeerJob;
   friend class RingJob;
+  friend class BcastJob;
   void on_data(transport::Incoming in);
   void on_ring_data(transport::Incoming in);
+  void on_bcast_data(transport::Incoming in);
+  // Hands a checked broadcast message to its job and answers it.
+  void deliver_bcast(const std::shared_ptr<BcastJob>& job, transport::Incoming in,
+                     BcastHeader header);
   void on_peer_lost(transport::NodeId id, const Status& s);
   // Checks a job's rank and peer addresses (`inter`: what needs them).
   void check_peers(const std::string& job, uint32_t rank,
@@ -213,6 +232,11 @@ class PeerHub {
   void unregister(const PeerJob* job, uint32_t uid, const std::vector<transport::NodeId>& peers);
   void unregister_ring(const RingJob* job, uint32_t uid,
                        const std::vector<transport::NodeId>& peers);
+  void unregister_bcast(const BcastJob* job, uint32_t uid,
+                        const std::vector<transport::NodeId>& peers);
+  // mu_ held: refuses (after unlocking: into `expired`) what waited too long.
+  void expire_parked(std::chrono::steady_clock::time_point now,
+                     std::vector<transport::Incoming>& expired);
   void refuse(const transport::Incoming& in, ErrorCode code, const std::string& why,
               uint16_t type = kPeerError);
 
@@ -221,6 +245,15 @@ class PeerHub {
   std::mutex mu_;
   std::map<uint32_t, std::weak_ptr<PeerJob>> jobs_;  // by uid; guarded by mu_
   std::map<uint32_t, std::weak_ptr<RingJob>> rings_;  // by uid; guarded by mu_
+  std::map<uint32_t, std::weak_ptr<BcastJob>> bcasts_;  // by uid; guarded by mu_
+  struct Parked {
+    transport::Incoming in;
+    BcastHeader header;
+    std::chrono::steady_clock::time_point at;
+  };
+  const std::chrono::milliseconds park_timeout_;
+  std::map<uint32_t, std::vector<Parked>> parked_;  // by uid; guarded by mu_
+  size_t parked_bytes_ = 0;                          // guarded by mu_
   struct Peer {
     std::string address;
     int jobs = 0;

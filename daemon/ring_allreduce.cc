@@ -257,7 +257,7 @@ void RingJob::queue(uint32_t tensor, uint32_t index, uint64_t iteration, Round& 
   o.header.data_bytes = data.size();
   o.data = std::move(data);
   o.own_done = std::move(own_done);
-  outq_.push_back(std::move(o));
+  outq_.emplace(std::make_tuple(iteration, tensor, index, out_seq_++), std::move(o));
   ++round.sending;
 }
 
@@ -461,8 +461,9 @@ void RingJob::pump() {
     std::lock_guard lock(mu_);
     if (closed_ || failed_) return;
     while (unanswered_ < spec_.window && !outq_.empty()) {
-      go.push_back(std::move(outq_.front()));
-      outq_.pop_front();
+      auto first = outq_.begin();
+      go.push_back(std::move(first->second));
+      outq_.erase(first);
       ++unanswered_;
     }
   }

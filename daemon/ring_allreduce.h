@@ -46,10 +46,15 @@
 // round this node runs (at the receipt, or at start() for chunks that came
 // early): a disagreement fails the job naming both.
 //
-// Flow control: each job keeps one FIFO of chunks for its right neighbour
-// and at most `window` (>= 2) of them unanswered; a receiver answers as soon
-// as it stored or summed a chunk, so nothing waits on anything but the
-// neighbour's receipt.
+// Flow control: each job keeps one queue of chunks for its right neighbour
+// and at most `window` (>= 2) of them unanswered (the link's credit); a
+// receiver answers as soon as it stored or summed a chunk, so nothing waits
+// on anything but the neighbour's receipt. The queue is ordered by
+// iteration, then by tensor id (declaration order: the first layers, which
+// the next forward pass needs first, before the later ones that backward
+// produced earlier), then in queueing order; so at every hop a partition
+// of an earlier tensor overtakes the queued chunks of later ones, behind at
+// most `window` chunks already on the link.
 //
 // Memory: per partition at most two rounds are open (a neighbour is at most
 // one round ahead: finishing round i needs every node's contribution to it).
@@ -72,7 +77,6 @@
 
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -80,6 +84,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/error.h"
@@ -258,7 +263,9 @@ class RingJob {
   bool closed_ = false;  // guarded by mu_
   bool failed_ = false;  // guarded by mu_
   std::vector<std::vector<Part>> parts_;  // guarded by mu_
-  std::deque<Out> outq_;                  // guarded by mu_
+  // By (iteration, tensor, partition, queueing sequence): see "Flow control".
+  std::map<std::tuple<uint64_t, uint32_t, uint32_t, uint64_t>, Out> outq_;  // guarded by mu_
+  uint64_t out_seq_ = 0;                  // guarded by mu_
   uint32_t unanswered_ = 0;               // guarded by mu_
   std::weak_ptr<RingJob> self_;
 };

@@ -22,6 +22,11 @@ const char* to_string(Resource r) {
   return "?";
 }
 
+bool on_ring(const Option& o) {
+  return o.inter == Collective::kAllreduce &&
+         (!o.compressed() || o.compressor == "fp16" || o.compressor == "bf16");
+}
+
 namespace {
 
 double param_or(const std::map<std::string, std::string>& p, const char* k, double def) {
@@ -436,11 +441,20 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
     }
     // The PS-shaped collectives run as push/pull (DESIGN.md section 3): every
     // node sends all its shards at once and the servers answer at once, so
-    // each of push and pull costs one latency, not the M-1 of a ring.
+    // each of push and pull costs one latency, not the M-1 of a ring; their
+    // flows reach ps_link_share() of the link, the ring's ring_link_share
+    // (both 1 unless the cluster says otherwise, Cluster in model.h).
     const double ps_lat = ae;
+    if (ps_sharded || ps_single) {
+      B1 *= cluster_.ps_link_share();
+      B2 *= cluster_.ps_link_share();
+    }
+    const double ring_hop = cluster_.ring_hop_us > 0 ? cluster_.ring_hop_us : ae;
     switch (o.inter) {
       case Collective::kAllreduce:
-        add(Resource::kInter, 2 * steps(M) * ae + 2 * frac(M) * bytes / Bp, "allreduce");
+        add(Resource::kInter,
+            2 * steps(M) * ring_hop + 2 * frac(M) * bytes / (Bp * cluster_.ring_link_share),
+            "allreduce");
         break;
       case Collective::kReduceScatterAllgather:
         add(Resource::kInter, ps_lat + frac(M) * bytes / B1, "reduce_scatter");
@@ -494,8 +508,10 @@ void Problem::build_chain_into(uint64_t elements, const Option& o, std::vector<O
 
 void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
                                    std::vector<Op>& ops) const {
-  // The CPU runtime pipelines by its own partitions (the chunks) and ignores
-  // Option::pieces; cpu_share needs a GPU. Placement (ps vs ps_single) only
+  // The CPU runtime pipelines by its partitions (the chunks). It executes
+  // Option::pieces (smaller partitions, docs/gpu.md §4), but the CPU-runtime
+  // search never proposes them (pieces_option), so this chain does not
+  // model them; cpu_share needs a GPU. Placement (ps vs ps_single) only
   // moves which server holds a partition: the node's traffic is the same.
   const double n = static_cast<double>(elements);
   const double pool = std::max(1, cluster_.pool_threads);
@@ -507,18 +523,45 @@ void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
     if (d > 0) ops.push_back({r == Resource::kCpu ? cpu : r, d, what});
   };
   add(Resource::kCpu, cluster_.reduce.at(n) / pool, "reduce");
-  if (cc) add(Resource::kCpu, cc->cpu->compress.at(n) / pool, "compress");
   const int M = std::max(1, cluster_.machines);
+  if (on_ring(o)) {
+    // The daemons' ring (docs/daemon.md): no server; every node sends and
+    // receives 2(M-1)/M of the partition's wire bytes (fp16/bf16: 2 per
+    // element) on one flow per direction, in 2(M-1) steps
+    // (Cluster::ring_us). Its CPU runs beside the link, chunk by chunk, so
+    // it is a sequence of its own from the partition's ready time: the comm
+    // stack's per-byte cost on those bytes (copies, sockets, the fp32 add
+    // of each hop) and, for fp16/bf16, one conversion of the node's sum,
+    // one per hop of the segment that is added and re-rounded, and the
+    // final decode (measured fp16 fits: compress ~ fp32 -> fp16,
+    // decompress ~ fp16 -> fp32).
+    if (M <= 1) return;
+    const double bytes = (cc ? 2.0 : 4.0) * n;
+    const double frac = static_cast<double>(M - 1) / M;
+    add(Resource::kInter, cluster_.ring_us(bytes), "ring_allreduce");
+    double cpu_us = cluster_.comm_cpu_us_per_byte * 2 * frac * bytes;
+    if (cc) {
+      const double seg = n / M;
+      cpu_us += (cc->cpu->compress.at(n) + (M - 1) * (cc->cpu->compress.at(seg) +
+                                                      cc->cpu->decompress.at(seg)) +
+                 cc->cpu->decompress.at(n)) / pool;
+    }
+    if (cpu_us > 0) {
+      ops.push_back({Resource::kCpu, kForkMark, "fork"});
+      add(Resource::kCpu, cpu_us, "ring_cpu");
+    }
+    return;
+  }
+  if (cc) add(Resource::kCpu, cc->cpu->compress.at(n) / pool, "compress");
   const int servers = cluster_.servers > 0 ? cluster_.servers : M;
   // A colocated server keeps its 1/servers share of every node's pushes on
   // the node; on one machine nothing leaves it.
   double remote = 1.0;
   if (!cluster_.dedicated_servers) remote = M == 1 ? 0.0 : 1.0 - 1.0 / servers;
   const double bytes = cc ? cc->wire_bytes(n) : 4.0 * n;  // push and pull alike
-  const double Be = cluster_.inter.bytes_per_us(), ae = cluster_.inter.latency_us;
   // The comm stack's CPU for this partition's push and pull (docs/planner.md).
   add(Resource::kCpu, cluster_.comm_cpu_us_per_byte * 2 * remote * bytes, "comm_cpu");
-  add(Resource::kInter, ae + remote * bytes / Be, "push");
+  add(Resource::kInter, cluster_.ps_step_us(bytes, remote), "push");
   if (cc && !is_additive_compressor(o.compressor) && !cluster_.dedicated_servers) {
     // The partition's server decompresses every node's push and recompresses
     // the sum; colocated, that work shares this node's cores (on average a
@@ -532,7 +575,7 @@ void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
   // a symmetric job each direction carries push + pull, so both share one
   // resource. Dedicated servers leave each direction one of them.
   add(cluster_.dedicated_servers ? Resource::kInterIn : Resource::kInter,
-      ae + remote * bytes / Be, "pull");
+      cluster_.ps_step_us(bytes, remote), "pull");
   if (cc) add(Resource::kCpu, cc->cpu->decompress.at(n) / pool, "decompress");
 }
 

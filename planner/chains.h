@@ -53,6 +53,11 @@ struct Op {
 // simulator does).
 double chain_latency(const std::vector<Op>& ops);
 
+// Whether option `o` runs on the daemons' ring (inter: allreduce with none,
+// fp16 or bf16: strategy::Placement::kRing) in the CPU runtime; the CPU-node
+// model then costs it as the ring, not as push/pull.
+bool on_ring(const Option& o);
+
 // One tensor partition (or the whole tensor) of the simulation.
 struct Chunk {
   int tensor;            // index into the profile

@@ -189,8 +189,44 @@ Cluster Cluster::parse(std::string_view text, std::string name) {
   s.finish();
   if (c.partition_bytes != 0 && c.partition_bytes < 4096)
     root.fail("partition_bytes", "partitions below 4 KiB make no sense", "0 or >= 4KiB");
+  // The ring and push/pull's measured link shares (model.h; the keys are
+  // optional: without them the links are ideal).
+  Reader ring = root.section("ring");
+  ring.get_bytes("chunk_bytes", c.ring_chunk_bytes)
+      .get("hop_us", c.ring_hop_us, Range<double>{0, 1e6})
+      .get("link_share", c.ring_link_share, Range<double>{0.01, 1});
+  if (c.ring_chunk_bytes < 64 || c.ring_chunk_bytes > (1u << 20))
+    ring.fail("chunk_bytes", "the daemons' ring chunks are 64 B to 1 MiB", "64..1MiB");
+  ring.finish();
+  Reader ps = root.section("push_pull");
+  ps.get("overhead", c.ps_overhead, Range<double>{0, 100})
+      .get("fanin_overhead", c.ps_fanin_overhead, Range<double>{0, 100});
+  ps.finish();
   root.finish();
   return c;
+}
+
+double Cluster::ps_link_share() const {
+  const double M = std::max(2, machines);
+  return 1.0 / (1.0 + ps_overhead + ps_fanin_overhead * std::log2(M / 2.0));
+}
+
+double Cluster::ring_us(double bytes) const {
+  const int M = machines;
+  if (M <= 1 || bytes <= 0) return 0;
+  const double B = inter.bytes_per_us() * ring_link_share;
+  const double hop = ring_hop_us > 0 ? ring_hop_us : inter.latency_us;
+  const double seg = bytes / M;
+  const double chunk = std::min(seg, static_cast<double>(ring_chunk_bytes));
+  // Each of the 2(M-1) steps sends one segment; its first chunk can go
+  // only once the previous step's first chunk arrived (a chunk's bytes plus
+  // the hop), and with several chunks per segment the node keeps sending
+  // the previous step's chunks meanwhile.
+  return 2.0 * (M - 1) * std::max(seg / B, chunk / B + hop);
+}
+
+double Cluster::ps_step_us(double bytes, double remote) const {
+  return inter.latency_us + remote * bytes / (inter.bytes_per_us() * ps_link_share());
 }
 
 Cluster Cluster::load_file(const std::string& path) {

@@ -90,6 +90,34 @@ struct Cluster {
   // pushed or pulled: measured from the daemon's CPU time in the window.
   double comm_cpu_us_per_byte = 0;
 
+  // The daemons' ring allreduce (inter: allreduce with none/fp16/bf16,
+  // docs/daemon.md) against push/pull, measured on the emulated cluster
+  // (scripts/bench-ring; docs/planner.md "Ring allreduce against
+  // push/pull"). Per partition of P wire bytes on M nodes the ring takes
+  // 2(M-1) steps of one segment (P/M) each, cut into chunks of at most
+  // ring_chunk_bytes that are forwarded as they arrive (4 in flight per
+  // neighbour); a step lasts the longer of its segment's bytes and one
+  // chunk's bytes plus the per-hop latency (when a segment is one chunk,
+  // the next step waits for it). ring_hop_us = 0 takes inter.latency_us.
+  // The link shares are the fraction of the link's rate the scheme's
+  // flows reach: one flow per direction for the ring; push/pull's flows
+  // (one to each server, each server's fan-in of M-1 pushes and its
+  // answers) reach 1 / (1 + ps_overhead + ps_fanin_overhead log2(M/2)).
+  // The defaults (1, 0, 0) are the ideal links of the paper's testbeds;
+  // the online planner uses the measured ones (planner/online.h).
+  uint64_t ring_chunk_bytes = 1 << 20;
+  double ring_hop_us = 0;
+  double ring_link_share = 1.0;
+  double ps_overhead = 0;
+  double ps_fanin_overhead = 0;
+  // Fraction of the link's rate push/pull reaches on `machines` nodes.
+  double ps_link_share() const;
+  // Time on the node's link of one ring allreduce of `bytes` wire bytes per
+  // node (0 on one machine), and of a push or a pull (one of the two) of
+  // `bytes` per node to sharded servers, `remote` of them crossing the NIC.
+  double ring_us(double bytes) const;
+  double ps_step_us(double bytes, double remote) const;
+
   int workers() const { return machines * gpus_per_machine; }
   static Cluster load_file(const std::string& path);
   static Cluster parse(std::string_view text, std::string name);

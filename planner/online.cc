@@ -136,28 +136,30 @@ Option sharded_option(std::string_view spec_text) {
   return o;
 }
 
+Option ring_option(std::string_view spec_text) {
+  Option o;
+  o.inter = Collective::kAllreduce;
+  if (spec_text == "none" || spec_text.empty()) return o;
+  const compress::CompressorSpec spec = compress::parse_compressor_spec(spec_text);
+  if ((spec.name != "fp16" && spec.name != "bf16") || !spec.params.empty())
+    throw Error(ErrorCode::kInvalidArgument,
+                "the daemons' ring carries none, fp16 or bf16, not '" + std::string(spec_text) + "'");
+  o.compressor = spec.name;
+  o.compress_before = o.decompress_after = Stage::kInter;
+  return o;
+}
+
 // ---------------------------------------------------------------- guards
 
 std::string guard_reason(const strategy::AccuracyGuards& guards,
                          const std::vector<TensorMeasure>& tensors, size_t index) {
-  const TensorMeasure& t = tensors.at(index);
-  for (const std::string& g : guards.names)
-    if (fnmatch(g.c_str(), t.name.c_str(), 0) == 0) return "guard: name matches '" + g + "'";
-  if (guards.output_layer && !tensors.empty()) {
-    // The output layer: the module of the last-declared tensor (frameworks
-    // declare parameters in definition order, the classifier last).
-    auto module_of = [](const std::string& n) {
-      const size_t dot = n.rfind('.');
-      return dot == std::string::npos ? n : n.substr(0, dot);
-    };
-    const std::string last = module_of(tensors.back().name);
-    if (module_of(t.name) == last) return "guard: output layer '" + last + "'";
+  std::vector<std::string> names;
+  std::vector<uint64_t> elements;
+  for (const TensorMeasure& t : tensors) {
+    names.push_back(t.name);
+    elements.push_back(t.elements);
   }
-  const uint64_t bytes = 4 * t.elements;
-  if (bytes < guards.min_bytes)
-    return "guard: " + std::to_string(bytes) + " B < min_bytes " +
-           std::to_string(guards.min_bytes) + " B";
-  return "";
+  return strategy::guard_reason(guards, names, elements, index);
 }
 
 // ---------------------------------------------------------------- decide
@@ -336,6 +338,12 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   if (cfg.nodes == 0) bad("nodes must be at least 1");
   if (cfg.servers == 0) bad("servers must be at least 1");
   if (cfg.partition_bytes < 4096) bad("partition_bytes below 4 KiB");
+  if (cfg.ring_chunk_bytes < 64 || cfg.ring_chunk_bytes > (1u << 20))
+    bad("ring_chunk_bytes " + std::to_string(cfg.ring_chunk_bytes) + " is outside 64 B..1 MiB");
+  if (!(cfg.ring_link_share > 0 && cfg.ring_link_share <= 1))
+    bad("ring_link_share " + fmt(cfg.ring_link_share) + " is outside (0, 1]");
+  if (!(cfg.ps_overhead >= 0) || !(cfg.ps_fanin_overhead >= 0) || !(cfg.ring_hop_rtts >= 0))
+    bad("ps_overhead, ps_fanin_overhead and ring_hop_rtts must be at least 0");
   for (const TensorMeasure& t : prof.tensors)
     if (t.elements == 0) bad("tensor '" + t.name + "' has 0 elements");
 
@@ -400,6 +408,12 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
     cands.push_back({canon, std::move(o)});
   }
   for (const Candidate& c : cands) m.options.push_back(c.option);
+  // The daemons' ring: uncompressed and fp16 (measured above), after the
+  // sharded candidates.
+  const int ring_none = static_cast<int>(m.options.size());
+  m.options.push_back(ring_option("none"));
+  const int ring_fp16 = static_cast<int>(m.options.size());
+  m.options.push_back(ring_option("fp16"));
   m.candidates = m.options.size();
 
   // The problem in ready order: gaps between sorted ready times, forward =
@@ -435,6 +449,11 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   m.cluster.partition_bytes = cfg.partition_bytes;
   m.cluster.reduce = {prof.reduce.a_us, prof.reduce.b_us_per_melem, 0};
   m.cluster.inter.latency_us = prof.link_latency_us;
+  m.cluster.ring_chunk_bytes = cfg.ring_chunk_bytes;
+  m.cluster.ring_hop_us = cfg.ring_hop_rtts * prof.link_latency_us;
+  m.cluster.ring_link_share = cfg.ring_link_share;
+  m.cluster.ps_overhead = cfg.ps_overhead;
+  m.cluster.ps_fanin_overhead = cfg.ps_fanin_overhead;
 
   // The window's strategy as an assignment (its options join the set for
   // calibration only; the search never picks them).
@@ -461,6 +480,9 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
         }
         o.comp_device = o.decomp_device = Device::kCpu;  // the CPU runtime ran it there
         o.cpu_share = 0;
+        // An auto job runs pieces 1 throughout (it starts uncompressed and
+        // every candidate below has pieces 1; the runtime refuses a change
+        // of a tensor's pieces), so the plan never proposes a layout change.
         o.pieces = 1;
       }
       current[m.prob_of[d]] = option_index(m.options, o);
@@ -489,17 +511,56 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   const Calibration cal = calibrate(m, prof, current);
   Problem p = make_problem(m, cal.link_gbps);
 
-  // Per tensor (problem order) its candidate option indices.
-  std::vector<std::vector<int>> choice(n);
-  std::vector<char> excl(n, 0);
+  // Per tensor (problem order) its candidate option indices, the first
+  // its uncompressed one. With fixed placement a tensor the window ran on
+  // the ring chooses among the ring's options, any other among the
+  // servers'; otherwise among both.
+  std::vector<std::vector<int>> choice(n), plain_choice(n);
+  std::vector<char> excl(n, 0), ring_tensor(n, 0);
   std::vector<std::string> guarded(n);
+  const int sharded_end = ring_none;
+  bool any_ring = false;
+  std::vector<std::string> decl_names;
+  std::vector<uint64_t> decl_elements;
+  for (const TensorMeasure& t : prof.tensors) {
+    decl_names.push_back(t.name);
+    decl_elements.push_back(t.elements);
+  }
   for (int k = 0; k < n; ++k) {
     excl[k] = excluded_name(cfg.exclude, p.profile().tensors[k].name);
-    guarded[k] = guard_reason(cfg.guards, prof.tensors, static_cast<size_t>(m.decl_of[k]));
-    choice[k].push_back(0);
-    if (!excl[k] && guarded[k].empty())
-      for (size_t o = 1; o < m.candidates; ++o) choice[k].push_back(static_cast<int>(o));
+    guarded[k] = strategy::guard_reason(cfg.guards, decl_names, decl_elements,
+                                        static_cast<size_t>(m.decl_of[k]));
+    ring_tensor[k] = on_ring(m.options[current[k]]);
+    any_ring = any_ring || ring_tensor[k];
+    const bool lossy_ok = !excl[k] && guarded[k].empty();
+    const bool servers = !cfg.fixed_placement || !ring_tensor[k];
+    const bool ring = !cfg.fixed_placement || ring_tensor[k];
+    if (servers) {
+      choice[k].push_back(0);
+      plain_choice[k].push_back(0);
+    }
+    if (ring) {
+      choice[k].push_back(ring_none);
+      plain_choice[k].push_back(ring_none);
+    }
+    if (lossy_ok && servers)
+      for (int o = 1; o < sharded_end; ++o) choice[k].push_back(o);
+    if (lossy_ok && ring) choice[k].push_back(ring_fp16);
   }
+  // Per option, the uncompressed option of its placement (the search's
+  // cleanup reverts to it).
+  std::vector<int> plain(m.options.size(), 0);
+  for (size_t o = 0; o < m.options.size(); ++o)
+    plain[o] = on_ring(m.options[o]) ? ring_none : 0;
+  // Where each tensor starts: uncompressed where it is (fixed), or on the
+  // servers (free: the search moves it if the ring pays).
+  Assignment start(n, 0);
+  for (int k = 0; k < n; ++k) start[k] = choice[k].front();
+  auto compressed = [&](const Assignment& a) {
+    for (int k = 0; k < n; ++k)
+      if (m.options[a[k]].compressed()) return true;
+    return false;
+  };
   std::vector<int> by_size(n);
   std::iota(by_size.begin(), by_size.end(), 0);
   std::stable_sort(by_size.begin(), by_size.end(), [&](int a, int b) {
@@ -514,11 +575,13 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   // resolving them, so file and prediction cannot disagree.
   auto hand = [&](const Option& o, uint64_t min_bytes) {
     Strategy s;
-    s.set_default(min_bytes > 0 ? Option{} : o);
-    for (const std::string& g : cfg.exclude) s.add_rule(Rule{g, 0, UINT64_MAX, Option{}});
+    // Kept uncompressed in the option's own placement.
+    const Option keep = on_ring(o) ? ring_option("none") : Option{};
+    s.set_default(min_bytes > 0 ? keep : o);
+    for (const std::string& g : cfg.exclude) s.add_rule(Rule{g, 0, UINT64_MAX, keep});
     for (int k = 0; k < n; ++k)
       if (!guarded[k].empty())
-        s.add_rule(Rule{exact_glob(p.profile().tensors[k].name), 0, UINT64_MAX, Option{}});
+        s.add_rule(Rule{exact_glob(p.profile().tensors[k].name), 0, UINT64_MAX, keep});
     if (min_bytes > 0) s.add_rule(Rule{"*", min_bytes, UINT64_MAX, o});
     Assignment a(n, 0);
     for (int k = 0; k < n; ++k) {
@@ -527,14 +590,34 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
       for (size_t c = 0; c < m.candidates; ++c)
         if (m.options[c] == r) a[k] = static_cast<int>(c);
     }
+    // A running job's ring tensors stay on the ring: there the hand
+    // strategy's fp16 is the ring's, anything else the ring uncompressed
+    // (exact entries, which come first).
+    if (cfg.fixed_placement && any_ring) {
+      Strategy ringed;
+      ringed.set_default(s.default_option());
+      for (int k = 0; k < n; ++k)
+        if (ring_tensor[k]) {
+          a[k] = m.options[a[k]].compressed() && m.options[a[k]].compressor == "fp16" &&
+                         choice[k].back() == ring_fp16
+                     ? ring_fp16
+                     : ring_none;
+          ringed.add_entry({p.profile().tensors[k].name, m.options[a[k]]});
+        }
+      for (const Rule& r : s.rules()) ringed.add_rule(r);
+      s = std::move(ringed);
+    }
     return std::make_pair(std::move(s), std::move(a));
   };
   std::vector<std::pair<std::string, std::pair<Strategy, Assignment>>> alts;
   alts.push_back({"fp32", hand(Option{}, 0)});
   alts.push_back({"fp16", hand(m.options[1], 0)});
+  // DDP's scheme: every tensor on the ring, uncompressed (a placement a
+  // running job can only have had from its start).
+  if (!cfg.fixed_placement) alts.push_back({"ring", hand(m.options[ring_none], 0)});
   for (const auto& [canon, written] : accepted) {
     int idx = 0;
-    for (size_t o = 0; o < m.candidates; ++o)
+    for (size_t o = 0; o < cands.size(); ++o)
       if (cands[o].spec == canon) idx = static_cast<int>(o);
     alts.push_back({"all:" + written, hand(m.options[idx], 0)});
     alts.push_back({"threshold:" + written, hand(m.options[idx], cfg.min_compress_bytes)});
@@ -552,13 +635,13 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
     }
   }
 
-  auto [plan_a, plan_v] = refine_groups(p, choice, by_size, Assignment(n, 0), false, shortcuts);
+  auto [plan_a, plan_v] = refine_groups(p, choice, by_size, start, false, shortcuts, plain);
   if (plan_v > best_alt_us + resolution_us(best_alt_us)) {
     // Coordinate descent from nothing compressed can stall where only many
     // tensors changing together pay; the best hand strategy is the other
     // start. From there the tiny tensors keep what it gave them, so take it
     // only when it is genuinely better.
-    auto [alt_a, alt_v] = refine_groups(p, choice, by_size, *best_alt, true, shortcuts);
+    auto [alt_a, alt_v] = refine_groups(p, choice, by_size, *best_alt, true, shortcuts, plain);
     if (alt_v < plan_v - resolution_us(plan_v)) {
       plan_a = alt_a;
       plan_v = alt_v;
@@ -582,16 +665,34 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   // The calibration's misfit (what the link rate could not explain, as a
   // fraction of the iteration) raises it: a gain the model cannot resolve
   // is not worth the accuracy compression costs.
+  // "Uncompressed" is the best plan without compression: every tensor
+  // where it is (fixed placement), or on the servers or the ring, whichever
+  // the model prefers (moving to the ring costs no accuracy, so it needs no
+  // bar).
+  Assignment none = start;
+  if (!cfg.fixed_placement) {
+    auto [u_a, u_v] = refine_groups(p, plain_choice, by_size, start, false, shortcuts, plain);
+    none = u_a;
+    // The search from the uncompressed plan too: a compressed plan that
+    // keeps the ring's tensors there may be found only from it.
+    auto [r_a, r_v] = refine_groups(p, choice, by_size, none, false, shortcuts, plain);
+    if (r_v < plan_v - resolution_us(plan_v)) {
+      plan_a = r_a;
+      plan_v = r_v;
+    }
+  }
   const double T = std::max(1.0, prof.iteration_us);
-  const double fp32_us = cal.apply(ev.evaluate(Assignment(n, 0)));
+  const double fp32_us = cal.apply(ev.evaluate(none));
   const double misfit = std::max(cal.residual_us / T, 1.0 - cal.scale);
   const double bar_fraction = std::max(cfg.min_gain, misfit);
   const double gain = fp32_us - cal.apply(plan_v);
   std::string kept_uncompressed;
-  if (plan_a != Assignment(n, 0) && gain < bar_fraction * T) {
+  if (compressed(plan_a) && gain < bar_fraction * T) {
     kept_uncompressed = "predicted gain " + fmt(100.0 * gain / T, 3) + "% is below the bar of " +
                         fmt(100.0 * bar_fraction, 3) + "%";
-    plan_a = Assignment(n, 0);
+    plan_a = none;
+  } else if (!compressed(plan_a)) {
+    plan_a = none;
   }
   // Hysteresis (a re-plan's window ran a compressed strategy): a different
   // compressed plan must be predicted faster than the strategy that runs
@@ -599,17 +700,21 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   // measurement noise; going back to uncompressed only needs to be no
   // slower (it is the accurate one). The running strategy is kept only
   // when it honours this decision's exclusions and guards.
-  const Assignment none(n, 0);
-  if (current != none && plan_a != current) {
+  if (compressed(current) && plan_a != current) {
     bool honours = true;
     for (int k = 0; k < n; ++k)
       if ((excl[k] || !guarded[k].empty()) && m.options[current[k]].compressed()) honours = false;
+    // A plan that moved a tensor off its placement cannot replace a running
+    // strategy (fixed_placement keeps them; this guards a free plan).
+    for (int k = 0; k < n; ++k)
+      if (on_ring(m.options[current[k]]) != on_ring(m.options[plan_a[k]])) honours = false;
     const double cur_us = cal.apply(ev.evaluate(current));
     const double new_us = cal.apply(ev.evaluate(plan_a));
-    const bool better = plan_a == none ? new_us <= cur_us : new_us <= cur_us - bar_fraction * T;
+    const bool plain_plan = !compressed(plan_a);
+    const bool better = plain_plan ? new_us <= cur_us : new_us <= cur_us - bar_fraction * T;
     if (honours && !better) {
       d.kept_current = "the new plan (" + fmt(new_us / 1e3, 4) + " ms) is not " +
-                       (plan_a == none ? std::string("faster than")
+                       (plain_plan ? std::string("faster than")
                                        : "the bar of " + fmt(100.0 * bar_fraction, 3) +
                                              "% faster than") +
                        " the running strategy (" + fmt(cur_us / 1e3, 4) + " ms): kept";
@@ -623,14 +728,22 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   d.strategy = strategy_of(prof, m, plan_a);
 
   // What the coordinator relies on: every emitted option runs on the CPU
-  // runtime and keeps the tensor sharded.
+  // runtime, on the servers (sharded) or on the ring, and with fixed
+  // placement each tensor stays where the window ran it.
   std::vector<TensorDecl> decl;
   for (const TensorMeasure& t : prof.tensors) decl.push_back({t.name, 4 * t.elements});
   d.strategy.check_cpu_runtime(decl);
-  for (size_t o = 0; o < m.candidates; ++o)
-    if (strategy::plan_for_option(m.options[o], "<candidate>").placement !=
-        strategy::Placement::kSharded)
-      throw Error(ErrorCode::kInternal, "online planner: a candidate option is not sharded");
+  for (int k = 0; k < n; ++k) {
+    if (plan_a[k] == current[k]) continue;  // kept as the window ran it
+    const strategy::Placement pl =
+        strategy::plan_for_option(m.options[plan_a[k]], "<candidate>").placement;
+    const bool ring = pl == strategy::Placement::kRing;
+    if (pl != strategy::Placement::kSharded && !ring)
+      throw Error(ErrorCode::kInternal, "online planner: an option neither sharded nor on the ring");
+    if (ring != on_ring(m.options[plan_a[k]]) ||
+        (cfg.fixed_placement && ring != static_cast<bool>(ring_tensor[k])))
+      throw Error(ErrorCode::kInternal, "online planner: a tensor would change its placement");
+  }
 
   for (int dd = 0; dd < n; ++dd) {
     const int k = m.prob_of[dd];
@@ -659,6 +772,17 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   meta["min_gain_fraction"] = fmt(bar_fraction, 6);
   if (!kept_uncompressed.empty()) meta["kept_uncompressed"] = kept_uncompressed;
   if (!d.kept_current.empty()) meta["kept_current"] = d.kept_current;
+  meta["placement"] = cfg.fixed_placement ? "fixed (a running job keeps each tensor's)"
+                                           : "free (the job's first plan)";
+  {
+    int on = 0;
+    for (int k = 0; k < n; ++k) on += on_ring(m.options[plan_a[k]]) ? 1 : 0;
+    meta["ring_tensors"] = std::to_string(on);
+  }
+  meta["ring_model"] = "hop " + fmt(m.cluster.ring_hop_us, 4) + " us, link share " +
+                       fmt(cfg.ring_link_share, 3) + ", chunks " +
+                       std::to_string(cfg.ring_chunk_bytes) + " B; push/pull link share " +
+                       fmt(m.cluster.ps_link_share(), 3);
   meta["nodes"] = std::to_string(cfg.nodes);
   meta["servers"] = std::to_string(cfg.servers) + (cfg.colocated_servers ? " colocated" : " dedicated");
   d.decision_ms =

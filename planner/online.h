@@ -14,11 +14,15 @@
 // that ran during the window equals the measured iteration time
 // (Decision::strategy.meta says what was derived and how).
 //
-// Options are only those the CPU runtime executes AND that keep every
-// tensor's placement as an uncompressed job has it (sharded over the
-// servers: the coordinator refuses placement changes mid-job): per tensor
-// none, fp16 or one of the accepted compressors, on the CPU, over the PS
-// sharded scheme.
+// Options are only those the CPU runtime executes: per tensor none, fp16
+// or one of the accepted compressors on the CPU over the PS sharded scheme,
+// or none / fp16 on the daemons' ring (inter: allreduce, Placement::kRing).
+// A running job cannot move a tensor between the servers and the ring (the
+// coordinator refuses placement changes mid-job, docs/auto.md), so with
+// AutoConfig::fixed_placement (the coordinator's case) every tensor keeps
+// the placement the window ran it with; without it (a plan before the
+// job's first round, `bytecomp-plan decide --placement free`) each tensor
+// may take either.
 //
 // Units: microseconds (_us), milliseconds (_ms), elements are fp32
 // elements, bytes are bytes, link rates gigabits per second.
@@ -96,6 +100,24 @@ struct AutoConfig {
   // says otherwise; a user's auto spec (AutoSpec::guards) has them on, and
   // the coordinator and `bytecomp-plan online` pass those.
   strategy::AccuracyGuards guards = strategy::AccuracyGuards::off();
+  // Every tensor keeps the placement (servers or ring) the window's
+  // strategy gave it: a running job cannot change it (the coordinator
+  // refuses). false: each tensor may go either way (a job's first plan).
+  bool fixed_placement = true;
+  // The ring and push/pull link model (Cluster in planner/model.h), fitted
+  // to scripts/bench-ring on the emulated cluster (docs/planner.md "Ring
+  // allreduce against push/pull"): the daemons' ring_chunk_bytes, the
+  // per-hop latency as a multiple of the probe's small-message round trip,
+  // the link shares.
+  static constexpr double kRingHopRtts = 1.0;
+  static constexpr double kRingLinkShare = 0.91;
+  static constexpr double kPsOverhead = 0.16;
+  static constexpr double kPsFaninOverhead = 0.26;
+  uint64_t ring_chunk_bytes = 1 << 20;
+  double ring_hop_rtts = kRingHopRtts;
+  double ring_link_share = kRingLinkShare;
+  double ps_overhead = kPsOverhead;
+  double ps_fanin_overhead = kPsFaninOverhead;
 };
 
 // Why tensor `index` of `tensors` (declaration order) is kept uncompressed
@@ -176,5 +198,9 @@ double best_single_move_gain(const NodeProfile& merged, const AutoConfig& cfg);
 // strategy::Placement::kSharded. Throws Error(kInvalidArgument) for an
 // unknown compressor or bad parameters.
 Option sharded_option(std::string_view spec);
+// The option decide() emits for a tensor on the daemons' ring: "none",
+// "fp16" or "bf16" under inter: allreduce (Placement::kRing). Throws
+// Error(kInvalidArgument) for any other spec.
+Option ring_option(std::string_view spec);
 
 }  // namespace bytecomp::planner::online

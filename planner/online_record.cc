@@ -128,13 +128,14 @@ std::string Decision::explain() const {
        << "; residual " << meta_of("calibration.residual_us") << " us, scale "
        << meta_of("calibration.scale") << "\n";
   // The option's first word is the compressor and its parameters; the rest
-  // (scheme, collectives) is the same sharded shape for every tensor and is
-  // in plan.yaml.
+  // (scheme, collectives) is the same shape for every tensor of a placement
+  // and is in plan.yaml; tensors on the daemons' ring are marked.
   os << "\n" << "tensor" << std::string(w - 6 + 2, ' ') << "      bytes  choice\n";
   for (const TensorChoice& t : tensors) {
     const std::string b = std::to_string(t.bytes);
     std::string what = t.option.substr(0, t.option.find(' '));
     if (t.option.find(" ef ") != std::string::npos) what += " +ef";
+    if (t.option.find("inter=allreduce") != std::string::npos) what += " on the ring";
     os << t.name << std::string(w - t.name.size() + 2, ' ')
        << std::string(b.size() < 11 ? 11 - b.size() : 0, ' ') << b << "  " << what
        << (t.excluded ? "  (excluded)" : "") << (t.guard.empty() ? "" : "  (" + t.guard + ")")

@@ -19,7 +19,9 @@ constexpr int kRefineRounds = 3;
 
 std::pair<Assignment, double> refine_groups(Problem& p, const std::vector<std::vector<int>>& cands,
                                             const std::vector<int>& by_size, Assignment start,
-                                            bool cleanup, bool shortcuts) {
+                                            bool cleanup, bool shortcuts,
+                                            const std::vector<int>& plain) {
+  auto plain_of = [&](int o) { return plain.empty() ? 0 : plain[static_cast<size_t>(o)]; };
   Evaluator ev(p);
   ev.set_shortcuts(shortcuts);
   ev.set_base(start);
@@ -52,10 +54,15 @@ std::pair<Assignment, double> refine_groups(Problem& p, const std::vector<std::v
                                             std::max(0.0, a.second - b.second));
     }
   }
-  // Groups of equal element count among tensors that have a choice.
-  std::map<uint64_t, std::vector<int>, std::greater<>> groups;
+  // Groups of equal element count and candidate set among tensors that
+  // have a choice (largest first).
+  std::map<std::vector<int>, int> set_id;
+  std::map<std::pair<uint64_t, int>, std::vector<int>, std::greater<>> groups;
   for (int i : by_size)
-    if (cands[i].size() > 1) groups[p.profile().tensors[i].elements].push_back(i);
+    if (cands[i].size() > 1) {
+      const int id = set_id.emplace(cands[i], static_cast<int>(set_id.size())).first->second;
+      groups[{p.profile().tensors[i].elements, id}].push_back(i);
+    }
   std::vector<std::pair<int, int>> changes;
   auto group_pass = [&] {
     bool moved = false;
@@ -183,7 +190,7 @@ std::pair<Assignment, double> refine_groups(Problem& p, const std::vector<std::v
   for (auto g = groups.rbegin(); cleanup && g != groups.rend() && misses < 8; ++g) {
     changes.clear();
     for (int i : g->second)
-      if (ev.base()[i] != 0) changes.push_back({i, 0});
+      if (ev.base()[i] != plain_of(ev.base()[i])) changes.push_back({i, plain_of(ev.base()[i])});
     if (changes.empty()) continue;
     if (changes.size() > 1) {
       const double v = ev.try_changes(changes, budget);
@@ -196,9 +203,9 @@ std::pair<Assignment, double> refine_groups(Problem& p, const std::vector<std::v
     }
     for (auto [i, opt] : changes) {
       if (misses >= 8) break;
-      const double v = ev.try_option(i, 0, budget);
+      const double v = ev.try_option(i, opt, budget);
       if (v < budget) {
-        ev.commit(i, 0);
+        ev.commit(i, opt);
         best = v;
         misses = 0;
       } else {

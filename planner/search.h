@@ -113,8 +113,13 @@ constexpr double resolution_us(double us) { return std::max(kMinGainUs, kMinGain
 // `cands[i]`: tensor i's candidate option indices (problem order);
 // `by_size`: the tensors by element count, largest first; `shortcuts`:
 // Evaluator::set_shortcuts. Returns the assignment and its value.
+// Groups are tensors of equal element count AND equal candidate sets (a
+// running job's ring tensors and sharded ones choose among different
+// options). `plain[o]`: the uncompressed option of option o's placement,
+// what the cleanup reverts to (empty: option 0 for every option).
 std::pair<Assignment, double> refine_groups(Problem& p, const std::vector<std::vector<int>>& cands,
                                             const std::vector<int>& by_size, Assignment start,
-                                            bool cleanup, bool shortcuts);
+                                            bool cleanup, bool shortcuts,
+                                            const std::vector<int>& plain = {});
 
 }  // namespace bytecomp::planner

@@ -619,6 +619,10 @@ void Coordinator::on_set_strategy(Incoming in, proto::SetStrategy m) {
                         std::string(to_string(current[t].placement)) + " to " +
                         std::string(to_string(plans[t].placement)) +
                         " (a placement change needs a new job)");
+    // Every party cut the tensors at admission by their pieces
+    // (assign_partitions, the nodes' paths, the clients' shared memory).
+    if (std::string why = strategy::layout_change(adm.tensors, current, plans); !why.empty())
+      throw Error(ErrorCode::kInvalidArgument, why);
     // Fused buckets are fixed for the job: their members must keep one plan.
     if (adm.fusion.enabled)
       unit_plans(fuse_job(adm.tensors, plan_job(adm.tensors, adm.strategy_yaml), adm.fusion),

@@ -8,6 +8,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 
 #include "server/server_log.h"
@@ -16,7 +17,11 @@ namespace bytecomp::server {
 
 class EngineThread {
  public:
-  EngineThread() : thread_([this] { run(); }) {}
+  EngineThread()
+      : thread_([this] {
+          pthread_setname_np(pthread_self(), "bc-srv-engine");
+          run();
+        }) {}
   ~EngineThread() { stop(); }
   void post(std::function<void()> fn) {
     {

@@ -18,6 +18,8 @@ std::string FusionConfig::describe() const {
 bool fusable(const TensorPlan& plan) {
   if (plan.placement != Placement::kSharded && plan.placement != Placement::kRing) return false;
   if (plan.server_error_feedback) return false;
+  // Pieces cut a tensor's partitions smaller; a bucket has equal shards.
+  if (strategy::plan_pieces(plan) > 1) return false;
   if (plan.option) {
     const strategy::Option& o = *plan.option;
     // The client compresses GPU options itself, per tensor partition.
@@ -165,6 +167,20 @@ std::vector<uint64_t> shard_elements(const JobUnits& units, size_t servers,
   std::vector<uint64_t> out(units.tensors.size(), 0);
   for (size_t u = units.declared; u < units.tensors.size(); ++u)
     out[u] = shard_elements(units, static_cast<uint32_t>(u), servers, partition_bytes);
+  return out;
+}
+
+std::vector<uint64_t> unit_partition_bytes(const JobUnits& units, size_t servers,
+                                           uint64_t partition_bytes) {
+  if (units.plans.size() != units.tensors.size())
+    throw Error(ErrorCode::kInvalidArgument,
+                "unit_partition_bytes: " + std::to_string(units.plans.size()) + " plans for " +
+                    std::to_string(units.tensors.size()) + " units");
+  std::vector<uint64_t> out(units.tensors.size());
+  for (size_t u = 0; u < units.tensors.size(); ++u)
+    out[u] = unit_partition_bytes(
+        units.plans[u], shard_elements(units, static_cast<uint32_t>(u), servers, partition_bytes),
+        partition_bytes);
   return out;
 }
 

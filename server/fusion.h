@@ -20,7 +20,10 @@
 // share a bucket. Compressed tensors (every other compressor), ps_single and
 // allgather tensors are never fused, nor tensors named "bytecomp.*"
 // (bytecomp.torch's control job pushes one alone and only broadcasts the
-// others: a bucket of them would never fill).
+// others: a bucket of them would never fill), nor tensors whose option has
+// pieces > 1 (strategy::tensor_partition_bytes: their partitions are cut
+// smaller on purpose, each its own chain; a bucket is cut into equal shards
+// instead, so a fused member's pieces would silently mean nothing).
 //
 // Order: DDP's. Backward produces gradients in reverse declaration order, so
 // buckets are filled from the last declared tensor to the first; per plan
@@ -99,5 +102,19 @@ uint64_t shard_elements(const JobUnits& units, uint32_t unit, size_t servers,
 // Per unit, for assign_partitions.
 std::vector<uint64_t> shard_elements(const JobUnits& units, size_t servers,
                                      uint64_t partition_bytes);
+
+// A unit's partition size in bytes, the one rule every party cuts by
+// (assign_partitions, the daemons' paths, scheduler and shared-memory
+// header): a sharded bucket's equal shards (shard_elems > 0, from
+// shard_elements), else its plan's (strategy::tensor_partition_bytes: the
+// option's pieces; a bucket's members never have pieces > 1).
+inline uint64_t unit_partition_bytes(const strategy::TensorPlan& plan, uint64_t shard_elems,
+                                     uint64_t partition_bytes) {
+  return shard_elems > 0 ? shard_elems * 4
+                         : strategy::tensor_partition_bytes(plan, partition_bytes);
+}
+// Per unit of `units` (units.plans: the job's first plans).
+std::vector<uint64_t> unit_partition_bytes(const JobUnits& units, size_t servers,
+                                           uint64_t partition_bytes);
 
 }  // namespace bytecomp::server

@@ -43,15 +43,18 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
                     " is below one fp32 element");
   if (tensors.size() > 0xFFFFFFFFull)
     throw Error(ErrorCode::kInvalidArgument, "assign_partitions: too many tensors");
-  const uint64_t per = partition_bytes / 4;
 
   Assignment a;
   a.by_tensor.resize(tensors.size());
   for (uint32_t t = 0; t < tensors.size(); ++t) {
     if (strategy::between_daemons(plans[t].placement)) continue;
+    // The unit's partition size as the nodes cut it: a fused bucket's equal
+    // shards, else the tensor's option's pieces (server/fusion.h).
+    const uint64_t tper =
+        unit_partition_bytes(plans[t], t < shard_elems.size() ? shard_elems[t] : 0,
+                             partition_bytes) /
+        4;
     uint64_t n = tensors[t].count;
-    // A fused bucket's equal shards (server/fusion.h), else partition_bytes.
-    const uint64_t tper = t < shard_elems.size() && shard_elems[t] > 0 ? shard_elems[t] : per;
     uint64_t parts = n == 0 ? 0 : (n + tper - 1) / tper;
     if (parts > 0xFFFFFFFFull)
       throw Error(ErrorCode::kInvalidArgument,

@@ -100,7 +100,10 @@ struct Assignment {
 };
 
 // The pure assignment function. Tensors are cut into partitions of at most
-// partition_bytes (fp32 bytes; the last one may be shorter). Placement
+// unit_partition_bytes(plan, shard_elems[t], partition_bytes) (server/fusion.h;
+// fp32 bytes: a fused bucket's equal shards, else the job's partition size
+// cut into the option's `pieces`; the last one may be shorter), so the digest
+// covers every tensor's pieces and every bucket's shards. Placement
 // kPeer and kRing tensors (between daemons) get none. Balancing (greedy, largest first, ties by key):
 // each kSharded partition goes to the server with the fewest assigned bytes,
 // each kSingle tensor as a whole to the least-loaded server; then within a
@@ -109,7 +112,7 @@ struct Assignment {
 // Error(kInvalidArgument) for an empty server list (when any partition
 // exists), partition_bytes < 4, or plans.size() != tensors.size().
 // shard_elems (server/fusion.h's shard_elements, may be empty): per tensor, a
-// partition size in elements for fused buckets (0: partition_bytes); such a
+// partition size in elements for fused buckets (0: the plan's); such a
 // kSharded tensor's partitions are placed first, round-robin from the least
 // loaded server, so every server holds an equal share of it.
 Assignment assign_partitions(const std::vector<TensorSpec>& tensors,

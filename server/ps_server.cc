@@ -36,9 +36,13 @@ ParameterServer::Impl::Impl(ServerConfig c) : cfg(std::move(c)) {
 }
 
 void ParameterServer::Impl::start() {
-  tp->set_handler(proto::kPush, [this](Incoming in) { on_data(std::move(in)); });
-  tp->set_handler(proto::kPull, [this](Incoming in) { on_data(std::move(in)); });
-  tp->set_handler(proto::kBroadcast, [this](Incoming in) { on_data(std::move(in)); });
+  // The data path runs on the transport's I/O loop: on_data checks the
+  // message and hands it to its partition's engine thread (or refuses it),
+  // never blocking, so the handler-thread hop would only add a wake-up
+  // per message.
+  tp->set_inline_handler(proto::kPush, [this](Incoming in) { on_data(std::move(in)); });
+  tp->set_inline_handler(proto::kPull, [this](Incoming in) { on_data(std::move(in)); });
+  tp->set_inline_handler(proto::kBroadcast, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_handler(proto::kStats, [this](Incoming in) { on_stats(in); });
   tp->set_handler(proto::kProbe, [this](Incoming in) {
     if (in.expects_reply) reply(in, proto::probe_answer(in.message));

@@ -101,6 +101,7 @@ TransportConfig read_transport_config(config::Reader& r) {
   r.get("io_threads", c.io_threads, Range<int>{1, 64});
   r.get("handler_threads", c.handler_threads, Range<int>{1, 64});
   r.get("inline_handlers", c.inline_handlers);
+  r.get("local_ipc", c.local_ipc);
   int64_t spin_us = c.wait_spin.count();
   r.get("wait_spin_us", spin_us, Range<int64_t>{0, 1000});
   c.wait_spin = std::chrono::microseconds{spin_us};

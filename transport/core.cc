@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <future>
 
+#include <pthread.h>
+
 namespace bytecomp::transport {
 
 // --------------------------------------------------------------------------
@@ -11,7 +13,11 @@ namespace bytecomp::transport {
 void Dispatcher::start() {
   std::lock_guard lock(mu_);
   if (thread_.joinable() || stopping_) return;
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    // Named for per-thread CPU figures (scripts/bench-cpu) and profiles.
+    pthread_setname_np(pthread_self(), name_.substr(0, 15).c_str());
+    run();
+  });
 }
 
 void Dispatcher::post(std::function<void()> fn) {
@@ -91,12 +97,20 @@ Millis TransportBase::wait_bound() const {
 }
 
 void TransportBase::set_handler(uint16_t type, Handler handler) {
+  register_handler(type, std::move(handler), false);
+}
+
+void TransportBase::set_inline_handler(uint16_t type, Handler handler) {
+  register_handler(type, std::move(handler), true);
+}
+
+void TransportBase::register_handler(uint16_t type, Handler handler, bool run_inline) {
   if (type > kMaxUserType)
     throw Error(ErrorCode::kInvalidArgument,
                 "transport: handler type " + std::to_string(type) +
                     " is reserved (accepted: 0.." + std::to_string(kMaxUserType) + ")");
   std::lock_guard lock(mu_);
-  handlers_[type] = std::move(handler);
+  handlers_[type] = TypeHandler{std::move(handler), run_inline};
 }
 
 void TransportBase::set_default_handler(Handler handler) {
@@ -210,7 +224,10 @@ void TransportBase::enqueue(Outgoing out) {
            (queued_messages_ < config_.send_queue_messages &&
             queued_bytes_ + out.bytes <= config_.send_queue_bytes);
   };
-  if (!stopping_ && !fits()) {
+  // An inline handler's reply is let through a full queue: blocking here
+  // would wait for the thread that drains it (this one) until the timeout.
+  // The loop moves the queue to the wire right after the handler returns.
+  if (!stopping_ && !fits() && !on_io_thread()) {
     bool ok = false;
     if (config_.backpressure == TransportConfig::Backpressure::kBlock)
       ok = send_space_cv_.wait_for(lock, config_.send_block_timeout,
@@ -476,14 +493,17 @@ void TransportBase::dispatch(Incoming in, Assembler assemble) {
   // Inline only when nothing received earlier still waits for a handler
   // thread (dispatch runs on the loop thread alone, so the count cannot
   // grow meanwhile): per-sender order holds either way.
-  if (config_.inline_handlers && on_io_thread() &&
-      receive_queued_.load(std::memory_order_relaxed) == 0) {
-    bool started;
+  if (on_io_thread() && receive_queued_.load(std::memory_order_relaxed) == 0) {
+    bool run_here;
     {
       std::lock_guard lock(mu_);
-      started = started_;
+      auto it = handlers_.find(in.message.header.type);
+      // A per-type inline handler leaves a multi-frame payload's copy to
+      // the handler threads (the loop must not stall on big copies).
+      run_here = started_ && (config_.inline_handlers ||
+                              (it != handlers_.end() && it->second.run_inline && !assemble));
     }
-    if (started) {
+    if (run_here) {
       run_handler(std::move(in), std::move(assemble));
       return;
     }
@@ -506,7 +526,7 @@ void TransportBase::run_handler(Incoming in, Assembler assemble) {
     {
       std::lock_guard lock(mu_);
       auto it = handlers_.find(in.message.header.type);
-      if (it != handlers_.end()) h = it->second;
+      if (it != handlers_.end()) h = it->second.fn;
       else h = default_handler_;
     }
     if (h) {

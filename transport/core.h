@@ -79,6 +79,7 @@ class TransportBase : public Transport {
   NodeId self() const override { return config_.node_id; }
   std::string_view backend() const override { return backend_name_; }
   void set_handler(uint16_t type, Handler handler) override;
+  void set_inline_handler(uint16_t type, Handler handler) override;
   void set_default_handler(Handler handler) override;
   void on_peer_failure(PeerFailureCallback callback) override;
   void start() override;
@@ -190,7 +191,12 @@ class TransportBase : public Transport {
   std::multimap<Clock::time_point, uint64_t> deadlines_;
   std::unordered_map<NodeId, Peer> peers_;
   PeerFailureCallback peer_failure_;
-  std::unordered_map<uint16_t, Handler> handlers_;
+  struct TypeHandler {
+    Handler fn;
+    bool run_inline = false;  // set_inline_handler
+  };
+  std::unordered_map<uint16_t, TypeHandler> handlers_;
+  void register_handler(uint16_t type, Handler handler, bool run_inline);
   Handler default_handler_;
   bool started_ = false;
 

@@ -241,6 +241,16 @@ struct TransportConfig {
   // longer than a round trip made it clearly worse (docs/transport.md,
   // Measured). 0 = sleep at once. Key wait_spin_us, 0..1000.
   std::chrono::microseconds wait_spin{0};
+  // zmq: a peer on this host is reached over a Unix socket instead of TCP
+  // loopback. Every tcp:// listen endpoint is also bound as the abstract
+  // socket ipc://@bytecomp-tcp-HOST:PORT (abstract sockets are private to
+  // the network namespace, so only processes that share this one's network
+  // stack can see it), and add_peer("tcp://HOST:PORT") connects to that
+  // socket when it exists in this namespace (for a 0.0.0.0 listener: when
+  // HOST is one of this namespace's addresses). Same framing, heartbeats and
+  // CURVE; about a third of loopback TCP's CPU per byte (docs/transport.md).
+  // false: always TCP. Key local_ipc.
+  bool local_ipc = true;
 
   Millis heartbeat_interval{500};
   // A peer silent for this long is reported lost (the detection bound).
@@ -274,7 +284,7 @@ struct TransportConfig {
 // and owns the surrounding document). Every key is validated and finish() is
 // called. Keys (all optional):
 //   backend, node_id, listen (list), io_threads, handler_threads,
-//   inline_handlers, wait_spin_us,
+//   inline_handlers, wait_spin_us, local_ipc,
 //   heartbeat_interval_ms, peer_timeout_ms, default_request_timeout_ms,
 //   max_frame_bytes, max_message_bytes, max_payloads,
 //   send_queue_messages, send_queue_bytes, receive_queue_messages,
@@ -304,6 +314,14 @@ class Transport {
   // are dropped with a logged warning and a request gets a kUnavailable
   // error reply.
   virtual void set_handler(uint16_t type, Handler handler) = 0;
+  // The same, for a handler that never blocks and finishes in microseconds:
+  // it runs on the backend's I/O loop thread, like every handler under
+  // TransportConfig::inline_handlers, but for this type only (one thread
+  // hand-off fewer per message; the same rules: no call()/send_wait() from
+  // it, and while it runs this node reads, writes and heartbeats nothing).
+  // A message that arrives while earlier ones still wait for a handler
+  // thread goes through the handler threads too, so per-sender order holds.
+  virtual void set_inline_handler(uint16_t type, Handler handler) = 0;
   virtual void set_default_handler(Handler handler) = 0;
   virtual void on_peer_failure(PeerFailureCallback callback) = 0;
 

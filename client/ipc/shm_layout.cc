@@ -58,7 +58,7 @@ Layout Layout::compute(uint32_t local_size, const std::vector<uint64_t>& tensor_
   l.tensors.reserve(tensor_bytes.size());
   for (uint64_t b : tensor_bytes) {
     const uint64_t stride = align_up(checked_add(b, kAlign - 1), kAlign);
-    l.tensors.push_back({b, at, stride});
+    l.tensors.push_back({b, at, stride, 0, 0});
     at = checked_add(at, checked_mul(stride, local_size));
   }
   l.total_bytes = align_up(std::max<uint64_t>(at, 4096), 4096);
@@ -115,6 +115,21 @@ SegmentHeader* check_segment(void* base, uint64_t mapped_bytes, const Layout& l)
     }
   }
   return h;
+}
+
+std::string check_tensor_partitions(const TensorSlot& slot, uint64_t job_partition_bytes) {
+  const uint64_t pb = slot.partition_bytes;
+  if (pb == 0 || pb % kAlign != 0 || pb > job_partition_bytes) {
+    return "partition size " + std::to_string(pb) + " is not a positive multiple of " +
+           std::to_string(kAlign) + " up to the job's " + std::to_string(job_partition_bytes);
+  }
+  const uint64_t want = slot.bytes == 0 ? 1 : (slot.bytes + pb - 1) / pb;
+  if (slot.partitions != want) {
+    return std::to_string(slot.partitions) + " partitions of " + std::to_string(pb) +
+           " bytes for " + std::to_string(slot.bytes) + " bytes (expected " +
+           std::to_string(want) + ")";
+  }
+  return {};
 }
 
 bool Ring::push(const RingEntry& entry) {

@@ -40,7 +40,9 @@ namespace bytecomp::ipc {
 
 inline constexpr uint32_t kSegmentMagic = 0x47534342;  // "BCSG"
 // 2: the header carries the daemon's heartbeat and the job's partition size.
-inline constexpr uint32_t kLayoutVersion = 2;
+// 3: each TensorSlot carries the tensor's own partition size and count
+//    (strategy::tensor_partition_bytes: the strategy's `pieces`).
+inline constexpr uint32_t kLayoutVersion = 3;
 inline constexpr uint64_t kAlign = 64;
 inline constexpr size_t kAbortReasonBytes = 1024;
 
@@ -125,7 +127,22 @@ struct TensorSlot {
   uint64_t bytes;
   uint64_t offset;  // of local rank 0's buffer
   uint64_t stride;  // rank r's buffer is at offset + r * stride
+  // Layout 3: the tensor's partitions, fixed for the job: bytes each (the
+  // last may be shorter; the job's partition size cut into the strategy's
+  // `pieces`) and how many. 0 until the daemon publishes them: it writes
+  // both before its release store of SegmentHeader::partition_bytes, so a
+  // client that read that non-zero (acquire) reads them complete. Layout
+  // compute() leaves them 0; check_segment() does not compare them.
+  uint32_t partition_bytes = 0;
+  uint32_t partitions = 0;
 };
+static_assert(sizeof(TensorSlot) == 32);
+
+// Checks what the daemon published in a slot once the header's partition
+// size is non-zero: a positive multiple of 64 not above `job_partition_bytes`,
+// and `partitions` = ceil(bytes / partition_bytes) (1 for 0 bytes). Empty
+// when sound, else what is wrong (the client fails naming the tensor).
+std::string check_tensor_partitions(const TensorSlot& slot, uint64_t job_partition_bytes);
 
 // Where everything goes, computed identically by daemon and client.
 struct Layout {

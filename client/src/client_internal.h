@@ -180,6 +180,27 @@ struct bytecomp_client {
     return ipc::decode(buf);
   }
 
+  // Tensor `id`'s partitions as the daemon published them in its slot
+  // (their bytes each and count: the job's partition size cut into the
+  // strategy's pieces); {0, 0} before the daemon published the job's
+  // partition size. A slot that does not add up breaks the job (lock held;
+  // started, id checked).
+  std::pair<uint64_t, uint32_t> tensor_partitions(uint32_t id) {
+    const uint64_t job_pb = header->partition_bytes.load(std::memory_order_acquire);
+    if (job_pb == 0) return {0, 0};
+    const auto* slots = reinterpret_cast<const ipc::TensorSlot*>(
+        static_cast<const char*>(region.get_address()) + layout.tensors_offset);
+    ipc::TensorSlot s = slots[id];
+    s.bytes = layout.tensors[id].bytes;  // ours, not the segment's (checked at start)
+    if (std::string why = ipc::check_tensor_partitions(s, job_pb); !why.empty()) {
+      const std::string msg = "the daemon's partitions of tensor '" + tensors[id].name +
+                              "' in shared memory do not add up: " + why;
+      break_job(BYTECOMP_ERR_PROTOCOL, msg);
+      fail(BYTECOMP_ERR_PROTOCOL, msg);
+    }
+    return {s.partition_bytes, s.partitions};
+  }
+
   // "push_pull of tensor 'x' (iteration 3)", "barrier 2" (lock held).
   std::string describe(const Op& op) const {
     if (op.tensor == ipc::kBarrierTensor) return "barrier " + std::to_string(op.iteration);

@@ -20,8 +20,8 @@ bytecomp_status push_pull(bytecomp_client* c, uint32_t id, uint64_t iteration,
     require_tensor(c, id);
     const TensorInfo& t = c->tensors[id];
     if (const uint32_t dense = ipc::submit_dense_partitions(flags); dense != 0) {
-      const uint64_t pb = c->header->partition_bytes.load(std::memory_order_acquire);
-      const uint64_t parts = std::max<uint64_t>(1, (t.bytes + pb - 1) / pb);
+      // The tensor's own partitions (its strategy's pieces).
+      const auto [pb, parts] = c->tensor_partitions(id);
       if (dense >= parts) {
         fail(BYTECOMP_ERR_INVALID_ARGUMENT,
              std::string(fn) + ": tensor '" + t.name + "' has " + std::to_string(parts) +
@@ -96,6 +96,24 @@ bytecomp_status bytecomp_partition_bytes(bytecomp_client* c, uint64_t* out) {
     std::lock_guard lock(c->mu);
     require_started(c, "bytecomp_partition_bytes");
     *out = c->header->partition_bytes.load(std::memory_order_acquire);
+  });
+}
+
+bytecomp_status bytecomp_tensor_partitions(bytecomp_client* c, uint32_t id,
+                                          uint64_t* out_partition_bytes,
+                                          uint32_t* out_partitions) {
+  return guarded([&] {
+    require_client(c);
+    if (out_partition_bytes == nullptr)
+      fail(BYTECOMP_ERR_INVALID_ARGUMENT, "out_partition_bytes is NULL");
+    *out_partition_bytes = 0;
+    if (out_partitions != nullptr) *out_partitions = 0;
+    std::lock_guard lock(c->mu);
+    require_started(c, "bytecomp_tensor_partitions");
+    require_tensor(c, id);
+    const auto [pb, parts] = c->tensor_partitions(id);
+    *out_partition_bytes = pb;
+    if (out_partitions != nullptr) *out_partitions = parts;
   });
 }
 

@@ -38,7 +38,9 @@ constexpr const char* kUsage =
     "  bytecomp-plan decide NODE_PROFILE.yaml... --out RUN_DIR [--compressors a,b]\n"
     "                [--exclude glob,glob] [--nodes N] [--servers N] [--dedicated-servers]\n"
     "                [--partition-bytes B] [--min-compress-bytes B]\n"
-    "                [--no-guards] [--guard-min-bytes B]\n"
+    "                [--no-guards] [--guard-min-bytes B] [--placement fixed|free]\n"
+    "  bytecomp-plan scale [--nodes 2,4,16,...] [--gbps G] [--latency-us A] [--tensors K]\n"
+    "                [--tensor-bytes B] [--partition-bytes B] [--fp16] [--json]\n"
     "  bytecomp-plan explain RUN_DIR   (RUN_DIR/plan.yaml, RUN_DIR/measured.yaml if present)\n";
 
 std::string jstr(const std::string& s) {
@@ -589,7 +591,8 @@ uint64_t count_arg(const Args& a, const std::string& key, uint64_t def, uint64_t
 int cmd_decide(const std::vector<std::string>& args, std::ostream& out) {
   const Args a = parse_args(args,
                             {"--out", "--compressors", "--exclude", "--nodes", "--servers",
-                             "--partition-bytes", "--min-compress-bytes", "--guard-min-bytes"},
+                             "--partition-bytes", "--min-compress-bytes", "--guard-min-bytes",
+                             "--placement"},
                             {"--dedicated-servers", "--no-guards"});
   if (a.positional.empty())
     throw Error(ErrorCode::kInvalidArgument, "decide needs at least one node profile");
@@ -610,12 +613,149 @@ int cmd_decide(const std::vector<std::string>& args, std::ostream& out) {
   cfg.guards = a.flags.count("--no-guards") ? strategy::AccuracyGuards::off()
                                             : strategy::AutoSpec{}.guards;
   cfg.guards.min_bytes = count_arg(a, "--guard-min-bytes", cfg.guards.min_bytes, 0);
+  if (auto it = a.values.find("--placement"); it != a.values.end()) {
+    if (it->second != "fixed" && it->second != "free")
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--placement '" + it->second + "' (accepted: fixed, free)");
+    cfg.fixed_placement = it->second == "fixed";
+  }
   const online::Decision d = online::decide(online::merge(nodes), cfg);
   const std::string dir = a.values.at("--out");
   write_file(dir + "/plan.yaml", d.to_yaml());
   write_file(dir + "/strategy.yaml", d.strategy.to_yaml());
   write_file(dir + "/timeline.json", d.timeline_json);
   out << d.explain();
+  return 0;
+}
+
+double double_arg(const Args& a, const std::string& key, double def, double lo, double hi) {
+  auto it = a.values.find(key);
+  if (it == a.values.end()) return def;
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(it->second, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != it->second.size() || used == 0 || !(v >= lo && v <= hi))
+    throw Error(ErrorCode::kInvalidArgument, key + ": '" + it->second + "' is not a number in " +
+                                                 jnum(lo) + ".." + jnum(hi));
+  return v;
+}
+
+// scale: the CPU-node model's iteration of a model of K tensors of B bytes,
+// all ready at once (scripts/bench-ring's load), on the ring and on
+// push/pull (colocated servers, one per node), for each cluster size; with
+// the online planner's fitted ring and push/pull link model
+// (online::AutoConfig). The per-node link is the same at every size.
+int cmd_scale(const std::vector<std::string>& args, std::ostream& out) {
+  const Args a = parse_args(args,
+                            {"--nodes", "--gbps", "--latency-us", "--tensors", "--tensor-bytes",
+                             "--partition-bytes", "--comm-cpu-ns"},
+                            {"--fp16", "--json"});
+  if (!a.positional.empty())
+    throw Error(ErrorCode::kInvalidArgument, "scale takes no positional argument ('" +
+                                                 a.positional.front() + "')");
+  std::vector<int> sizes;
+  for (const std::string& x : split_list(a.values.count("--nodes") ? a.values.at("--nodes")
+                                                                   : "2,4,8,16,32,64,128,256")) {
+    size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(x, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != x.size() || v < 2 || v > 100000)
+      throw Error(ErrorCode::kInvalidArgument, "--nodes: '" + x + "' is not a node count >= 2");
+    sizes.push_back(v);
+  }
+  const double gbps = double_arg(a, "--gbps", 1.0, 1e-3, 1e6);
+  const double latency = double_arg(a, "--latency-us", 200, 0, 1e6);
+  const double comm_ns = double_arg(a, "--comm-cpu-ns", 0, 0, 1e6);
+  const uint64_t tensors = count_arg(a, "--tensors", 8, 1);
+  const uint64_t tbytes = count_arg(a, "--tensor-bytes", 4 << 20, 4);
+  if (tbytes % 4 != 0)
+    throw Error(ErrorCode::kInvalidArgument, "--tensor-bytes must be a multiple of 4");
+  const online::AutoConfig defaults;
+  const uint64_t part = count_arg(a, "--partition-bytes", defaults.partition_bytes, 4096);
+  const bool fp16 = a.flags.count("--fp16") != 0;
+
+  Profile prof;
+  prof.model = "bench-ring";
+  prof.forward_us = 0;
+  for (uint64_t t = 0; t < tensors; ++t)
+    prof.tensors.push_back({"layer" + std::to_string(t), tbytes / 4, 0});
+  CostTable costs;
+  costs.name = "scale";
+  if (fp16) {
+    // The wire halves; the conversions are not counted (no measurement here).
+    CompressorCost c;
+    c.name = "fp16";
+    c.bytes_per_element = 2;
+    c.cpu = DeviceCost{};
+    costs.compressors["fp16"] = c;
+  }
+  const std::vector<Option> options{fp16 ? online::sharded_option("fp16") : Option{},
+                                    online::ring_option(fp16 ? "fp16" : "none")};
+  struct Row {
+    int nodes;
+    double ps_ms, ring_ms, ideal_ms;
+  };
+  std::vector<Row> rows;
+  for (int M : sizes) {
+    Cluster c;
+    c.name = "scale";
+    c.cpu_nodes = true;
+    c.machines = M;
+    c.servers = M;
+    c.pool_threads = 1;
+    c.cpu_cores = 1;
+    c.partition_bytes = part;
+    c.inter.gbps = gbps;
+    c.inter.latency_us = latency;
+    c.comm_cpu_us_per_byte = comm_ns * 1e-3;
+    c.ring_chunk_bytes = defaults.ring_chunk_bytes;
+    c.ring_hop_us = defaults.ring_hop_rtts * latency;
+    c.ring_link_share = defaults.ring_link_share;
+    c.ps_overhead = defaults.ps_overhead;
+    c.ps_fanin_overhead = defaults.ps_fanin_overhead;
+    Problem p(prof, c, costs, options);
+    Evaluator ev(p);
+    const int n = p.tensors();
+    const double ps = ev.evaluate(Assignment(n, 0));
+    const double ring = ev.evaluate(Assignment(n, 1));
+    const double wire = (fp16 ? 2.0 : 4.0) * static_cast<double>(tensors * (tbytes / 4));
+    const double ideal = 2.0 * (M - 1) / M * wire / c.inter.bytes_per_us();
+    rows.push_back({M, ps / 1e3, ring / 1e3, ideal / 1e3});
+  }
+  if (a.flags.count("--json")) {
+    out << "{\"gbps\": " << jnum(gbps) << ", \"latency_us\": " << jnum(latency)
+        << ", \"tensors\": " << tensors << ", \"tensor_bytes\": " << tbytes
+        << ", \"wire\": \"" << (fp16 ? "fp16" : "fp32") << "\", \"rows\": [";
+    for (size_t i = 0; i < rows.size(); ++i)
+      out << (i ? ", " : "") << "{\"nodes\": " << rows[i].nodes
+          << ", \"ps_ms\": " << jnum(rows[i].ps_ms) << ", \"ring_ms\": " << jnum(rows[i].ring_ms)
+          << ", \"link_ms\": " << jnum(rows[i].ideal_ms)
+          << ", \"ring_vs_ps\": " << jnum(rows[i].ps_ms / rows[i].ring_ms) << "}";
+    out << "]}\n";
+    return 0;
+  }
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "model: %llu x %llu B (%s on the wire), link %g Gbit/s, latency %g us, partitions "
+                "%llu B, ring chunks %llu B\n",
+                static_cast<unsigned long long>(tensors), static_cast<unsigned long long>(tbytes),
+                fp16 ? "fp16" : "fp32", gbps, latency, static_cast<unsigned long long>(part),
+                static_cast<unsigned long long>(defaults.ring_chunk_bytes));
+  out << line;
+  out << "nodes  push/pull ms      ring ms   link-bound ms   ring speed-up\n";
+  for (const Row& r : rows) {
+    std::snprintf(line, sizeof line, "%5d  %12.1f  %11.1f  %14.1f  %13.2fx\n", r.nodes, r.ps_ms,
+                  r.ring_ms, r.ideal_ms, r.ps_ms / r.ring_ms);
+    out << line;
+  }
   return 0;
 }
 
@@ -673,6 +813,7 @@ int run_cli(const std::vector<std::string>& args, std::ostream& out, std::ostrea
     if (args[0] == "bench") return cmd_bench(rest, out);
     if (args[0] == "explain") return cmd_explain(rest, out);
     if (args[0] == "decide") return cmd_decide(rest, out);
+    if (args[0] == "scale") return cmd_scale(rest, out);
     return cmd_plan(args, out);
   } catch (const std::exception& e) {
     err << "bytecomp-plan: " << e.what() << "\n";

@@ -1,10 +1,14 @@
 #include "planner/strategy/auto_spec.h"
 
+#include <fnmatch.h>
 #include <yaml-cpp/yaml.h>
+
+#include <algorithm>
 
 #include <sstream>
 
 #include "compress/compressor.h"
+#include "planner/strategy/strategy.h"
 
 namespace bytecomp::strategy {
 
@@ -106,6 +110,60 @@ std::string AutoSpec::to_yaml() const {
     << "loss_guard: {enabled: " << (loss_guard ? "true" : "false") << ", window: " << loss_window
     << ", tolerance: " << loss_tolerance << "}\n";
   return o.str();
+}
+
+std::string guard_reason(const AccuracyGuards& guards, const std::vector<std::string>& names,
+                         const std::vector<uint64_t>& elements, size_t index) {
+  const std::string& name = names.at(index);
+  for (const std::string& g : guards.names)
+    if (fnmatch(g.c_str(), name.c_str(), 0) == 0) return "guard: name matches '" + g + "'";
+  if (guards.output_layer && !names.empty()) {
+    // The output layer: the module of the last-declared tensor (frameworks
+    // declare parameters in definition order, the classifier last).
+    auto module_of = [](const std::string& n) {
+      const size_t dot = n.rfind('.');
+      return dot == std::string::npos ? n : n.substr(0, dot);
+    };
+    const std::string last = module_of(names.back());
+    if (module_of(name) == last) return "guard: output layer '" + last + "'";
+  }
+  const uint64_t bytes = 4 * elements.at(index);
+  if (bytes < guards.min_bytes)
+    return "guard: " + std::to_string(bytes) + " B < min_bytes " +
+           std::to_string(guards.min_bytes) + " B";
+  return "";
+}
+
+std::string start_strategy_yaml(const AutoSpec& spec, const std::vector<std::string>& names,
+                                const std::vector<uint64_t>& elements, uint32_t nodes,
+                                uint64_t partition_bytes) {
+  if (nodes < 2 || names.size() != elements.size()) return "";
+  Option ring;
+  ring.inter = Collective::kAllreduce;
+  Strategy s;
+  s.set_default(Option{});
+  size_t on_ring = 0;
+  for (size_t t = 0; t < names.size(); ++t) {
+    bool excluded = false;
+    for (const std::string& g : spec.exclude)
+      excluded = excluded || fnmatch(g.c_str(), names[t].c_str(), 0) == 0;
+    const bool never_compressed =
+        spec.compressors.empty() || excluded || !guard_reason(spec.guards, names, elements, t).empty();
+    if (!never_compressed || elements[t] == 0) continue;
+    // The smallest partition of the tensor decides (its last one).
+    const uint64_t bytes = 4 * elements[t];
+    const uint64_t part = partition_bytes == 0 ? bytes : std::min(bytes, partition_bytes);
+    const uint64_t last = partition_bytes == 0 || bytes % partition_bytes == 0 || bytes < partition_bytes
+                              ? part
+                              : bytes % partition_bytes;
+    if (nodes > 2 && std::min(part, last) < kRingStartMinBytes) continue;
+    s.add_entry({names[t], ring});
+    ++on_ring;
+  }
+  if (on_ring == 0) return "";
+  s.meta["written_by"] = "bytecompd auto (start placement)";
+  s.meta["ring_tensors"] = std::to_string(on_ring);
+  return s.to_yaml();
 }
 
 }  // namespace bytecomp::strategy

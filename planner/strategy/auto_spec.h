@@ -99,4 +99,32 @@ struct AutoSpec {
   bool operator==(const AutoSpec&) const = default;
 };
 
+// Why tensor `index` (of `names`/`elements` in declaration order, fp32
+// elements) is kept uncompressed by `guards`: "" when no guard holds it,
+// else the reason, e.g. "guard: 40 B < min_bytes 262144 B" (the online
+// planner's explain table prints it).
+std::string guard_reason(const AccuracyGuards& guards, const std::vector<std::string>& names,
+                         const std::vector<uint64_t>& elements, size_t index);
+
+// The strategy an auto job starts with: its join strategy, which fixes each
+// tensor's placement for the job's life (the coordinator refuses moving a
+// tensor between the servers and the daemons' ring once the job runs,
+// docs/auto.md "Placement"). Every tensor uncompressed; on the ring
+// (inter: allreduce) the tensors auto can never compress beyond fp16 (the
+// ring carries fp16: every tensor when `spec.compressors` is empty, else
+// those an accuracy guard or `exclude` keeps uncompressed) where the
+// planner's model (planner/model.h Cluster::ring_us) has the ring no slower
+// than push/pull whatever the link: on 2 nodes every such tensor (both pay
+// two latencies per partition, and the ring reaches more of the link), on
+// more nodes those whose partitions (of `partition_bytes`) are at least
+// kRingStartMinBytes (smaller ones pay the ring's 2(N-1) hops: 64 KiB on 4
+// nodes measured 0.43x push/pull's speed, 1 MiB 2.06x; docs/planner.md).
+// The rest stay sharded over the servers, where any accepted compressor can
+// take them later. "" when no tensor goes on the ring (the job starts
+// uncompressed on the servers, as before).
+constexpr uint64_t kRingStartMinBytes = 1 << 20;
+std::string start_strategy_yaml(const AutoSpec& spec, const std::vector<std::string>& names,
+                                const std::vector<uint64_t>& elements, uint32_t nodes,
+                                uint64_t partition_bytes);
+
 }  // namespace bytecomp::strategy

@@ -173,6 +173,29 @@ std::vector<TensorPlan> make_plans(const strategy::Strategy& strategy, const std
   return plans;
 }
 
+int plan_pieces(const TensorPlan& plan) { return plan.option ? plan.option->pieces : 1; }
+
+uint64_t tensor_partition_bytes(const TensorPlan& plan, uint64_t partition_bytes) {
+  const int q = plan_pieces(plan);
+  if (q <= 1) return partition_bytes;
+  const uint64_t slice = partition_bytes / static_cast<uint64_t>(q) / kSliceAlignBytes * kSliceAlignBytes;
+  return std::max(slice, kSliceAlignBytes);
+}
+
+std::string layout_change(std::span<const PlanTensor> tensors, const std::vector<TensorPlan>& from,
+                          const std::vector<TensorPlan>& to) {
+  for (size_t t = 0; t < std::min({tensors.size(), from.size(), to.size()}); ++t) {
+    const int a = plan_pieces(from[t]);
+    const int b = plan_pieces(to[t]);
+    if (a != b)
+      return "tensor '" + tensors[t].name + "' would change pieces from " + std::to_string(a) +
+             " to " + std::to_string(b) +
+             " (its partitions are cut by pieces and fixed for the job: a pieces change needs a "
+             "new job)";
+  }
+  return {};
+}
+
 std::vector<TensorPlan> uncompressed_plans(size_t n) { return std::vector<TensorPlan>(n); }
 
 uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count) {

@@ -134,6 +134,34 @@ std::vector<TensorPlan> make_plans(const strategy::Strategy& strategy, const std
 // Plans without a strategy: every tensor uncompressed.
 std::vector<TensorPlan> uncompressed_plans(size_t n);
 
+// Option::pieces executed: the partition size of one tensor. The job's
+// partition size (the cluster's, or a one-node daemon's) is cut into the
+// option's `pieces` slices, each rounded down to a multiple of
+// kSliceAlignBytes (whole elements of every dtype, and the 64-byte alignment
+// the daemon's scheduler and the clients' compressed payload layout keep),
+// never below kSliceAlignBytes. pieces 1 (or a plan without an option):
+// partition_bytes unchanged. A tensor of b bytes then runs as
+// partition_count(b, tensor_partition_bytes(...)) partitions, each the
+// option's whole chain with its own key, seed and state. This is the one
+// function every party derives the layout with: assign_partitions (the
+// coordinator, every server and node compare its digest), the daemon's paths
+// and scheduler, and the shared-memory header clients read (TensorSlot).
+// Because it depends on the plan, a strategy change that changes a tensor's
+// pieces changes its layout: refused (the coordinator, and the daemon for a
+// one-node job), like a placement change.
+inline constexpr uint64_t kSliceAlignBytes = 64;
+int plan_pieces(const TensorPlan& plan);
+uint64_t tensor_partition_bytes(const TensorPlan& plan, uint64_t partition_bytes);
+// Partitions of `bytes` bytes cut every `part` bytes: at least 1 (a tensor
+// of 0 bytes still runs one, as the scheduler does).
+inline uint64_t partition_count(uint64_t bytes, uint64_t part) {
+  return bytes == 0 || part == 0 ? 1 : (bytes + part - 1) / part;
+}
+// Empty when `to` keeps every tensor's partition layout of `from` (same
+// pieces); else "tensor '<name>' would change pieces from a to b (...)".
+std::string layout_change(std::span<const PlanTensor> tensors, const std::vector<TensorPlan>& from,
+                          const std::vector<TensorPlan>& to);
+
 // Bytes a push / a pull answer of `count` elements may have under `plan`
 // (exact for raw formats, an upper bound for compressed ones).
 uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count);

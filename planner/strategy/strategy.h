@@ -105,10 +105,13 @@ struct Option {
   // the wire. One of kAllowedPieces; 1 = one chain (no pipelining). Each
   // slice pays every operation's fixed cost, so more pieces trade fixed
   // overhead for overlap. With cpu_share, the CPU part and the rest are each
-  // cut into `pieces` slices. The CPU runtime accepts it and ignores it: it
-  // pipelines every tensor by its own partition_bytes
-  // (docs/strategy-format.md). (Added after version 1 shipped; absent from a
-  // file means 1.)
+  // cut into `pieces` slices. The runtime executes it by cutting the job's
+  // partition size: the tensor's partitions are partition_bytes / pieces
+  // (rounded down to 64 bytes; strategy::tensor_partition_bytes), each with
+  // its own key, seed and compressor state, fixed for the job (a strategy
+  // change of a tensor's pieces is refused); cpu_share rounds to whole
+  // partitions of that smaller size. (Added after version 1
+  // shipped; absent from a file means 1.)
   int pieces = 1;
   static constexpr int kAllowedPieces[] = {1, 2, 4, 8};
 

@@ -166,6 +166,36 @@ TEST(Layout, AlignedDisjointAndChecked) {
   EXPECT_THROW(ipc::Layout::compute(2, {UINT64_MAX / 2}), Error);
 }
 
+// Layout 3's per-tensor partitions (the strategy's pieces): zero until the
+// daemon publishes them, which check_segment() does not compare; what the
+// client then reads must add up, or it is named.
+TEST(Layout, TensorPartitionsStartUnsetAndAreChecked) {
+  auto l = ipc::Layout::compute(2, {160000, 0});
+  std::vector<char> mem(l.total_bytes + 64);
+  void* base = mem.data() + (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64;
+  ipc::init_segment(base, l);
+  auto* slots = reinterpret_cast<ipc::TensorSlot*>(static_cast<char*>(base) + l.tensors_offset);
+  EXPECT_EQ(slots[0].partition_bytes, 0u);
+  EXPECT_EQ(slots[0].partitions, 0u);
+  slots[0].partition_bytes = 16384;  // 64 KiB cut into 4 pieces
+  slots[0].partitions = 10;
+  slots[1].partition_bytes = 65536;
+  slots[1].partitions = 1;  // a tensor of 0 bytes still runs one
+  EXPECT_NE(ipc::check_segment(base, l.total_bytes, l), nullptr);
+  EXPECT_EQ(ipc::check_tensor_partitions(slots[0], 65536), "");
+  EXPECT_EQ(ipc::check_tensor_partitions(slots[1], 65536), "");
+  ipc::TensorSlot bad = slots[0];
+  bad.partitions = 9;
+  EXPECT_NE(ipc::check_tensor_partitions(bad, 65536).find("9 partitions of 16384 bytes"),
+            std::string::npos);
+  bad = slots[0];
+  bad.partition_bytes = 16352;  // 10 partitions, but not a multiple of 64
+  EXPECT_NE(ipc::check_tensor_partitions(bad, 65536), "");
+  EXPECT_NE(ipc::check_tensor_partitions(slots[0], 8192), "");  // above the job's
+  bad.partition_bytes = 0;
+  EXPECT_NE(ipc::check_tensor_partitions(bad, 65536), "");
+}
+
 TEST(Ring, FifoFullEmptyAndCorruption) {
   ipc::RingHeader h;
   ipc::RingEntry e[4];

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <regex>
 
+#include "planner/strategy/plan.h"
 #include "planner/strategy/strategy.h"
 #include "tests/daemon/two_nodes.h"
 
@@ -191,6 +192,41 @@ TEST_P(AutoNodes, DaemonsSharingOneRunDirectoryKeepEveryNodesFilesIntact) {
     EXPECT_TRUE(fs::exists(d / f)) << f;
   for (const auto& e : fs::directory_iterator(d))
     EXPECT_NE(e.path().filename().string().front(), '.') << "left behind: " << e.path();
+}
+
+TEST_P(AutoNodes, StartsTheNeverCompressedTensorsOnTheRingAndKeepsThemThere) {
+  // t0 (64 elements) is below the size guard: auto can never compress it,
+  // so the job starts with it on the daemons' ring (2 nodes: the model has
+  // the ring no slower whatever the link, strategy::start_strategy_yaml);
+  // t1 stays on the servers, where efsignsgd may take it. The plan keeps
+  // t0 on the ring (a running job cannot move it) and its sums stay exact.
+  strategy_section_ =
+      "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
+      "  warmup_iterations: 3\n  guard: {output_layer: false}\n";
+  start(1);
+  const std::vector<uint64_t> sizes{64, 150000};
+  constexpr int kIters = 60;
+  JobRun r = run_job(*this, "autoring", sizes, kIters, std::chrono::milliseconds(15));
+  ASSERT_EQ(r.got[0].size(), static_cast<size_t>(kIters));
+  for (int n = 0; n < 2; ++n)
+    EXPECT_NE(nodes_[n]->daemon().output().find("starts with 1 tensor(s) on the daemons' ring"),
+              std::string::npos)
+        << nodes_[n]->daemon().output();
+  // The ring tensor is exact in every iteration, before and after the plan.
+  EXPECT_EQ(inexact(r, 0, sizes[0], 0, kIters), 0u);
+  const int64_t at = switch_iteration(nodes_[0]->daemon());
+  EXPECT_EQ(inexact(r, 1, sizes[1], 0, at < 0 ? kIters : static_cast<int>(at)), 0u);
+  // The decision (written whether or not it changed the strategy) keeps t0
+  // on the ring and t1 on the servers.
+  ASSERT_TRUE(fs::exists(run_dir(0, "autoring") / "strategy.yaml")) << nodes_[0]->daemon().output();
+  const auto s =
+      bytecomp::planner::Strategy::load_file((run_dir(0, "autoring") / "strategy.yaml").string());
+  EXPECT_EQ(bytecomp::strategy::plan_for_option(s.resolve("t0", 256), "t0").placement,
+            bytecomp::strategy::Placement::kRing);
+  EXPECT_EQ(bytecomp::strategy::plan_for_option(s.resolve("t1", 600000), "t1").placement,
+            bytecomp::strategy::Placement::kSharded);
+  EXPECT_EQ(nodes_[0]->daemon().output().find("placement change needs a new job"),
+            std::string::npos);
 }
 
 TEST_P(AutoNodes, NodesThatDisagreeGetNoPlanAndKeepTheirStrategy) {

@@ -10,6 +10,11 @@
 //          die       every rank broadcasts from rank 0 once, then global rank
 //                    ROOT exits (no BYE); the others broadcast again and
 //                    must fail
+//          late      as ok, but the ranks of the last node start 1.5 s after
+//                    the others (the others' first chunks reach its daemon
+//                    before it opened the job's broadcasts)
+//          loop      as ok over the first tensor, again and again until a
+//                    call fails; prints "running" after the first pass
 //   SIZES  comma-separated byte counts (0 allowed)
 //   DTYPES comma-separated f32,f64,i32,i64: one tensor each, as large as the
 //          largest size
@@ -102,8 +107,10 @@ int main(int argc, char** argv) {
   }
   if (bytecomp_status s = bytecomp_start(c, 20000); s != BYTECOMP_OK) return api_error(s, "start");
   const uint32_t from = mode == "die" ? 0 : root;
+  if (mode == "late" && node == nodes - 1) usleep(1500 * 1000);
   uint64_t it = 0;
-  for (const T& t : tensors) {
+  for (size_t ti = 0; ti < tensors.size(); ++ti) {
+    const T& t = tensors[ti];
     void* buf = nullptr;
     uint64_t bytes = 0;
     if (bytecomp_status s = bytecomp_tensor_buffer(c, t.id, &buf, &bytes); s != BYTECOMP_OK)
@@ -134,6 +141,14 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
         _exit(0);  // no BYE: the daemon sees the connection drop
       }
+    }
+    if (mode == "loop") {
+      if (it == sizes.size()) {
+        std::printf("running\n");
+        std::fflush(stdout);
+      }
+      --ti;  // the same tensor again, until a call fails
+      continue;
     }
     bytecomp_handle h = 0;
     if (bytecomp_status s = bytecomp_barrier(c, &h); s != BYTECOMP_OK) return api_error(s, "barrier");

@@ -8,7 +8,9 @@
 //          waited; prints the median iteration time and the goodput (model
 //          bytes per second). Optional last argument NODE/NODES.
 //          model:K: K tensors of 4 MiB instead (1..1024; scripts/bench-ring
-//          uses smaller models on slow emulated links).
+//          uses smaller models on slow emulated links); model:K:BYTES: K
+//          tensors of BYTES bytes each (4..1 GiB, a multiple of 4; bench-ring
+//          --tensor-bytes, the planner's per-size check).
 #include <bytecomp/bytecomp.hpp>
 
 #include <algorithm>

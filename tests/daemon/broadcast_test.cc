@@ -1,6 +1,8 @@
 // bytecomp_broadcast and bytecomp_barrier with real processes
 // (bc_bcast_worker): one daemon with three local ranks, and two daemons with
-// two ranks each plus two parameter servers on loopback. Every byte is
+// two ranks each plus two parameter servers on loopback (with peer
+// endpoints: the chain of daemons carries the broadcasts; without: the
+// servers; tests/daemon/bcast_nodes_test.cc has 2-4 nodes). Every byte is
 // checked by the workers; disagreeing ranks and a dying rank must fail every
 // other rank, naming the problem, well within the waits' bound.
 #include <bytecomp/bytecomp.h>
@@ -98,7 +100,7 @@ std::vector<std::unique_ptr<Process>> run_two(const std::unique_ptr<DaemonEnv> (
 
 }  // namespace
 
-TEST_P(TwoNodes, BroadcastBytesExactThroughTwoServersFromEveryNode) {
+TEST_P(TwoNodes, BroadcastBytesExactDownTheChainFromEveryNode) {
   start(2);
   // Root on node 1 (its second rank), then on node 0.
   for (uint32_t root : {3u, 0u}) {
@@ -106,20 +108,39 @@ TEST_P(TwoNodes, BroadcastBytesExactThroughTwoServersFromEveryNode) {
     for (auto& p : w) expect_exit(*p, 0);
     for (auto& p : w) EXPECT_NE(p->output().find("OK"), std::string::npos) << p->output();
   }
-  // Every partition of the largest size went through both servers.
   for (auto& s : servers_) EXPECT_EQ(s->output().find("refused"), std::string::npos) << s->output();
   for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix()));
 }
 
 TEST_P(TwoNodes, BroadcastDisagreeingSizesFailOnBothNodesNamingThem) {
   start(1);
-  // Node 1's ranks pass 4 bytes more: the server sees the nodes disagree
-  // at partition 0 and answers both; the abort reaches the rest.
+  // Node 1's ranks (the root's) pass 4 bytes more: node 0 finds the nodes
+  // disagree at the first chunk down the chain; the abort reaches the rest.
   auto w = run_two(nodes_, dir_, "b2m", "mismatch", 2, "100");
   for (auto& p : w) {
     expect_exit(*p, 10 + BYTECOMP_ERR_ABORTED, 30s);
-    // The server's finding (either node's part may have come first), as its
-    // answer or as the coordinator's abort.
+    const std::string out = p->output();
+    EXPECT_NE(out.find("the ranks disagree on the broadcast of tensor 'b.f32' (iteration 0): the "
+                       "ranks of node 100 (rank 0) passed root rank 2, 100 bytes"),
+              std::string::npos)
+        << out;
+    EXPECT_NE(out.find("node 101 (rank 1) sent the broadcast of root rank 2, 104 bytes"),
+              std::string::npos)
+        << out;
+  }
+}
+
+// Without peer endpoints the servers carry the broadcast (docs/daemon.md):
+// the same bytes, and the server's finding when the nodes disagree.
+TEST_P(TwoNodes, BroadcastThroughTheServersWithoutPeerEndpoints) {
+  peer_listen_ = false;
+  start(2);
+  auto w = run_two(nodes_, dir_, "b2s", "ok", 3, kSizes);
+  for (auto& p : w) expect_exit(*p, 0);
+  for (auto& p : w) EXPECT_NE(p->output().find("OK"), std::string::npos) << p->output();
+  auto m = run_two(nodes_, dir_, "b2sm", "mismatch", 2, "100");
+  for (auto& p : m) {
+    expect_exit(*p, 10 + BYTECOMP_ERR_ABORTED, 30s);
     const std::string out = p->output();
     EXPECT_NE(out.find("partition 0 (key 0x0): broadcast of iteration 0: the ranks disagree: "
                        "node 10"),

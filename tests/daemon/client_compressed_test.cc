@@ -10,6 +10,7 @@
 #include <bytecomp/bytecomp.h>
 #include <gtest/gtest.h>
 
+#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <future>
@@ -18,6 +19,7 @@
 #include "compress/compressor.h"
 #include "compress/wire_prefix.h"
 #include "planner/strategy/partition.h"
+#include "planner/strategy/plan.h"
 #include "tests/daemon/harness.h"
 #include "tests/daemon/two_nodes.h"
 
@@ -86,15 +88,33 @@ uint64_t wait_partition_bytes(bytecomp_client* c) {
   return pb;
 }
 
+// The tensor's own partitions as the daemon published them (its strategy's
+// pieces), once the job's partition size is known; checked against the
+// library's one formula (the daemon's).
+std::pair<uint64_t, uint32_t> tensor_layout(bytecomp_client* c, uint32_t id, uint64_t count) {
+  const uint64_t job_pb = wait_partition_bytes(c);
+  uint64_t pb = 0;
+  uint32_t parts = 0;
+  EXPECT_EQ(bytecomp_tensor_partitions(c, id, &pb, &parts), BYTECOMP_OK) << bytecomp_last_error();
+  EXPECT_GT(pb, 0u);
+  EXPECT_LE(pb, job_pb);
+  EXPECT_EQ(pb % 64, 0u);
+  EXPECT_EQ(parts, bytecomp::strategy::partition_count(count * 4, pb));
+  return {pb, parts};
+}
+
 // One client of `job` (local rank `rank` of `local_size`, node `node` of
 // `nodes`) runs `iters` iterations of one tensor of kN elements; returns what
-// it got back each iteration. `spec` non-empty: compressed by the client.
+// it got back each iteration. `spec` non-empty: compressed by the client,
+// laid out by the tensor's partitions (bytecomp_tensor_partitions). `layout`
+// non-null: receives those partitions (size, count).
 constexpr uint64_t kN = 40000;  // 160000 bytes: partitions of 64 KiB (three) or 256 KiB (one)
 std::vector<std::vector<float>> run_client(const std::string& socket, const std::string& job,
                                            const std::string& strategy, const std::string& spec,
                                            uint32_t node, uint32_t nodes, uint32_t rank,
                                            uint32_t local_size, int iters, uint32_t dense = 0,
-                                           uint64_t count = kN) {
+                                           uint64_t count = kN,
+                                           std::pair<uint64_t, uint32_t>* layout = nullptr) {
   std::vector<std::vector<float>> got;
   bytecomp_connect_options o;
   bytecomp_connect_options_init(&o);
@@ -117,11 +137,13 @@ std::vector<std::vector<float>> run_client(const std::string& socket, const std:
   EXPECT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
   std::optional<StandInClient> client;
   uint64_t pb = 0;
-  if (!spec.empty()) {
-    client.emplace(spec, job, node);
-    pb = wait_partition_bytes(c);
+  if (!spec.empty() || layout != nullptr) {
+    const auto l = tensor_layout(c, id, count);
+    pb = l.first;
     EXPECT_GT(pb, 0u) << "the daemon never published its partition size";
+    if (layout != nullptr) *layout = l;
   }
+  if (!spec.empty()) client.emplace(spec, job, node);
   const uint32_t grank = node * local_size + rank;
   for (int it = 0; it < iters && !::testing::Test::HasFailure(); ++it) {
     char* p = nullptr;
@@ -397,6 +419,219 @@ TEST_P(TwoNodes, ClientSplitPushesEqualTheDaemonsCompressionBitForBit) {
   for (int it = 0; it < kIters; ++it) {
     EXPECT_EQ(mismatches(dense.first[it], split.first[it]), 0u) << it;
     EXPECT_EQ(mismatches(dense.second[it], split.second[it]), 0u) << it;
+  }
+}
+
+}  // namespace bctest
+
+namespace bctest {
+
+// Option::pieces executed (docs/gpu.md §4): a tensor whose option has pieces
+// q runs as partitions of the job's size / q, each the option's whole chain
+// (own key, seed, error feedback).
+
+// One node, one rank, efsignsgd with pieces 4 over 64 KiB partitions: the
+// aggregate is every 16 KiB slice compressed and decompressed on its own
+// (with its own error feedback), and the client's layout agrees.
+TEST(ClientCompressed, PiecesOnOneNodeEqualTheReferencePerSlice) {
+  DaemonEnv env("ccmp6");
+  env.write_config("", "  partition_bytes: 64KiB\n");
+  env.start();
+  constexpr int kIters = 4;
+  const char* strategy =
+      "version: 1\ndefault: {compressor: efsignsgd, inter: alltoall_allgather, pieces: 4}\n";
+  std::pair<uint64_t, uint32_t> layout;
+  const auto got =
+      run_client(env.socket(), "pcs1", strategy, "", 0, 1, 0, 1, kIters, 0, kN, &layout);
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+  EXPECT_EQ(layout.first, 16384u);
+  EXPECT_EQ(layout.second, 10u);  // 160000 bytes
+  StandInClient ref("efsignsgd", "pcs1", 0);
+  for (int it = 0; it < kIters; ++it) {
+    std::vector<float> g(kN);
+    for (uint64_t i = 0; i < kN; ++i) g[i] = cgrad(0, it, i);
+    std::vector<char> wire(kN * 4, 0);
+    ref.compress_into(wire.data(), g, 0, it, 16384);
+    std::vector<float> expect(kN);
+    for (uint64_t b = 0; b < kN * 4; b += 16384) {
+      const size_t n = static_cast<size_t>((std::min<uint64_t>(kN * 4, b + 16384) - b) / 4);
+      const auto* p = reinterpret_cast<const std::byte*>(wire.data() + b);
+      const cz::WireInfo w = cz::inspect_prefix({p, n * 4});
+      ref.compressor().decompress({p, w.total_bytes},
+                                  cz::TensorView::cpu(expect.data() + b / 4, n), false, {});
+    }
+    EXPECT_EQ(mismatches(got[it], expect), 0u) << it;
+  }
+  // Without pieces the same job compresses whole 64 KiB partitions: other
+  // scales, another aggregate (what pieces changed is real).
+  const auto flat = run_client(env.socket(), "pcs1flat",
+                               "version: 1\ndefault: {compressor: efsignsgd, inter: "
+                               "alltoall_allgather}\n",
+                               "", 0, 1, 0, 1, 1);
+  ASSERT_EQ(flat.size(), 1u);
+  EXPECT_GT(mismatches(flat[0], got[0]), 0u);
+}
+
+// Two nodes, one rank each, tensors of five of the cluster's 256 KiB
+// partitions: with pieces 4 they run as twenty 64 KiB partitions through two
+// servers, the ring and the peer allgather. Uncompressed, the sums are exact;
+// compressed, the client's payloads (laid out by the partitions the library
+// reports) equal the daemons' own compression bit for bit, so client,
+// daemons and servers cut the tensor the same way.
+TEST_P(TwoNodes, PiecesRunThroughServersRingAndPeersWithOneLayout) {
+  start(2);
+  constexpr int kIters = 3;
+  constexpr uint64_t kBig = 5 * 65536 - 1000;
+  auto both = [&](const std::string& job, const std::string& strategy, const char* spec,
+                  uint32_t dense, std::pair<uint64_t, uint32_t>* layout) {
+    std::pair<uint64_t, uint32_t> other_layout;
+    auto other = std::async(std::launch::async, [&] {
+      return run_client(nodes_[1]->socket(), job, strategy, spec, 1, 2, 0, 1, kIters, dense, kBig,
+                        &other_layout);
+    });
+    auto mine = run_client(nodes_[0]->socket(), job, strategy, spec, 0, 2, 0, 1, kIters, dense,
+                           kBig, layout);
+    auto theirs = other.get();
+    EXPECT_EQ(other_layout, *layout) << "the nodes published different partitions";
+    return std::make_pair(std::move(mine), std::move(theirs));
+  };
+  // Exact sums, sharded over both servers and on the ring.
+  for (const char* inter : {"reduce_scatter_allgather", "allreduce"}) {
+    SCOPED_TRACE(inter);
+    std::pair<uint64_t, uint32_t> layout;
+    const auto got = both(std::string("raw") + inter[0],
+                          std::string("version: 1\ndefault: {compressor: none, inter: ") + inter +
+                              ", pieces: 4}\n",
+                          "", 0, &layout);
+    EXPECT_EQ(layout.first, 65536u);
+    EXPECT_EQ(layout.second, 20u);
+    ASSERT_EQ(got.first.size(), static_cast<size_t>(kIters));
+    ASSERT_EQ(got.second.size(), static_cast<size_t>(kIters));
+    for (int it = 0; it < kIters; ++it) {
+      std::vector<float> expect(kBig);
+      for (uint64_t i = 0; i < kBig; ++i) expect[i] = cgrad(0, it, i) + cgrad(1, it, i);
+      EXPECT_EQ(mismatches(got.first[it], expect), 0u) << it;
+      EXPECT_EQ(mismatches(got.second[it], expect), 0u) << it;
+    }
+  }
+  // Compressed: the servers' decompress-sum-recompress and the peers'.
+  struct PieceCase {
+    const char* strategy;
+    const char* spec;
+  };
+  const PieceCase cases[] = {
+      {"version: 1\ndefault: {compressor: efsignsgd, inter: alltoall_allgather, pieces: 4}\n",
+       "efsignsgd"},
+      {"version: 1\ndefault: {compressor: topk, params: {ratio: '0.05'}, error_feedback: true, "
+       "inter: allgather, pieces: 4}\n",
+       "topk:0.05,ef=true"},
+  };
+  int k = 0;
+  for (const PieceCase& cs : cases) {
+    SCOPED_TRACE(cs.spec);
+    const std::string n = std::to_string(k++);
+    std::pair<uint64_t, uint32_t> dl, pl;
+    const auto dense = both("pdense" + n, cs.strategy, "", 0, &dl);
+    const auto pre = both("ppre" + n, cs.strategy, cs.spec, 0, &pl);
+    EXPECT_EQ(dl, std::make_pair(uint64_t{65536}, uint32_t{20}));
+    EXPECT_EQ(pl, dl);
+    ASSERT_EQ(dense.first.size(), static_cast<size_t>(kIters));
+    ASSERT_EQ(pre.first.size(), static_cast<size_t>(kIters));
+    ASSERT_EQ(pre.second.size(), static_cast<size_t>(kIters));
+    for (int it = 0; it < kIters; ++it) {
+      EXPECT_EQ(mismatches(dense.first[it], pre.first[it]), 0u) << it;
+      EXPECT_EQ(mismatches(dense.second[it], pre.second[it]), 0u) << it;
+    }
+  }
+}
+
+// cpu_share with pieces 2: the tensor's ten 128 KiB partitions, of which
+// llround(0.5 * 10) = 5 stay dense for the daemons' CPU pools (the count of
+// the new partitions, not of the cluster's five); equal to the all-daemon
+// job bit for bit on both nodes.
+TEST_P(TwoNodes, PiecesWithCpuShareSplitTheSlices) {
+  start(1);
+  constexpr int kIters = 3;
+  constexpr uint64_t kBig = 5 * 65536 - 1000;
+  const std::string strategy =
+      "version: 1\ndefault: {compressor: efsignsgd, comp_device: gpu, decomp_device: cpu, "
+      "inter: alltoall_allgather, cpu_share: 0.5, pieces: 2}\n";
+  auto both = [&](const std::string& job, const char* spec, uint32_t dense) {
+    std::pair<uint64_t, uint32_t> l0, l1;
+    auto other = std::async(std::launch::async, [&] {
+      return run_client(nodes_[1]->socket(), job, strategy, spec, 1, 2, 0, 1, kIters, dense, kBig,
+                        &l1);
+    });
+    auto mine =
+        run_client(nodes_[0]->socket(), job, strategy, spec, 0, 2, 0, 1, kIters, dense, kBig, &l0);
+    auto theirs = other.get();
+    EXPECT_EQ(l0, std::make_pair(uint64_t{131072}, uint32_t{10}));
+    EXPECT_EQ(l1, l0);
+    return std::make_pair(std::move(mine), std::move(theirs));
+  };
+  const auto dense = both("pcsdense", "", 0);
+  const auto split = both("pcssplit", "efsignsgd", 5);
+  ASSERT_EQ(dense.first.size(), static_cast<size_t>(kIters));
+  ASSERT_EQ(split.first.size(), static_cast<size_t>(kIters));
+  ASSERT_EQ(split.second.size(), static_cast<size_t>(kIters));
+  for (int it = 0; it < kIters; ++it) {
+    EXPECT_EQ(mismatches(dense.first[it], split.first[it]), 0u) << it;
+    EXPECT_EQ(mismatches(dense.second[it], split.second[it]), 0u) << it;
+  }
+}
+
+// A strategy change that changes a tensor's pieces would change its
+// partitions under the servers: the coordinator refuses it naming the
+// tensor, and the job goes on with its strategy (exact sums).
+TEST_P(TwoNodes, PiecesChangeIsRefusedNamingTheTensor) {
+  start(1, "version: 1\ndefault: {compressor: none}\n");
+  constexpr uint64_t kCount = 3000;
+  constexpr int kIters = 8;
+  std::vector<std::vector<float>> got;
+  std::barrier sync(4);
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "pcschange");
+    ASSERT_NE(c, nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kCount, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0,
+                                      &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 3) {
+        sync.arrive_and_wait();
+        if (grank == 0) {
+          write("strategy.yaml", "version: 1\ndefault: {compressor: none, pieces: 4}\n");
+          nodes_[0]->daemon().signal(SIGHUP);
+          EXPECT_TRUE(nodes_[0]->daemon().wait_output("would change pieces", 10s))
+              << nodes_[0]->daemon().output();
+        }
+        sync.arrive_and_wait();
+      }
+      float* p = nullptr;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), nullptr),
+                BYTECOMP_OK);
+      for (uint64_t i = 0; i < kCount; ++i) p[i] = cgrad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (grank == 0) got.emplace_back(p, p + kCount);
+    }
+    bytecomp_close(c);
+  };
+  on_every_rank(run);
+  const std::string log = nodes_[0]->daemon().output();
+  EXPECT_NE(log.find("tensor 'w' would change pieces from 1 to 4"), std::string::npos) << log;
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+  for (uint64_t it = 0; it < kIters; ++it) {
+    size_t bad = 0;
+    for (uint64_t i = 0; i < kCount; ++i) {
+      const float s0 = cgrad(0, it, i) + cgrad(1, it, i);
+      const float s1 = cgrad(2, it, i) + cgrad(3, it, i);
+      bad += got[it][i] != s0 + s1;
+    }
+    EXPECT_EQ(bad, 0u) << "iteration " << it;
   }
 }
 

@@ -482,6 +482,76 @@ TEST_P(RingHubs, MalformedChunksAreRefusedWithTheReason) {
   stranger->shutdown();
 }
 
+// The link's credit goes to the earliest tensor: node 0 (hub 200) queues
+// 8 step-0 chunks of tensor 1, then 2 of tensor 0, with a window of 2; its
+// neighbour (a hand-made rank 1) holds its answers, then gives them back
+// one at a time. Tensor 0's chunks go out right after the 2 of tensor 1
+// already on the link, not after all 8.
+TEST_P(RingHubs, EarlierTensorsOvertakeTheQueuedChunksOfLaterOnes) {
+  Events ea;  // outlives the hub
+  bd::PeerHub a(hub_config(200, GetParam()));
+  auto x = bt::make_transport(hub_config(201, GetParam()));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<bt::Incoming> held;
+  std::vector<std::pair<uint32_t, uint32_t>> order;  // (tensor, chunk) as they came
+  x->set_handler(bd::kRingData, [&](bt::Incoming in) {
+    const bd::RingHeader h = bd::decode_ring_header(in.message.payloads[0].span());
+    std::lock_guard l(mu);
+    order.emplace_back(static_cast<uint32_t>(in.message.header.key >> 32), h.chunk);
+    held.push_back(std::move(in));
+    cv.notify_all();
+  });
+  x->start();
+  bd::RingJobSpec s;
+  s.name = "credit";
+  s.uid = 75;
+  s.rank = 0;
+  s.nodes = {200, 201};
+  s.addresses = {a.address(), x->local_addresses().front()};
+  s.tensor_names = {"first", "second"};
+  s.partitions = {1, 1};
+  // Segment 0 (node 0's step-0 segment) of 1024 and 4096 elements: 2 and 8
+  // chunks of 256.
+  s.partition_count = [](uint32_t t, uint32_t) -> uint64_t { return t == 0 ? 1024 : 4096; };
+  s.chunk_bytes = 1024;
+  s.window = 2;
+  s.timeout = 10s;
+  auto job = a.open_ring(s, ea.on_ready(), ea.on_fail());
+  x->add_peer(200, a.address());
+  std::vector<float> t0(1024, 1.0f), t1(4096, 2.0f);  // outlive the job
+  auto wait_for = [&](size_t n) {
+    std::unique_lock l(mu);
+    return cv.wait_for(l, 10s, [&] { return order.size() >= n; });
+  };
+  job->start(1, 0, 0, bd::RingFormat::kFp32, 1, t1.data(), 4096);
+  ASSERT_TRUE(wait_for(2));
+  job->start(0, 0, 0, bd::RingFormat::kFp32, 1, t0.data(), 1024);
+  for (size_t answered = 0; answered < 10; ++answered) {
+    bt::Incoming in;
+    {
+      std::unique_lock l(mu);
+      ASSERT_TRUE(cv.wait_for(l, 10s, [&] { return !held.empty(); })) << answered;
+      in = std::move(held.front());
+      held.erase(held.begin());
+    }
+    bt::Message ok;
+    ok.header.type = bd::kRingOk;
+    x->reply(in, std::move(ok), nullptr);
+  }
+  ASSERT_TRUE(wait_for(10));
+  const std::vector<std::pair<uint32_t, uint32_t>> expect = {
+      {1, 0}, {1, 1}, {0, 0}, {0, 1}, {1, 2}, {1, 3}, {1, 4}, {1, 5}, {1, 6}, {1, 7}};
+  {
+    std::lock_guard l(mu);
+    EXPECT_EQ(order, expect);
+    std::lock_guard le(ea.mu);
+    EXPECT_TRUE(ea.failures.empty()) << ea.failures.front();
+  }
+  job->close();
+  x->shutdown();
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, RingHubs,
                          ::testing::ValuesIn(bytecomp::transport::available_backends()),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });

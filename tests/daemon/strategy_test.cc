@@ -280,6 +280,50 @@ TEST(Strategy, SighupSwitchesEveryTensorAtOneIteration) {
   }
 }
 
+// A one-node job's partitions are cut by its tensors' pieces at start and
+// fixed: a SIGHUP strategy that changes a tensor's pieces is refused naming
+// the tensor (Engine::set_plans), the job keeps its strategy (exact sums);
+// one that keeps them switches as usual.
+TEST(Strategy, SighupRefusesAPiecesChangeNamingTheTensor) {
+  DaemonEnv env("shuppcs");
+  env.start();
+  const std::vector<Tensor> ts = {{"a", 300}, {"b", 50}};
+  constexpr uint64_t kIters = 8;
+  std::vector<std::vector<float>> got_a(kIters);
+  std::promise<void> reloaded;
+  std::shared_future<void> reloaded_f = reloaded.get_future().share();
+  std::promise<void> at_four[2];
+  two_ranks(env, "huppcs", ts, [&](uint32_t rank, bytecomp_client* c) {
+    Lockstep ls(c);
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 4) {
+        at_four[rank].set_value();
+        if (rank == 0) {
+          at_four[1].get_future().wait();
+          const std::string file = write_strategy(
+              env, "s.yaml",
+              "version: 1\ndefault: {compressor: none}\nentries:\n"
+              "  - {tensor: b, option: {compressor: none, pieces: 2}}\n");
+          env.write_config("strategy:\n  file: " + file + "\n");
+          env.daemon().signal(SIGHUP);
+          EXPECT_TRUE(env.daemon().wait_output("would change pieces", std::chrono::seconds(5)))
+              << env.daemon().output();
+          reloaded.set_value();
+        }
+        reloaded_f.wait();
+      }
+      auto a = ls.round(rank, 0, 300, it);
+      ls.round(rank, 1, 50, it);
+      if (rank == 0) got_a[it] = std::move(a);
+    }
+  });
+  const std::string log = env.daemon().output();
+  EXPECT_NE(log.find("tensor 'b' would change pieces from 1 to 2"), std::string::npos) << log;
+  EXPECT_NE(log.find("keeps its strategy"), std::string::npos) << log;
+  EXPECT_EQ(log.find("new strategy applies"), std::string::npos) << log;
+  for (uint64_t it = 0; it < kIters; ++it) EXPECT_EQ(got_a[it], exact_sum(300, it)) << it;
+}
+
 // bytecomp_set_strategy: the job's own strategy runs instead of the daemon's
 // default, for that job only.
 TEST(Strategy, PerJobStrategyOverridesTheDefaultForThatJobOnly) {
@@ -309,10 +353,12 @@ TEST(Strategy, PerJobStrategyOverridesTheDefaultForThatJobOnly) {
   EXPECT_TRUE(no_shm_left(env.shm_prefix()));
 }
 
-// Option::pieces (the planner's pipelining) is accepted and ignored by the
-// CPU runtime, which pipelines every tensor by its partition_bytes: the
-// result is that of the same option in one piece.
-TEST(Strategy, PiecesAreAcceptedAndRunAsTheOptionWithoutThem) {
+// Option::pieces (the planner's pipelining) runs on one node with two
+// ranks: the tensor is cut into 8 times smaller partitions; fp16 is
+// elementwise, so the result is that of the same option in one piece.
+// (tests/daemon/client_compressed_test.cc checks the layout and a
+// compressor whose result depends on it.)
+TEST(Strategy, PiecesRunOnOneNodeWithTheOptionsResult) {
   DaemonEnv env("spieces");
   env.start();
   const std::vector<Tensor> ts = {{"fp.w", 5000}};

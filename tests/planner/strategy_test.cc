@@ -1,9 +1,12 @@
 #include "planner/strategy/strategy.h"
+#include "planner/strategy/auto_spec.h"
+#include "planner/strategy/plan.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <set>
 
 #include "common/config.h"
 
@@ -259,7 +262,7 @@ TEST(Strategy, CpuShareRoundTripsValidatesAndTheCpuRuntimeSplitsCompressionOnly)
       << cpu_runtime_unsupported(decomp_split);
 }
 
-TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
+TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeAcceptsThem) {
   // An older file (no pieces) reads as one piece and is written as before.
   Strategy s = Strategy::parse(kSample, "s.yaml");
   EXPECT_EQ(s.resolve("fc.weight", 400).pieces, 1);
@@ -291,8 +294,8 @@ TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
   EXPECT_NE(error_of(base + "two}\n").find("pieces"), std::string::npos);
   EXPECT_NE(error_of(base + "2.5}\n").find("pieces"), std::string::npos);
 
-  // The CPU runtime pipelines every tensor by its own partition_bytes: it
-  // accepts pieces on an option it executes (and ignores the count), and
+  // The CPU runtime executes pieces (each tensor's partitions cut by it,
+  // strategy::tensor_partition_bytes) on every option it executes, and
   // refuses an option it cannot execute for that option's reason.
   Option cpu;
   cpu.compressor = "topk";
@@ -313,4 +316,49 @@ TEST(Strategy, PiecesRoundTripValidateAndTheCpuRuntimeIgnoresThem) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("GPU decompression"), std::string::npos) << e.what();
   }
+}
+
+// An auto job's start placement (strategy::start_strategy_yaml): the
+// tensors auto can never compress beyond fp16 go on the ring where the
+// model has it no slower whatever the link.
+TEST(StartPlacement, NeverCompressedTensorsGoOnTheRingWhereItIsNeverSlower) {
+  using bytecomp::strategy::AutoSpec;
+  const std::vector<std::string> names{"conv.weight", "conv.bias", "big.weight", "fc.weight",
+                                       "fc.bias"};
+  const std::vector<uint64_t> elements{1 << 20, 64, 3 << 20, 1 << 18, 10};
+  auto ring_set = [&](const std::string& yaml) {
+    std::set<std::string> on;
+    if (yaml.empty()) return on;
+    const Strategy s = Strategy::parse(yaml, "start");
+    for (size_t t = 0; t < names.size(); ++t) {
+      const Option& o = s.resolve(names[t], 4 * elements[t]);
+      EXPECT_FALSE(o.compressed()) << names[t];
+      if (bytecomp::strategy::plan_for_option(o, names[t]).placement == bytecomp::strategy::Placement::kRing)
+        on.insert(names[t]);
+    }
+    return on;
+  };
+  AutoSpec fp16_only;  // no compressors: fp16 is all auto may do, and the ring carries it
+  EXPECT_EQ(ring_set(bytecomp::strategy::start_strategy_yaml(fp16_only, names, elements, 2, 4 << 20)),
+            (std::set<std::string>{names.begin(), names.end()}));
+  // More nodes: the ring's 2(N-1) hops make small partitions slower there.
+  EXPECT_EQ(ring_set(bytecomp::strategy::start_strategy_yaml(fp16_only, names, elements, 4, 4 << 20)),
+            (std::set<std::string>{"conv.weight", "big.weight", "fc.weight"}));
+  // 12 MiB in 4 MiB partitions: each >= 1 MiB; 4 MiB in 3 MiB partitions
+  // leaves a 1 MiB last one, 4 MiB in 3.5 MiB partitions a 0.5 MiB one.
+  EXPECT_NE(bytecomp::strategy::start_strategy_yaml(fp16_only, {"w"}, {1 << 20}, 4, 3 << 20), "");
+  EXPECT_EQ(bytecomp::strategy::start_strategy_yaml(fp16_only, {"w"}, {1 << 20}, 4, 7 << 19), "");
+  // With a compressor accepted, only what the guards or exclude keep
+  // uncompressed: biases (name), the output layer fc.*, small tensors.
+  AutoSpec ef;
+  ef.compressors = {"efsignsgd"};
+  EXPECT_EQ(ring_set(bytecomp::strategy::start_strategy_yaml(ef, names, elements, 2, 4 << 20)),
+            (std::set<std::string>{"conv.bias", "fc.weight", "fc.bias"}));
+  ef.exclude = {"big.*"};
+  EXPECT_EQ(ring_set(bytecomp::strategy::start_strategy_yaml(ef, names, elements, 2, 4 << 20)),
+            (std::set<std::string>{"conv.bias", "big.weight", "fc.weight", "fc.bias"}));
+  ef.guards = bytecomp::strategy::AccuracyGuards::off();
+  ef.exclude.clear();
+  EXPECT_EQ(bytecomp::strategy::start_strategy_yaml(ef, names, elements, 2, 4 << 20), "");
+  EXPECT_EQ(bytecomp::strategy::start_strategy_yaml(fp16_only, names, elements, 1, 4 << 20), "");
 }

@@ -58,15 +58,31 @@ class AutoOnNamespaces(unittest.TestCase):
                 pass
             time.sleep(0.3)
 
+    def watch_placement(self, c, stop, seen):
+        """bytecompctl's tensor table of the auto job on node 0 as soon as
+        it shows one (its start placement, before any decision)."""
+        while not stop.is_set():
+            try:
+                for j in json.loads(ctl.request(c.daemons[0].socket, "jobs"))["jobs"]:
+                    if j["strategy"].get("auto"):
+                        s = json.loads(ctl.request(c.daemons[0].socket, "strategy", j["id"]))
+                        if s["tensors"]:
+                            seen["json"] = s
+                            return
+            except (ctl.CtlError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+
     def run_cluster(self, rate, systems, steps, seen=None, batch=16, extra=(),
-                    watch=None):
+                    watch=None, peer_listen=False):
         out = tempfile.mkdtemp(prefix="bc-test-auto-")
         self.addCleanup(shutil.rmtree, out, True)
         strategies = os.path.join(out, "strategies")
         os.makedirs(strategies)
         with open(os.path.join(strategies, "bc_none.yaml"), "w") as f:
             f.write(strategy_yaml("bc_none"))
-        c = NamespacedCluster(2, build_root=helpers.BUILD_ROOT, timeout_ms=60000)
+        c = NamespacedCluster(2, build_root=helpers.BUILD_ROOT, timeout_ms=60000,
+                              peer_listen=peer_listen)
         try:
             with c:
                 if rate:
@@ -170,11 +186,21 @@ class AutoOnNamespaces(unittest.TestCase):
         all communication even over veth, and at batch 128 the comm stack's
         CPU on the shared 2 cores made compressing it 8-11% faster, at the
         min_gain bar): nothing is compressed and the losses equal DDP's step
-        for step (the same sums)."""
-        ranks = self.run_cluster(None, "ddp_fp32,bc_auto", 16, batch=512)
+        for step (the same sums). The daemons have peer endpoints, so the
+        job starts with the tensors auto can never compress (biases, the
+        output layer, tensors under the guard's 256 KiB) on the daemons'
+        ring (docs/auto.md "Placement"), the rest on the servers: a job
+        mixing both, whose sums are still DDP's."""
+        seen = {}
+        ranks = self.run_cluster(None, "ddp_fp32,bc_auto", 16, seen, batch=512,
+                                 watch=self.watch_placement, peer_listen=True)
         a = ranks[0]["systems"]["bc_auto"]["auto"]
         self.assertNotIn("error", a, a)
         self.assertEqual(a["compressed"], [], a)
+        self.assertIn("json", seen, "bytecompctl never showed the auto job's tensors")
+        opts = {t["name"]: t["option"] for t in seen["json"]["tensors"]}
+        self.assertIn("inter=allreduce", opts["head.bias"], opts)
+        self.assertTrue(any("inter=allreduce" not in o for o in opts.values()), opts)
         for d in ranks:
             ddp, auto = d["systems"]["ddp_fp32"], d["systems"]["bc_auto"]
             self.assertNotIn("error", auto, auto)

@@ -180,6 +180,11 @@ class Quick(unittest.TestCase):
                     else:
                         self.assertGreater(ms, 0)
             self.assertGreater(last["compute_only_ms"]["resnet18"], 0)
+            # The goodput probes ran on both uncompressed paths at the shaped rate.
+            self.assertEqual(sorted(last["goodput_vs_link"]), ["1gbit"])
+            for path in ("ps", "ring"):
+                self.assertGreater(last["goodput_vs_link"]["1gbit"][path] or 0, 0.05,
+                                   last["goodput_vs_link"])
             # bc_auto ran its own decision at both rates (its run directory).
             self.assertRegex(table, r"\| resnet18 \| 1gbit \| \d+ of 62 \|")
             self.assertRegex(table, r"\| resnet18 \| unshaped \| \d+ of 62 \|")

@@ -41,6 +41,10 @@ assert EFSIGN_GPU != EFSIGN and "decomp_device: cpu" in EFSIGN_GPU
 EFSIGN_SPLIT = EFSIGN_GPU.replace("inter: alltoall_allgather}",
                                   "inter: alltoall_allgather, cpu_share: 0.5}")
 assert EFSIGN_SPLIT != EFSIGN_GPU
+# The strategy's pieces executed with it: every tensor's partitions are the
+# job's cut in two, and cpu_share rounds over those.
+EFSIGN_SPLIT_PIECES = EFSIGN_SPLIT.replace("cpu_share: 0.5}", "cpu_share: 0.5, pieces: 2}")
+assert EFSIGN_SPLIT_PIECES != EFSIGN_SPLIT
 
 
 class GpuTraining(unittest.TestCase):
@@ -141,6 +145,22 @@ class GpuTraining(unittest.TestCase):
                                       split=["layer0 2/4"]),
                          self.digests("cpu", EFSIGN_SPLIT, extra=pb))
 
+    def test_pieces_with_cpu_share_host_stand_in_equals_cpu_placement(self):
+        """pieces 2 executed, with cpu_share 0.5: the 64 KiB partitions cut
+        into 32 KiB ones, layer0 has 8 (the first 4 dense for the daemons'
+        CPU pools) and layer2 2 (1 dense), as the daemon publishes them per
+        tensor (bytecomp_tensor_partitions); the training process lays its
+        payloads out by them, and the aggregates equal the all-daemon run's
+        bit for bit. Without pieces the aggregates differ (efsignsgd scales
+        per partition), so the slices are really run."""
+        env = helpers.child_env(BYTECOMP_CLIENT_COMPRESS="host")
+        pb = ["--partition-bytes", "64KiB"]
+        daemons = self.digests("cpu", EFSIGN_SPLIT_PIECES, extra=pb)
+        self.assertEqual(self.digests("cpu", EFSIGN_SPLIT_PIECES, env, placed=2, extra=pb,
+                                      split=["layer0 4/8", "layer2 1/2"]),
+                         daemons)
+        self.assertNotEqual(daemons, self.digests("cpu", EFSIGN_SPLIT, extra=pb))
+
     @unittest.skipUnless(HAVE_CUDA, NEED_CUDA)
     def test_gpu_cpu_share_aggregates_equal_cpu_placement(self):
         """The same split with the CUDA kernels compressing the GPU part."""
@@ -148,6 +168,15 @@ class GpuTraining(unittest.TestCase):
         self.assertEqual(self.digests("cuda", EFSIGN_SPLIT, placed=1, extra=pb,
                                       split=["layer0 2/4"]),
                          self.digests("cpu", EFSIGN_SPLIT, extra=pb))
+
+    @unittest.skipUnless(HAVE_CUDA, NEED_CUDA)
+    def test_gpu_pieces_cpu_share_aggregates_equal_cpu_placement(self):
+        """The same pieces and split with the CUDA kernels compressing each
+        32 KiB slice of the GPU part."""
+        pb = ["--partition-bytes", "64KiB"]
+        self.assertEqual(self.digests("cuda", EFSIGN_SPLIT_PIECES, placed=2, extra=pb,
+                                      split=["layer0 4/8", "layer2 1/2"]),
+                         self.digests("cpu", EFSIGN_SPLIT_PIECES, extra=pb))
 
     @unittest.skipUnless(HAVE_CUDA, NEED_CUDA)
     def test_gpu_placement_aggregates_equal_cpu_placement(self):

@@ -41,8 +41,9 @@ class Multi(unittest.TestCase):
         self.assertEqual(out.count("OK state"), 4, out)
 
     def test_large_broadcasts_across_nodes_from_the_last_rank(self):
-        """2 nodes x 2: ~21 MB in 4 MiB chunks from rank 3 (node 1) through the
-        servers' broadcast, twice, with barriers between; a large object."""
+        """2 nodes x 2: ~21 MB in 4 MiB chunks from rank 3 (node 1) down the
+        chain of daemons (bytecomp-run gives them peer endpoints), twice, with
+        barriers between; a large object."""
         rc, out = self.run_mode("big", nproc=2, nodes=2)
         self.assertEqual(rc, 0, out)
         self.assertEqual(out.count("OK big"), 4, out)

@@ -171,5 +171,50 @@ class IntraMode(unittest.TestCase):
             comm.sum(buf, 4, 1, None)
 
 
+class Detach(unittest.TestCase):
+    """Leaving a failed job: the communicator is aborted before any device
+    synchronize, which a collective stuck on a dead local rank would block
+    forever (the synchronize is stood in for; the order is what matters)."""
+
+    def test_a_failed_job_aborts_the_communicator_before_synchronizing(self):
+        from unittest import mock
+
+        from bytecomp.torch import _optimizer
+        events = []
+
+        class Device:
+            type = "cuda"
+
+        class Param:
+            grad = None
+            device = Device()
+
+        class Codec:
+            def close(self):
+                events.append("codec.close")
+
+        class Intra:
+            def abort(self):
+                events.append("abort")
+
+            def close(self):
+                events.append("intra.close")
+
+        class Client:
+            def close(self):
+                events.append("client.close")
+
+        slot = _optimizer._Slot.__new__(_optimizer._Slot)
+        slot.param, slot.buf, slot.codec = Param(), torch.zeros(2), Codec()
+        opt = _optimizer._DistributedOptimizer.__new__(_optimizer._DistributedOptimizer)
+        opt._bc_client, opt._bc_slots, opt._bc_failed = Client(), [slot], RuntimeError("dead")
+        opt._bc_intra, opt._bc_pinned, opt._bc_staging, opt._bc_hooks = Intra(), None, None, []
+        with mock.patch.object(torch.cuda, "synchronize",
+                               lambda *a: events.append("synchronize")):
+            opt._bytecomp_detach()
+        self.assertEqual(events, ["abort", "synchronize", "codec.close", "client.close",
+                                  "intra.close"])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -119,6 +119,49 @@ TEST(FusionTest, CompressedTensorsAreNeverFusedAndPlansDoNotMix) {
   }
 }
 
+// Pieces (strategy::tensor_partition_bytes) cut a tensor's partitions
+// smaller; a bucket is cut into equal shards instead. A tensor whose option
+// has pieces > 1 is therefore never fused (two of them with the same plan
+// would otherwise share a bucket), keeps its own cut on the servers, and
+// server::unit_partition_bytes is the cut assign_partitions makes for every
+// unit: pieces for declared tensors, shards for buckets.
+TEST(FusionTest, TensorsWithPiecesAreNeverFusedAndKeepTheirCut) {
+  auto t = tensors({16384, 16384, 16384, 16384, 16384, 16384});
+  const auto plans = plan_job(
+      t, "version: 1\nentries:\n"
+         "  - {tensor: t1, option: {compressor: none, pieces: 2}}\n"
+         "  - {tensor: t3, option: {compressor: none, pieces: 2}}\n"
+         "  - {tensor: t5, option: {compressor: none, pieces: 1}}\n");
+  ASSERT_EQ(strategy::plan_pieces(plans[1]), 2);
+  EXPECT_FALSE(fusable(plans[1]));
+  EXPECT_TRUE(fusable(plans[5]));
+  JobUnits u = fuse_job(t, plans, on(1 << 20, 1 << 20));
+  ASSERT_EQ(u.buckets.size(), 1u);
+  EXPECT_EQ(u.buckets[0].members, (std::vector<uint32_t>{5, 4, 2, 0}));
+  EXPECT_EQ(u.bucket_of[1], -1);
+  EXPECT_EQ(u.bucket_of[3], -1);
+  const uint64_t pb = 64 << 10;  // t1 and t3 (64 KiB) in two 32 KiB pieces each
+  const auto sv = servers(3);
+  const std::vector<uint64_t> shards = shard_elements(u, sv.size(), pb);
+  const std::vector<uint64_t> unit_pb = unit_partition_bytes(u, sv.size(), pb);
+  ASSERT_EQ(unit_pb.size(), u.tensors.size());
+  EXPECT_EQ(unit_pb[0], pb);
+  EXPECT_EQ(unit_pb[1], pb / 2);
+  EXPECT_EQ(unit_pb[3], pb / 2);
+  EXPECT_EQ(unit_pb[6], shards[6] * 4);
+  // 256 KiB over 3 servers: 2 rounds of shards, 6 of 10928 elements.
+  EXPECT_EQ(unit_pb[6], 10928u * 4);
+  const Assignment a = assign_partitions(u.tensors, u.plans, sv, pb, shards);
+  for (uint32_t unit = 0; unit < u.tensors.size(); ++unit) {
+    SCOPED_TRACE(u.tensors[unit].name);
+    EXPECT_EQ(a.by_tensor[unit].size(),
+              strategy::partition_count(u.tensors[unit].bytes(), unit_pb[unit]));
+    for (uint32_t i : a.by_tensor[unit]) EXPECT_LE(a.partitions[i].count * 4, unit_pb[unit]);
+  }
+  EXPECT_EQ(a.by_tensor[1].size(), 2u);
+  EXPECT_EQ(a.by_tensor[6].size(), 6u);
+}
+
 TEST(FusionTest, BytecompsOwnTensorsAreNeverFused) {
   // bytecomp.torch's control job: its control tensor is pushed alone.
   std::vector<TensorSpec> t = {{"bytecomp.control", 1024},

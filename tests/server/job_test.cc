@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "common/config.h"
 #include "server/cluster_config.h"
@@ -145,6 +146,83 @@ TEST(AssignmentTest, PlacementsSingleAndPeer) {
   EXPECT_EQ(big_servers.size(), 4u);
   EXPECT_THROW(assign_partitions(t, plans, {}, 4096), Error);
   EXPECT_THROW(assign_partitions(t, plans, servers(1, 1), 2), Error);
+}
+
+// Option::pieces executed: a tensor whose option has pieces q is cut at
+// partition_bytes / q (whole 64-byte multiples), so it has q times the
+// partitions of the same tensor without pieces (a length that is a
+// multiple of partition_bytes), every element covered once, keys in order;
+// the digest (what coordinator, servers and nodes compare) sees it.
+TEST(AssignmentTest, PiecesCutEachTensorIntoItsOwnPartitions) {
+  const uint64_t pb = 64 * 1024;
+  // 3 full partitions of the job's size; 2.5; one not a multiple of 64.
+  std::vector<TensorSpec> t = {{"p1", 3 * pb / 4}, {"p4", 3 * pb / 4}, {"p2", 5 * pb / 8},
+                               {"p8", 10007}, {"single8", 3 * pb / 4}};
+  const auto plans = plan_job(
+      t, strategy_text("  - {tensor: p4, option: {compressor: none, pieces: 4}}\n"
+                       "  - {tensor: p2, option: {compressor: efsignsgd, inter: alltoall_allgather, "
+                       "pieces: 2}}\n"
+                       "  - {tensor: p8, option: {compressor: none, pieces: 8}}\n"
+                       "  - {tensor: single8, option: {compressor: none, inter: reduce_broadcast, "
+                       "pieces: 8}}\n"));
+  ASSERT_EQ(strategy::plan_pieces(plans[0]), 1);
+  ASSERT_EQ(strategy::plan_pieces(plans[1]), 4);
+  EXPECT_EQ(strategy::tensor_partition_bytes(plans[0], pb), pb);
+  EXPECT_EQ(strategy::tensor_partition_bytes(plans[1], pb), pb / 4);
+  EXPECT_EQ(strategy::tensor_partition_bytes(plans[2], pb), pb / 2);
+  EXPECT_EQ(strategy::tensor_partition_bytes(plans[3], pb), pb / 8);
+  // Rounded down to 64 bytes, never below.
+  EXPECT_EQ(strategy::tensor_partition_bytes(plans[3], 4096 + 640), 576u);
+  EXPECT_EQ(strategy::tensor_partition_bytes(plans[3], 256), 64u);
+  const Assignment a = assign_partitions(t, plans, servers(2, 2), pb);
+  const uint64_t want_parts[] = {3, 12, 5, (10007 * 4 + pb / 8 - 1) / (pb / 8), 24};
+  for (uint32_t i = 0; i < t.size(); ++i) {
+    SCOPED_TRACE(t[i].name);
+    const uint64_t per = strategy::tensor_partition_bytes(plans[i], pb) / 4;
+    ASSERT_EQ(a.by_tensor[i].size(), want_parts[i]);
+    EXPECT_EQ(a.by_tensor[i].size(),
+              strategy::partition_count(t[i].bytes(), strategy::tensor_partition_bytes(plans[i], pb)));
+    uint64_t next = 0;
+    uint32_t index = 0;
+    for (uint32_t idx : a.by_tensor[i]) {
+      const Partition& p = a.partitions[idx];
+      EXPECT_EQ(p.index, index++);
+      EXPECT_EQ(p.key, partition_key(i, p.index));
+      EXPECT_EQ(p.offset, next);
+      EXPECT_EQ(p.offset, uint64_t{p.index} * per);
+      EXPECT_EQ(p.count, std::min(per, t[i].count - p.offset));
+      next += p.count;
+    }
+    EXPECT_EQ(next, t[i].count);
+  }
+  // A single-server tensor keeps all its slices on one server.
+  std::set<NodeId> single;
+  for (uint32_t idx : a.by_tensor[4]) single.insert(a.partitions[idx].server);
+  EXPECT_EQ(single.size(), 1u);
+  // The digest covers pieces: the same job without them differs, and a
+  // change of one tensor's count differs again.
+  const auto flat = plan_job(t, "");
+  EXPECT_NE(assign_partitions(t, flat, servers(2, 2), pb).digest, a.digest);
+  auto other = plans;
+  other[1] = plan_job({t[1]}, strategy_text("  - {tensor: p4, option: {compressor: none, "
+                                            "pieces: 2}}\n"))[0];
+  EXPECT_NE(assign_partitions(t, other, servers(2, 2), pb).digest, a.digest);
+  EXPECT_EQ(assign_partitions(t, plans, servers(2, 2), pb).digest, a.digest);
+  // The same tensors without pieces, each cut by the job's partition size.
+  const Assignment f = assign_partitions(t, flat, servers(2, 2), pb);
+  EXPECT_EQ(f.by_tensor[1].size(), 3u);
+  EXPECT_EQ(f.by_tensor[4].size(), 3u);
+
+  // A strategy change of a tensor's pieces is named (the coordinator and
+  // a one-node daemon refuse it); other changes pass.
+  const std::string why = strategy::layout_change(t, plans, other);
+  EXPECT_NE(why.find("tensor 'p4'"), std::string::npos) << why;
+  EXPECT_NE(why.find("from 4 to 2"), std::string::npos) << why;
+  EXPECT_EQ(strategy::layout_change(t, plans, plans), "");
+  auto recompressed = plans;
+  recompressed[1] = plan_job({t[1]}, strategy_text("  - {tensor: p4, option: {compressor: fp16, "
+                                                   "inter: alltoall_allgather, pieces: 4}}\n"))[0];
+  EXPECT_EQ(strategy::layout_change(t, plans, recompressed), "");
 }
 
 TEST(ProtocolTest, AdmissionRoundTripAndTruncation) {

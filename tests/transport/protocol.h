@@ -15,6 +15,7 @@ enum Type : uint16_t {
   kBlast = 6,   // request: send `arg` kSeq messages of `aux` bytes to node `key`, reply when done
   kStall = 7,   // data: block the handler for `arg` ms
   kHash = 8,    // request: reply with key = checksum of payload 0, arg = its size
+  kEchoInline = 9,  // kEcho, registered with set_inline_handler (the server's data path's way)
   kUnhandled = 100,  // no handler anywhere
 };
 

@@ -4,11 +4,16 @@
 //
 //   transport_bench [--backend zmq] [--endpoint tcp|ipc] [--size BYTES]
 //                   [--messages N] [--rtt-iters N] [--runs N] [--io-threads N]
-//                   [--variants default,inline,spin20] [--spin-us N]
+//                   [--variants default,typed,inline,spin20] [--spin-us N]
+//                   [--local-ipc 0|1]
+// (tcp: TCP on both sides unless --local-ipc 1, like the bare-ZeroMQ floor.)
 // Round trips are measured per variant, each with its own client transport
 // and peer process, one variant after the other (idle ones sleep):
 //   default  the config defaults on both sides (wait_spin_us: --spin-us
 //            when given);
+//   typed    the defaults, the request of type kEchoInline, which the peer
+//            registered with set_inline_handler (as the server registers
+//            its data messages);
 //   inline   the same with inline_handlers: true at the peer;
 //   spin20   wait_spin_us: 20 (call() looks for its reply 20 us, yielding,
 //            before it sleeps; the default is 0).
@@ -138,7 +143,10 @@ int main(int argc, char** argv) {
   int runs = 3;
   int io_threads = 2;  // ZeroMQ I/O threads on both sides
   int spin_us = -1;    // -1: the config default
-  std::string variants_arg = "default,inline,spin20";
+  // tcp runs stay TCP (the floor, bare ZeroMQ, and iperf3 are TCP):
+  // --local-ipc 1 lets the transport use its Unix-socket alias instead.
+  bool local_ipc = false;
+  std::string variants_arg = "default,typed,inline,spin20";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--backend") backend = v;
@@ -150,6 +158,7 @@ int main(int argc, char** argv) {
     else if (k == "--io-threads") io_threads = std::stoi(v);
     else if (k == "--variants") variants_arg = v;
     else if (k == "--spin-us") spin_us = std::stoi(v);
+    else if (k == "--local-ipc") local_ipc = v == "1" || v == "true";
     else {
       std::cerr << "transport_bench: unknown option " << k << "\n";
       return 2;
@@ -157,8 +166,9 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> variants = split(variants_arg);
   for (const std::string& v : variants)
-    if (v != "default" && v != "inline" && v != "spin20") {
-      std::cerr << "transport_bench: unknown variant '" << v << "' (accepted: default, inline, spin20)\n";
+    if (v != "default" && v != "typed" && v != "inline" && v != "spin20") {
+      std::cerr << "transport_bench: unknown variant '" << v
+                << "' (accepted: default, typed, inline, spin20)\n";
       return 2;
     }
   if (variants.empty() || variants[0] != "default") variants.insert(variants.begin(), "default");
@@ -188,6 +198,7 @@ int main(int argc, char** argv) {
       yaml << "version: 1\ntransport:\n  backend: " << backend << "\n  io_threads: " << io_threads
            << "\n  listen: [\"" << listen("peer-" + name) << "\"]\n";
       if (name == "inline") yaml << "  inline_handlers: true\n";
+      yaml << "  local_ipc: " << (local_ipc ? "true" : "false") << "\n";
       if (spin >= 0) yaml << "  wait_spin_us: " << spin << "\n";
       std::ofstream(dir + "/peer-" + name + ".yaml") << yaml.str();
       v.peer = std::make_unique<testing::PeerProcess>(dir + "/peer-" + name + ".yaml", next_node);
@@ -196,6 +207,7 @@ int main(int argc, char** argv) {
       cfg.listen = {listen("bench-" + name)};
       cfg.node_id = 100 + next_node;
       cfg.io_threads = io_threads;
+      cfg.local_ipc = local_ipc;
       if (spin >= 0) cfg.wait_spin = std::chrono::microseconds{spin};
       v.client = make_transport(cfg);
       v.client->add_peer(next_node, v.peer->address());
@@ -238,13 +250,14 @@ int main(int argc, char** argv) {
       for (size_t vi = 0; vi < vs.size(); ++vi) {
         Variant& v = vs[vi];
         const NodeId p = static_cast<NodeId>(vi + 1);
-        for (int w = 0; w < 200; ++w) v.client->call(p, Message{{tp::kEcho, 0, 0, 0, 0}, {small}});
+        const uint16_t echo = v.name == "typed" ? tp::kEchoInline : tp::kEcho;
+        for (int w = 0; w < 200; ++w) v.client->call(p, Message{{echo, 0, 0, 0, 0}, {small}});
         std::vector<double> us;
         us.reserve(rtt_iters);
         double cpu0 = self_cpu_s() + proc_cpu_s(v.peer->pid());
         for (uint64_t i = 0; i < rtt_iters; ++i) {
           auto s0 = std::chrono::steady_clock::now();
-          Response r = v.client->call(p, Message{{tp::kEcho, 0, 0, 0, i}, {small}}, Millis{10000});
+          Response r = v.client->call(p, Message{{echo, 0, 0, 0, i}, {small}}, Millis{10000});
           double d = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
           r.status.throw_if_error();
           us.push_back(d);

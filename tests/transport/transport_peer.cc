@@ -36,13 +36,15 @@ struct State {
 };
 
 void serve(Transport& t, State& st) {
-  t.set_handler(tp::kEcho, [&t](Incoming in) {
+  auto echo = [&t](Incoming in) {
     if (in.expects_reply) {
       t.reply(in, std::move(in.message), nullptr);
     } else {
       t.send(in.from, std::move(in.message), nullptr);
     }
-  });
+  };
+  t.set_handler(tp::kEcho, echo);
+  t.set_inline_handler(tp::kEchoInline, echo);
   t.set_handler(tp::kSeq, [&st](Incoming in) {
     std::lock_guard lock(st.mu);
     uint64_t& next = st.next_seq[{in.from, in.message.header.key}];

@@ -159,10 +159,16 @@ class TransportTest : public ::testing::TestWithParam<Param> {
     std::ostringstream y;
     y << "version: 1\ntransport:\n"
       << "  backend: " << GetParam().backend << "\n"
-      << "  listen: [\"" << listen_endpoint(name) << "\"]\n"
+      << (extra.find("  listen:") == std::string::npos
+              ? "  listen: [\"" + listen_endpoint(name) + "\"]\n"
+              : std::string())
       << "  heartbeat_interval_ms: " << kHeartbeat.count() << "\n"
-      << "  peer_timeout_ms: " << peer_timeout_.count() << "\n"
-      << extra;
+      << "  peer_timeout_ms: " << peer_timeout_.count() << "\n";
+    // The tcp runs test TCP itself; the local_ipc tests below turn it on.
+    if (GetParam().backend == "zmq" && GetParam().scheme == "tcp" &&
+        extra.find("local_ipc") == std::string::npos)
+      y << "  local_ipc: false\n";
+    y << extra;
     return y.str();
   }
   std::string write_config(const std::string& name, const std::string& extra = "") const {
@@ -452,6 +458,124 @@ TEST_P(TransportTest, InlineHandlersKeepOrderAndRefuseBlockingCalls) {
   ASSERT_TRUE(call_code.has_value());
   EXPECT_EQ(*call_code, ErrorCode::kInvalidArgument);
   EXPECT_EQ(*wait_code, ErrorCode::kInvalidArgument);
+}
+
+TEST_P(TransportTest, PerTypeInlineHandlerRunsOnTheLoopAndKeepsSenderOrder) {
+  // Default config (handler threads); only kEcho is registered inline.
+  Transport& t = parent();
+  auto peer = spawn(1);
+  t.add_peer(1, peer->address());
+  std::mutex mu;
+  std::vector<std::pair<uint16_t, uint64_t>> seen;  // (type, arg) in handling order
+  std::optional<ErrorCode> call_code;
+  t.set_inline_handler(tp::kEcho, [&](Incoming in) {
+    if (in.message.header.arg == 0) {
+      // On the I/O thread: a blocking call is refused at once.
+      ErrorCode c = t.call(1, msg(tp::kStats), Millis{2000}).status.code();
+      std::lock_guard lock(mu);
+      call_code = c;
+    }
+    std::lock_guard lock(mu);
+    seen.emplace_back(tp::kEcho, in.message.header.arg);
+  });
+  t.set_handler(tp::kSeq, [&](Incoming in) {
+    // Slow, so kSeq messages still wait for the handler thread when the
+    // later echoes arrive: those must then wait behind them.
+    std::this_thread::sleep_for(Millis{2});
+    std::lock_guard lock(mu);
+    seen.emplace_back(tp::kSeq, in.message.header.arg);
+  });
+  t.start();
+  constexpr uint64_t kEchoes = 50, kSeqs = 150;
+  // The peer sends each one-way kEcho back; then kSeq 0..kSeqs-1 (kBlast
+  // towards us), then the second echoes: one ordered stream from node 1.
+  for (uint64_t i = 0; i < kEchoes; ++i) t.send(1, msg(tp::kEcho, 0, i), nullptr);
+  Response b = t.call(1, msg(tp::kBlast, /*target*/ 0, /*count*/ kSeqs, {}), Millis{30000});
+  ASSERT_TRUE(b.status.ok()) << b.status.to_string();
+  ASSERT_EQ(b.response.header.arg, kSeqs);
+  for (uint64_t i = kEchoes; i < 2 * kEchoes; ++i) t.send(1, msg(tp::kEcho, 0, i), nullptr);
+  ASSERT_TRUE(eventually([&] { std::lock_guard l(mu); return seen.size() == 2 * kEchoes + kSeqs; },
+                         Millis{20000}));
+  std::lock_guard lock(mu);
+  for (uint64_t i = 0; i < seen.size(); ++i) {
+    const uint64_t echo_i = i < kEchoes ? i : i - kSeqs;
+    const auto want = i < kEchoes || i >= kEchoes + kSeqs
+                          ? std::pair<uint16_t, uint64_t>{tp::kEcho, echo_i}
+                          : std::pair<uint16_t, uint64_t>{tp::kSeq, i - kEchoes};
+    ASSERT_EQ(seen[i], want) << "message " << i << " handled out of order";
+  }
+  ASSERT_TRUE(call_code.has_value());
+  EXPECT_EQ(*call_code, ErrorCode::kInvalidArgument);
+}
+
+// Established TCP connections of this network namespace to local port `port`.
+int tcp_connections_to(uint16_t port) {
+  int n = 0;
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(file);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string sl, local, remote, state;
+      f >> sl >> local >> remote >> state;
+      const size_t c = remote.rfind(':');
+      if (c != std::string::npos && state == "01" &&
+          std::stoul(remote.substr(c + 1), nullptr, 16) == port)
+        ++n;
+    }
+  }
+  return n;
+}
+
+bool abstract_socket_listed(const std::string& name) {
+  std::ifstream in("/proc/net/unix");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.size() >= name.size() && line.compare(line.size() - name.size(), name.size(), name) == 0 &&
+        line[line.size() - name.size() - 1] == ' ')
+      return true;
+  return false;
+}
+
+uint16_t port_of(const std::string& address) {
+  return static_cast<uint16_t>(std::stoul(address.substr(address.rfind(':') + 1)));
+}
+
+TEST_P(TransportTest, LocalPeerAtATcpAddressIsReachedThroughItsUnixSocket) {
+  if (GetParam().backend != "zmq" || GetParam().scheme != "tcp") GTEST_SKIP() << "zmq over tcp only";
+  Transport& t = parent("  local_ipc: true\n");
+  t.start();
+  auto peer = spawn(1, "  local_ipc: true\n");
+  const std::string addr = peer->address();  // tcp://127.0.0.1:P
+  ASSERT_EQ(addr.rfind("tcp://127.0.0.1:", 0), 0u) << addr;
+  EXPECT_TRUE(abstract_socket_listed("@bytecomp-tcp-" + addr.substr(6)))
+      << "the peer did not bind its local alias";
+  t.add_peer(1, addr);
+  for (size_t n : {size_t{0}, size_t{64}, size_t{100000}, size_t{20u << 20}}) {
+    Buffer b = pattern(n, n + 7);
+    Response r = t.call(1, msg(tp::kEcho, 3, n, {b}), Millis{10000});
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    ASSERT_EQ(r.response.payloads.size(), 1u);
+    ASSERT_EQ(r.response.payloads[0].size(), n);
+    if (n > 0) {
+      EXPECT_EQ(0, std::memcmp(r.response.payloads[0].data(), b.data(), n));
+    }
+  }
+  EXPECT_EQ(tcp_connections_to(port_of(addr)), 0) << "the peer was reached over TCP";
+  // A listener on 0.0.0.0: reached at a local address through its alias too.
+  auto any = spawn(2, "  local_ipc: true\n  listen: [\"tcp://0.0.0.0:0\"]\n");
+  ASSERT_EQ(any->address().rfind("tcp://0.0.0.0:", 0), 0u) << any->address();
+  const std::string via_lo = "tcp://127.0.0.1:" + std::to_string(port_of(any->address()));
+  t.add_peer(2, via_lo);
+  Response r = t.call(2, msg(tp::kEcho, 1, 2, {pattern(4096, 2)}), Millis{10000});
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_EQ(tcp_connections_to(port_of(via_lo)), 0) << "the 0.0.0.0 listener was reached over TCP";
+  // A dying peer is still detected within the heartbeat bound.
+  peer->kill9();
+  const Millis bound = kPeerTimeout + kDetectSlack;
+  EXPECT_TRUE(wait_lost(1, bound)) << "killed local peer not reported within " << bound.count() << " ms";
+  EXPECT_EQ(t.peer_state(2), PeerState::kAlive);
 }
 
 TEST_P(TransportTest, ManyPeersAndConcurrentSenders) {

@@ -3,7 +3,67 @@
 
 #include <algorithm>
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <pthread.h>
+
+#include <fstream>
+
 namespace bytecomp::transport::zmq_detail {
+
+namespace {
+
+// Whether /proc/net/unix lists a socket bound to the abstract `name`
+// ("@..."): /proc/net/unix shows the sockets of the reader's network
+// namespace only.
+bool abstract_socket_exists(const std::string& name) {
+  std::ifstream in("/proc/net/unix");
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t at = line.rfind(' ');
+    if (at != std::string::npos && line.compare(at + 1, std::string::npos, name) == 0) return true;
+  }
+  return false;
+}
+
+// Whether `host` (numeric, as in a tcp:// address; IPv6 in brackets) is an
+// address of one of this namespace's interfaces.
+bool is_local_address(std::string host) {
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) != 0) return false;
+  bool found = false;
+  for (ifaddrs* i = ifs; i != nullptr && !found; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    char buf[INET6_ADDRSTRLEN] = {};
+    if (i->ifa_addr->sa_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+    } else if (i->ifa_addr->sa_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr, buf, sizeof buf);
+    } else {
+      continue;
+    }
+    found = host == buf;
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+}  // namespace
+
+std::string local_route_for(const std::string& address) {
+  const std::string exact = local_alias(address);
+  if (exact.empty()) return address;
+  if (abstract_socket_exists(exact)) return "ipc://" + exact;
+  const std::string hostport = address.substr(6);
+  const size_t colon = hostport.rfind(':');
+  if (colon == std::string::npos) return address;
+  const std::string wildcard = local_alias("tcp://0.0.0.0" + hostport.substr(colon));
+  if (abstract_socket_exists(wildcard) && is_local_address(hostport.substr(0, colon)))
+    return "ipc://" + wildcard;
+  return address;
+}
 
 ZmqTransport::ZmqTransport(const TransportConfig& config) : TransportBase(config, "zmq") {
   for (const std::string& l : config.listen) check_endpoint(l, "listen endpoint");
@@ -55,6 +115,17 @@ ZmqTransport::ZmqTransport(const TransportConfig& config) : TransportBase(config
       check(zmq_getsockopt(router_, ZMQ_LAST_ENDPOINT, last.data(), &len), "ZMQ_LAST_ENDPOINT");
       bound_.emplace_back(last.data());
       BC_LOG(LogZmq(), kInfo) << "node " << self() << " listening on " << bound_.back();
+      const std::string alias = local_alias(bound_.back());
+      if (config.local_ipc && !alias.empty()) {
+        // Peers of this network namespace connect here instead (local_ipc).
+        // Taken already (another listener at the same host:port of this
+        // namespace cannot exist; a leftover cannot either: abstract names
+        // vanish with their socket): peers then use TCP.
+        if (zmq_bind(router_, ("ipc://" + alias).c_str()) != 0)
+          BC_LOG(LogZmq(), kWarn) << "node " << self() << ": cannot bind ipc://" << alias
+                                  << " (" << zmq_strerror(zmq_errno())
+                                  << "); peers on this host use TCP";
+      }
     }
   } catch (...) {
     close_socket(monitor_);
@@ -64,7 +135,10 @@ ZmqTransport::ZmqTransport(const TransportConfig& config) : TransportBase(config
     if (wake_fd_ >= 0) close(wake_fd_);
     throw;
   }
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "bc-tp-loop");
+    loop();
+  });
 }
 
 ZmqTransport::~ZmqTransport() {
@@ -111,8 +185,13 @@ void* ZmqTransport::make_dealer(const std::string& address, char rid_kind) {
     check(zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, c.public_key.c_str(), 40), "ZMQ_CURVE_PUBLICKEY");
     check(zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, c.secret_key.c_str(), 40), "ZMQ_CURVE_SECRETKEY");
   }
-  if (zmq_connect(s, address.c_str()) != 0) {
-    std::string e = zmq_error("transport zmq: cannot connect to '" + address + "'");
+  // A listener of this network namespace: its Unix socket (local_ipc).
+  const std::string target = config().local_ipc ? local_route_for(address) : address;
+  if (target != address && rid_kind == kDataRid)
+    BC_LOG(LogZmq(), kDebug) << "node " << self() << ": " << address
+                             << " is on this host; connecting through " << target;
+  if (zmq_connect(s, target.c_str()) != 0) {
+    std::string e = zmq_error("transport zmq: cannot connect to '" + target + "'");
     zmq_close(s);
     throw Error(ErrorCode::kInvalidArgument, e);
   }

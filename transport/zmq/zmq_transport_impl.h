@@ -83,6 +83,21 @@ inline void check_endpoint(const std::string& endpoint, const char* what) {
                     "' is not a zmq endpoint (accepted: tcp://host:port, ipc:///path)");
 }
 
+// The abstract Unix socket a tcp listener is also bound as (local_ipc):
+// "tcp://127.0.0.1:7100" -> "@bytecomp-tcp-127.0.0.1:7100" (the name as
+// /proc/net/unix shows it; ZeroMQ spells it ipc://@...). Empty for anything
+// but tcp://.
+inline std::string local_alias(const std::string& tcp_endpoint) {
+  if (tcp_endpoint.rfind("tcp://", 0) != 0) return {};
+  return "@bytecomp-tcp-" + tcp_endpoint.substr(6);
+}
+
+// Where to connect for `address` (local_ipc): the abstract socket of a
+// listener of this network namespace bound at exactly that tcp address, or
+// at 0.0.0.0 on the port when HOST is one of this namespace's addresses;
+// else `address` itself. Reads /proc/net/unix (and getifaddrs).
+std::string local_route_for(const std::string& address);
+
 inline void release_hint(void* /*data*/, void* hint) {
   delete static_cast<std::shared_ptr<const void>*>(hint);
 }

@@ -199,10 +199,25 @@ BYTECOMP_API bytecomp_status bytecomp_push_pull(bytecomp_client* client, uint32_
 BYTECOMP_API bytecomp_status bytecomp_partition_bytes(bytecomp_client* client,
                                                       uint64_t* out_bytes);
 
+/* Added in ABI 1.5 (symbol version BYTECOMP_1.5). Tensor `tensor_id`'s own
+ * partitions once the daemon published them (when bytecomp_partition_bytes
+ * turns non-zero): *out_partition_bytes, the size of each (the last may be
+ * shorter), and *out_partitions (may be NULL), how many. They are the job's
+ * partition size for a tensor whose strategy option has `pieces: 1`, that
+ * size cut into `pieces` slices (rounded down to a multiple of 64 bytes)
+ * otherwise, fixed for the job (docs/gpu.md §4). Both 0 before (not an
+ * error). A compressed push lays its payloads out by these. */
+BYTECOMP_API bytecomp_status bytecomp_tensor_partitions(bytecomp_client* client,
+                                                        uint32_t tensor_id,
+                                                        uint64_t* out_partition_bytes,
+                                                        uint32_t* out_partitions);
+
 /* Added in ABI 1.3. As bytecomp_push_pull, but the buffer holds the gradient
  * already compressed by the caller (e.g. on its GPU, docs/gpu.md): for each
- * partition p (bytes [p * P, min((p + 1) * P, tensor bytes)) with P from
- * bytecomp_partition_bytes, which must be non-zero), that range starts with
+ * partition p (bytes [p * P, min((p + 1) * P, tensor bytes)) with P the
+ * tensor's partition size from bytecomp_tensor_partitions, or, from a
+ * library before ABI 1.5, bytecomp_partition_bytes, which is the same for a
+ * tensor without `pieces`; it must be non-zero), that range starts with
  * the partition's payload in the CPU compressor library's wire format, of the
  * compressor of the strategy in force for the iteration, with the caller's own
  * error feedback. The daemon does not compress again; the result, as for
@@ -218,9 +233,10 @@ BYTECOMP_API bytecomp_status bytecomp_push_pull_compressed(bytecomp_client* clie
  * of the buffer hold the dense gradient, which the daemon compresses on its
  * CPU pool, and only the rest hold the caller's payloads: the strategy's
  * `cpu_share` executed (docs/gpu.md §4). dense_partitions must be below the
- * tensor's partition count (all dense is bytecomp_push_pull) and equal to
- * the daemon's rounding of the plan's cpu_share (llround(cpu_share *
- * partitions)), else the job fails naming both. 0 is
+ * tensor's partition count (bytecomp_tensor_partitions; all dense is
+ * bytecomp_push_pull) and equal to the daemon's rounding of the plan's
+ * cpu_share (llround(cpu_share * partitions)), else the job fails naming
+ * both. 0 is
  * bytecomp_push_pull_compressed. An older bytecompd fails the job (unknown
  * submit flags). */
 BYTECOMP_API bytecomp_status bytecomp_push_pull_split(bytecomp_client* client, uint32_t tensor_id,

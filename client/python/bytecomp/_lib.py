@@ -187,6 +187,10 @@ def _declare(lib):
     if hasattr(lib, "bytecomp_push_pull_split"):
         lib.bytecomp_push_pull_split.argtypes = [vp, u32, u64, u32, c.POINTER(u64)]
         lib.bytecomp_push_pull_split.restype = c.c_int
+    # ABI 1.5 (BYTECOMP_1.5): a tensor's own partitions (the strategy's pieces).
+    if hasattr(lib, "bytecomp_tensor_partitions"):
+        lib.bytecomp_tensor_partitions.argtypes = [vp, u32, c.POINTER(u64), c.POINTER(u32)]
+        lib.bytecomp_tensor_partitions.restype = c.c_int
 
 
 def library():
@@ -357,6 +361,24 @@ class Client:
         n = ctypes.c_uint64()
         self._check(self._lib.bytecomp_partition_bytes(self._c, ctypes.byref(n)))
         return n.value
+
+    def tensor_partitions(self, tensor_id):
+        """bytecomp_tensor_partitions: (partition bytes, partitions) of one
+        tensor, the job's partition size cut into its strategy's `pieces`;
+        (0, 0) until the daemon published them. A libbytecomp older than ABI
+        1.5 (whose daemons do not cut by pieces) gives the job's partition
+        size and the count it makes."""
+        if not hasattr(self._lib, "bytecomp_tensor_partitions"):
+            pb = self.partition_bytes()
+            if pb == 0:
+                return 0, 0
+            nbytes = self.buffer(tensor_id)[1]
+            return pb, max(1, -(-nbytes // pb))
+        pb = ctypes.c_uint64()
+        parts = ctypes.c_uint32()
+        self._check(self._lib.bytecomp_tensor_partitions(self._c, tensor_id, ctypes.byref(pb),
+                                                         ctypes.byref(parts)))
+        return pb.value, parts.value
 
     def _need_collectives(self, call):
         if not hasattr(self._lib, "bytecomp_broadcast"):

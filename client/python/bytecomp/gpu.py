@@ -158,7 +158,8 @@ def dense_partitions(cpu_share, partitions):
 
 class PartitionCodec:
     """Compresses one tensor in the training process, partition by
-    partition of the daemon's partition size, straight into the tensor's
+    partition of the tensor's partition size (bytecomp_tensor_partitions:
+    the job's, cut into the strategy's `pieces`), straight into the tensor's
     shared-memory buffer: each partition's payload at the start of its byte
     range (bytecomp_push_pull_compressed's layout). One compressor (and
     error-feedback state) per partition, as the daemon keeps.

@@ -30,8 +30,11 @@ from bytecomp_harness.tasks import settings as task_settings
 from bytecomp.run import _can_connect, find_build_root, find_program
 
 DDP_SYSTEMS = ["ddp_fp32", "ddp_fp16", "ddp_powersgd"]
-BC_SYSTEMS = ["bc_none", "bc_fp16", "bc_efsignsgd", "bc_topk", "bc_randomk", "bc_dgc", "bc_auto"]
+BC_SYSTEMS = ["bc_none", "bc_none_ps", "bc_fp16", "bc_efsignsgd", "bc_topk", "bc_randomk", "bc_dgc", "bc_auto"]
 ALL_SYSTEMS = DDP_SYSTEMS + BC_SYSTEMS
+# Goodput probes, one per uncompressed path: push/pull and the ring.
+PROBES = ["bc_pushpull", "bc_ringprobe"]
+PROBE_PATH = {"bc_pushpull": "ps", "bc_ringprobe": "ring"}
 # Run last in a launch: on torch 1.13 + gloo the PowerSGD hook aborts the
 # process (gloo EnforceNotMet), which would cost a fresh launch for the rest.
 RISKY = ["ddp_powersgd"]
@@ -49,7 +52,7 @@ COMPUTE_PER_SAMPLE = {"resnet18": 0.012, "transformer": 0.15, "lstm": 0.12, "dig
                       "cancer": 0.0002, "mlp": 0.0004}
 # Share of float32 bytes each system sends (the estimate only).
 WIRE_SHARE = {"ddp_fp32": 1.0, "ddp_fp16": 0.5, "ddp_powersgd": 0.05, "bc_none": 1.0,
-              "bc_fp16": 0.5, "bc_efsignsgd": 0.04, "bc_topk": 0.02, "bc_randomk": 0.01,
+              "bc_none_ps": 1.0, "bc_fp16": 0.5, "bc_efsignsgd": 0.04, "bc_topk": 0.02, "bc_randomk": 0.01,
               "bc_dgc": 0.02, "bc_auto": 0.5, "compute": 0.0}
 
 _OPTION = ("{compressor: %s, params: {%s}, error_feedback: %s, comp_device: cpu, "
@@ -76,11 +79,17 @@ def strategy_yaml(system, min_bytes=None):
     least the size in STRATEGIES (or `min_bytes`, for every system that
     does not compress every tensor) compressed on the daemons' CPUs, the
     servers decompress-sum-recompress their shard."""
+    # Uncompressed tensors take the daemons' ring (`inter: allreduce`), as
+    # in Espresso, which sends fp32/fp16 through an allreduce and uses the
+    # servers only for compressed tensors; `bc_none_ps` keeps push/pull.
+    inter = "reduce_scatter_allgather" if system in ("bc_none_ps", "bc_pushpull") else "allreduce"
     head = ("version: 1\nmeta: {written_by: \"bench-cluster\", system: \"%s\"}\n"
-            "default: {compressor: none}\nrules:\n  - match: \"bytecomp.*\"\n"
-            "    option: {compressor: none}\n" % system)
-    if system == "bc_none":
+            "default: {compressor: none, inter: %s}\nrules:\n  - match: \"bytecomp.*\"\n"
+            "    option: {compressor: none}\n" % (system, inter))
+    if system in ("bc_none", "bc_none_ps", "bc_pushpull", "bc_ringprobe"):
         return head
+    if system == "bc_fp16":
+        return head + "  - match: \"*\"\n    option: {compressor: fp16, inter: allreduce}\n"
     comp, params, ef, own_min = STRATEGIES[system]
     if min_bytes is None or not own_min:
         min_bytes = own_min
@@ -369,7 +378,7 @@ class Bench:
                  (total / 60))
         tmp = tempfile.mkdtemp(prefix="bench-cluster-out-")
         os.makedirs(os.path.join(tmp, "strategies"))
-        for s in BC_SYSTEMS:
+        for s in BC_SYSTEMS + PROBES:
             if s != "bc_auto":
                 with open(os.path.join(tmp, "strategies", s + ".yaml"), "w") as f:
                     f.write(strategy_yaml(s, a.compress_min_bytes))
@@ -384,7 +393,7 @@ class Bench:
                     systems = ["compute"] + [x for x in runnable if x not in RISKY]
                     extra = []
                     if i == 0 and netns.parse_rate(bw) is not None and "bc_none" in runnable:
-                        systems.append("bc_pushpull")
+                        systems += PROBES
                         extra = ["--pushpull-bytes", str(self.pushpull_bytes(bw)),
                                  "--pushpull-rounds", str(a.pushpull_rounds)]
                     systems += self.broadcast_systems(runnable)
@@ -396,8 +405,10 @@ class Bench:
                     ends = [x for x in ends if x is not None]
                     self.compute.setdefault(model, {})[bw] = statistics.mean(ends) if ends else None
                     self.compute_ends.setdefault(model, {})[bw] = ends
-                    if "bc_pushpull" in res:
-                        self.goodput[bw] = self.goodput_of(res["bc_pushpull"], bw)
+                    for probe in PROBES:
+                        if probe in res:
+                            self.goodput.setdefault(bw, {})[PROBE_PATH[probe]] = \
+                                self.goodput_of(res[probe], bw)
                     self.record_broadcast(model, bw, res)
                     self.results.setdefault(model, {})[bw] = {
                         s: res[s] for s in runnable}
@@ -465,11 +476,14 @@ class Bench:
         return int(min(128 << 20, max(4 << 20, b)) // 4 * 4)
 
     def goodput_of(self, r, bw):
-        """Payload bytes a node's link carries per push/pull round over the
-        round time, divided by the link rate. Colocated servers: a node
-        pushes (N-1)/N of the tensor to the other nodes' servers and its
-        server answers the other nodes' pulls of its 1/N share: 2(N-1)/N.
-        Dedicated: the node pushes the whole tensor once."""
+        """Payload bytes a node's link carries per round over the round
+        time, divided by the link rate. Colocated servers: a node pushes
+        (N-1)/N of the tensor to the other nodes' servers and its server
+        answers the other nodes' pulls of its 1/N share: 2(N-1)/N; the ring
+        sends the same 2(N-1)/N (reduce-scatter, then allgather). Dedicated
+        servers: the node pushes the whole tensor once (the ring still
+        2(N-1)/N; the probe's share is the push/pull one, so a dedicated
+        run's ring figure is a lower bound)."""
         if "error" in r or "step_ms" not in r:
             return {"ratio": None, "error": r.get("error", "no figure")}
         a = self.args
@@ -499,8 +513,9 @@ class Bench:
                     res[m][bw]["bc_auto"] = None
         comp = {m: (round(median([v for v in d.values() if v]), 2)
                     if any(d.values()) else None) for m, d in self.compute.items()}
-        good = {bw: (round(g["ratio"], 3) if g.get("ratio") is not None else None)
-                for bw, g in self.goodput.items()}
+        good = {bw: {path: (round(g["ratio"], 3) if g.get("ratio") is not None else None)
+                     for path, g in paths.items()}
+                for bw, paths in self.goodput.items()}
         acc = bench_accuracy.accuracy_json(self.accuracy)
         return {"results": res, "compute_only_ms": comp, "goodput_vs_link": good,
                 "accuracy": acc, "broadcast_ms": self.broadcast_json()}
@@ -532,14 +547,15 @@ class Bench:
                         fmt(r.get("service_cpu_ms_per_step"))))
         out = "\n".join(rows)
         if self.goodput:
-            out += ("\n\nUncompressed push/pull goodput per node (payload / round time / link "
-                    "rate):\n\n| bandwidth | tensor | round ms | goodput / link | wire bytes / "
-                    "link |\n|---|---|---|---|---|\n")
-            for bw, g in self.goodput.items():
-                out += "| %s | %s | %s | %s | %s |\n" % (
-                    bw, human_bytes(g.get("tensor_bytes")), fmt(g.get("round_ms")),
-                    fmt(g.get("ratio"), "%.3f", "null: %s" % g.get("error")),
-                    fmt(g.get("wire_vs_link"), "%.3f"))
+            out += ("\n\nUncompressed goodput per node, push/pull (`ps`) and the ring "
+                    "(payload / round time / link rate):\n\n| bandwidth | path | tensor | "
+                    "round ms | goodput / link | wire bytes / link |\n|---|---|---|---|---|---|\n")
+            for bw, paths in self.goodput.items():
+                for path, g in paths.items():
+                    out += "| %s | %s | %s | %s | %s | %s |\n" % (
+                        bw, path, human_bytes(g.get("tensor_bytes")), fmt(g.get("round_ms")),
+                        fmt(g.get("ratio"), "%.3f", "null: %s" % g.get("error")),
+                        fmt(g.get("wire_vs_link"), "%.3f"))
         out += self.broadcast_table()
         out += bench_accuracy.accuracy_table(a, self.accuracy, self.accuracy_systems(a.systems),
                                              self.reason)

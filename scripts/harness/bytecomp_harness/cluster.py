@@ -38,6 +38,7 @@ from bytecomp_harness.procs import cluster_yaml, program, python_env, wait_up, w
 
 MASTER_PORT = 29500
 SERVER_PORT = 9100
+PEER_PORT = 9200
 DAEMON_ID_BASE = 100
 
 
@@ -52,7 +53,8 @@ def default_threads(training_processes):
 class NamespacedCluster:
     def __init__(self, nodes, nproc_per_node=1, servers="colocated", n_dedicated=1,
                  threads=None, build_root=None, out=sys.stdout, timeout_ms=180000,
-                 start_timeout_s=120.0, partition_bytes="1MiB", keep_tmp=False):
+                 start_timeout_s=120.0, partition_bytes="1MiB", keep_tmp=False,
+                 peer_listen=True):
         if nodes < 1 or nproc_per_node < 1:
             raise ValueError("nodes and nproc_per_node must be >= 1 (got %d, %d)" %
                              (nodes, nproc_per_node))
@@ -70,6 +72,9 @@ class NamespacedCluster:
         self.start_timeout_s = start_timeout_s
         self.partition_bytes = partition_bytes
         self.keep_tmp = keep_tmp
+        # Give each daemon a peer endpoint (internode.peer_listen on its
+        # node's address): the daemons' allgather and ring need one.
+        self.peer_listen = peer_listen
         extra = 0 if servers == "colocated" else self.n_servers
         self.net = netns.Cluster(nodes + extra)
         self.tmp = None
@@ -114,11 +119,13 @@ class NamespacedCluster:
                 "control:\n  socket: %s\n  socket_mode: 384\n  setup_timeout_ms: %d\n"
                 "shm:\n  instance: %s\n"
                 "scheduler:\n  threads: 1\n  partition_bytes: %s\n"
-                "internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n"
+                "internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n%s"
                 "logging:\n  levels: warn\n"
                 % (sock, int(self.start_timeout_s * 1000), instance, self.partition_bytes,
                    cluster_file,
-                   DAEMON_ID_BASE + n, nodes))
+                   DAEMON_ID_BASE + n, nodes,
+                   '  peer_listen: "tcp://%s:%d"\n' % (self.net.address(n), PEER_PORT)
+                   if self.peer_listen else ""))
 
     def _service_env(self):
         env = dict(os.environ)

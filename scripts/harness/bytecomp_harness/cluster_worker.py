@@ -27,6 +27,7 @@ training loss per step and the held-out loss and accuracy every few steps
                  directory (predicted time, compressed tensors, the switch)
   bc_pushpull    goodput probe: one --pushpull-bytes float32 tensor pushed
                  and pulled through bytecomp uncompressed, no compute
+  bc_ringprobe   the same over the daemons' ring (`inter: allreduce`)
 
 Per system each rank writes its step times and losses; the first process of
 each node also writes the node's link bytes sent (eth0 of its namespace,
@@ -532,14 +533,15 @@ def run_accuracy(system, args, rank, size):
             "momentum_params": {"sgd_momentum": split[0], "none": split[1]}}
 
 
-def run_pushpull(args, counters):
-    """Uncompressed push/pull of one tensor, no compute: the goodput probe."""
+def run_pushpull(args, counters, system):
+    """Uncompressed rounds of one tensor, no compute, on the path of
+    `system`'s strategy (push/pull or the ring): the goodput probe."""
     import bytecomp.torch as bc
     n = max(1, args.pushpull_bytes // 4)
     p = torch.nn.Parameter(torch.zeros(n))
     opt = bc.DistributedOptimizer(torch.optim.SGD([p], lr=0.0),
                                   named_parameters=[("pushpull", p)],
-                                  strategy=os.path.join(args.strategy_dir, "bc_none.yaml"))
+                                  strategy=os.path.join(args.strategy_dir, system + ".yaml"))
     times = []
     before = after = None
     try:
@@ -667,8 +669,8 @@ def main(argv=None):
         dist.barrier()
         t0 = time.monotonic()
         try:
-            if system == "bc_pushpull":
-                r = run_pushpull(args, counters)
+            if system in ("bc_pushpull", "bc_ringprobe"):
+                r = run_pushpull(args, counters, system)
             elif system == "broadcast":
                 r = run_broadcast(args, rank)
             elif args.task:

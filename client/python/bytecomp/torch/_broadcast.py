@@ -68,8 +68,6 @@ def _broadcast_tensors(c, named, root_rank, what):
     # the size and root) across every rank, in the broadcast itself.
     tag = _tag([(n, tuple(t.shape), str(t.dtype)) for n, t in named], nbytes)
     is_root = c.settings.rank == root_rank
-    data = torch.cat([_tensor_bytes(t) for _, t in named]) if is_root and named else \
-        torch.empty(0, dtype=torch.uint8)
     # Compared through the exact sums first: the daemons would also refuse a
     # disagreeing broadcast, but that breaks the control job, and Horovod's
     # callers expect to go on after the error.
@@ -78,19 +76,34 @@ def _broadcast_tensors(c, named, root_rank, what):
                      "of elements differ, or another root rank; this rank passed %d elements "
                      "from root rank %d): every rank must pass the same set in the same order" %
                      (count, root_rank))
-    data = c.broadcast_bytes(data, nbytes, root_rank, tag, what)
-    if not is_root:
-        off = 0
-        with torch.no_grad():
-            for _, t in named:
-                k = t.numel() * t.element_size()
-                raw = data[off:off + k].clone()  # aligned for view()
-                if t.dtype == torch.bool:
-                    v = raw.to(torch.bool)
-                else:
-                    v = raw.view(t.dtype)
+    # Each tensor's bytes go straight between its storage and the shared
+    # memory (a contiguous CPU tensor's own bytes; others through a staging
+    # copy): a copy of the whole state first costs more than the network at
+    # 10 Gbit/s (docs/cluster.md).
+    segments, staged = [], []
+    for _, t in named:
+        if t.numel() == 0:
+            continue
+        view = _byte_view(t)
+        if view is None:
+            view = _tensor_bytes(t) if is_root else \
+                torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
+            staged.append((t, view))
+        segments.append(view)
+    with torch.no_grad():
+        c.broadcast_into(segments, nbytes, root_rank, tag, what)
+        if not is_root:
+            for t, raw in staged:
+                v = raw.to(torch.bool) if t.dtype == torch.bool else raw.view(t.dtype)
                 t.copy_(v.view(t.shape))
-                off += k
+
+
+def _byte_view(t):
+    """The bytes of `t` as a flat uint8 tensor sharing its storage (writes
+    land in `t`), or None when `t` is not a contiguous CPU tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _check_broadcast(c, tag, nbytes, root_rank, what, message):

@@ -5,6 +5,7 @@ of metrics runs through, and the daemons' broadcast and barrier operations
 through. Internal: use it through bytecomp.torch."""
 
 import atexit
+import bisect
 import concurrent.futures
 import ctypes
 import errno
@@ -221,20 +222,52 @@ class _Context:
 
     def broadcast_bytes(self, data, count, root_rank, tag, what):
         """Returns root_rank's `count` bytes (`data`, a flat uint8 tensor, on
-        the root; ignored elsewhere) on every rank, through the daemons'
-        broadcast (raw bytes, sent once from the root's node), in chunks of
-        the scratch tensors, two in flight. Every rank passes the same count,
-        root and tag; where they differ every rank raises ValueError."""
+        the root; ignored elsewhere) on every rank (see broadcast_into)."""
         is_root = self.settings.rank == root_rank
         out = data if is_root else torch.empty(count, dtype=torch.uint8)
+        self.broadcast_into([out] if count else [], count, root_rank, tag, what)
+        return out
+
+    def broadcast_into(self, segments, count, root_rank, tag, what):
+        """Copies root_rank's bytes into every rank's `segments` (flat uint8
+        CPU tensors, `count` bytes in all, in order: read on the root,
+        written elsewhere) through the daemons' broadcast (raw bytes, sent
+        once from the root's node), in chunks of the scratch tensors, two in
+        flight. Each chunk goes straight between the segments and the shared
+        memory: no staging copy of the whole. Every rank passes the same
+        count, root and tag; where they differ every rank raises ValueError."""
+        is_root = self.settings.rank == root_rank
         chunk = _BCAST_BYTES
         inflight = []
+        # The segments as (first byte, tensor), walked in order by copy().
+        starts = []
+        pos = 0
+        for seg in segments:
+            starts.append(pos)
+            pos += seg.numel()
+        if pos != count:
+            raise ValueError("%s: segments of %d bytes for a broadcast of %d" % (what, pos, count))
+
+        def copy(buf, off, k, into_segments):
+            i = bisect.bisect_right(starts, off) - 1
+            done = 0
+            while done < k:
+                seg, s0 = segments[i], starts[i]
+                a = off + done - s0
+                n = min(seg.numel() - a, k - done)
+                if n > 0:
+                    if into_segments:
+                        seg[a:a + n].copy_(buf[done:done + n])
+                    else:
+                        buf[done:done + n].copy_(seg[a:a + n])
+                done += max(n, 0)
+                i += 1
 
         def finish():
             slot, h, off, k = inflight.pop(0)
             _wait(self.ctl, h, self.settings.timeout_ms, "%s", what)
             if not is_root and k:
-                out[off:off + k].copy_(self.bcast[slot][1][:k])
+                copy(self.bcast[slot][1], off, k, True)
 
         try:
             n = max(1, (count + chunk - 1) // chunk)
@@ -246,7 +279,7 @@ class _Context:
                 k = min(chunk, count - off)
                 tid, buf = self.bcast[slot]
                 if is_root and k:
-                    buf[:k].copy_(data[off:off + k])
+                    copy(buf, off, k, False)
                 h = self.ctl.broadcast(tid, self.bcast_iteration[slot], root_rank, k, tag)
                 self.bcast_iteration[slot] += 1
                 inflight.append((slot, h, off, k))
@@ -259,7 +292,6 @@ class _Context:
                                     "passed %d bytes from root rank %d): %s" %
                                     (what, count, root_rank, e.message)) from None
             raise
-        return out
 
     def barrier(self, what):
         """Returns once every process of the job entered it (the daemons'

@@ -333,10 +333,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _bytecomp_codec(self, slot, client=None):
         """The slot's PartitionCodec (made at start, once the daemon
-        published the job's partition size); None: pushed dense."""
+        published the job's partition size); None: pushed dense. Laid out by
+        the tensor's own partitions (the job's cut into its strategy's
+        `pieces`), as the daemon publishes them."""
         if slot.codec is not None or slot.place is None:
             return slot.codec
-        pb = (client or self._bc_client).partition_bytes()
+        pb, _parts = (client or self._bc_client).tensor_partitions(slot.tid)
         if pb == 0:
             return None  # a multi-node job not joined yet: the daemon compresses
         p = slot.param
@@ -576,6 +578,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         client, self._bc_client = self._bc_client, None
         if client is None:
             return
+        if self._bc_failed is not None:
+            # Before any device synchronize: an NCCL collective stuck on a
+            # dead local rank would otherwise block the synchronizes below
+            # forever; aborting the communicator ends its kernels.
+            self._bc_intra.abort()
         with torch.no_grad():
             for s in self._bc_slots:
                 if s.param.grad is not None and s.param.grad.data_ptr() == s.buf.data_ptr():
@@ -587,8 +594,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     s.codec.close()
                     s.codec = None
         self._bc_slots = []
-        if self._bc_failed is not None:
-            self._bc_intra.abort()  # no bounded finalize with a broken job
         if self._bc_pinned is not None:
             # No copy may still read or write the shared memory.
             torch.cuda.synchronize(self._bc_cuda_device)
