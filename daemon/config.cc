@@ -91,6 +91,19 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   }
   inter.finish();
 
+  config::Reader fusion = root.section("fusion");
+  fusion.get("enabled", c.fusion_enabled)
+      .get_bytes("first_bucket_bytes", c.fusion_first_bucket_bytes,
+                 Range<uint64_t>{4096, 1ull << 34})
+      .get_bytes("bucket_cap_bytes", c.fusion_bucket_cap_bytes, Range<uint64_t>{4096, 1ull << 34});
+  if (c.fusion_first_bucket_bytes > c.fusion_bucket_cap_bytes) {
+    fusion.fail("first_bucket_bytes",
+                std::to_string(c.fusion_first_bucket_bytes) + " is above bucket_cap_bytes " +
+                    std::to_string(c.fusion_bucket_cap_bytes),
+                "4 KiB to bucket_cap_bytes (the first bucket is the small one)");
+  }
+  fusion.finish();
+
   config::Reader strategy = root.section("strategy");
   strategy.get_enum("mode", c.strategy_mode, {"file", "auto"}).get("file", c.strategy_file).get("run_dir", c.run_dir);
   c.auto_spec = strategy::AutoSpec::read(strategy);

@@ -54,6 +54,12 @@ struct DaemonConfig {
   // broadcast chain, 64 B .. 1 MiB, a multiple of 4; every node of a job
   // must use the same.
   uint64_t ring_chunk_bytes = 1u << 20;
+  // fusion (reloadable, new jobs): tensor fusion of multi-node jobs
+  // (server/fusion.h); every node of a job must have the same values (the
+  // coordinator refuses the job otherwise). Auto jobs never fuse.
+  bool fusion_enabled = false;
+  uint64_t fusion_first_bucket_bytes = 1ull << 20;
+  uint64_t fusion_bucket_cap_bytes = 25ull << 20;
   // metrics (reloadable): Prometheus textfile (bytecompd.prom) in this
   // directory every interval_ms; empty: no file (bytecompctl metrics still
   // answers).

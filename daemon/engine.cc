@@ -20,6 +20,33 @@ BC_LOG_CATEGORY(LogEngine, "daemon.engine");
 BC_LOG_CATEGORY(LogPhases, "daemon.phases");
 
 namespace {
+
+// Tensor fusion: copies the bytes [begin, end) of a bucket between every
+// local rank's staging copy (`bufs`) and its members' buffers in the
+// segment (pack: members -> staging). Per partition, on the pool worker
+// that runs it, so packing overlaps the other partitions' rounds.
+void bucket_copy(const server::Bucket& bucket, const std::vector<TensorSpec>& tensors,
+                 const ipc::Layout& layout, char* base, const std::vector<char*>& bufs,
+                 uint64_t begin, uint64_t end, bool pack) {
+  for (size_t i = 0; i < bucket.members.size(); ++i) {
+    const uint32_t m = bucket.members[i];
+    const uint64_t first = bucket.offsets[i] * 4;
+    const uint64_t last = first + tensors[m].bytes();
+    const uint64_t from = std::max(first, begin), to = std::min(last, end);
+    if (from >= to) continue;
+    const ipc::TensorSlot& slot = layout.tensors[m];
+    for (size_t r = 0; r < bufs.size(); ++r) {
+      char* member = base + slot.offset + slot.stride * r + (from - first);
+      char* staged = bufs[r] + from;
+      if (pack) {
+        std::memcpy(staged, member, to - from);
+      } else {
+        std::memcpy(member, staged, to - from);
+      }
+    }
+  }
+}
+
 // Bound on one idle sleep; stop() also posts the doorbell, so this only
 // limits how stale a missed wake-up can get.
 constexpr auto kIdleWait = std::chrono::milliseconds(200);
@@ -125,6 +152,7 @@ Engine::Engine(Options o, ThreadPool& pool, const Tunables& tunables)
       [this](ErrorCode code, const std::string& why) { fail(code, why); },
       [this](uint32_t t) { return rounds_[t].arrived > 0; }});
   phase_timestamps_ = tunables.phase_timestamps.load();
+  units_ = tensors_;
   if (!join_) {
     // Multi-node paths open on the engine thread, after the join.
     setup_phases(o.plans);
@@ -260,23 +288,32 @@ void Engine::adopt_pending() {
 }
 
 void Engine::setup_phases(const std::vector<TensorPlan>& plans) {
-  // Each tensor cut by its option's pieces (the servers' assignment does
-  // the same from the same plans). Clients lay out compressed submissions by
-  // the slots (ipc::kSubmitCompressed): written before the header's release
-  // store below, which is what clients wait for.
+  // Each unit cut by server::unit_partition_bytes: a sharded bucket into its
+  // equal shards, everything else by its option's pieces (the servers'
+  // assignment does the same from the same plans). `plans` are per unit
+  // (ps_->info().plans, or a single-node job's per declared tensor).
+  // Clients lay out compressed submissions by the declared tensors' slots
+  // (ipc::kSubmitCompressed): written before the header's release store
+  // below, which is what clients wait for. A fused member's slot holds its
+  // own cut (pieces 1, server/fusion.h), which is also how its partitions
+  // sit on the servers for broadcasts; its reductions run in its bucket.
   layout_plans_ = plans;
-  tensor_pb_.assign(tensors_.size(), partition_bytes_);
-  auto* slots = reinterpret_cast<ipc::TensorSlot*>(base_ + layout_.tensors_offset);
+  tensor_pb_.assign(units_.size(), partition_bytes_);
   std::vector<uint32_t> parts;
-  for (uint32_t t = 0; t < tensors_.size(); ++t) {
-    if (t < plans.size()) tensor_pb_[t] = strategy::tensor_partition_bytes(plans[t], partition_bytes_);
-    const uint64_t n = strategy::partition_count(tensors_[t].bytes(), tensor_pb_[t]);
-    if (n > UINT32_MAX || tensor_pb_[t] > UINT32_MAX)
-      throw Error(ErrorCode::kInvalidArgument, "job " + job_ + ": tensor '" + tensors_[t].name +
+  for (uint32_t u = 0; u < units_.size(); ++u) {
+    if (u < plans.size())
+      tensor_pb_[u] = server::unit_partition_bytes(
+          plans[u], u < shard_elems_.size() ? shard_elems_[u] : 0, partition_bytes_);
+    const uint64_t n = strategy::partition_count(units_[u].bytes(), tensor_pb_[u]);
+    if (n > UINT32_MAX || tensor_pb_[u] > UINT32_MAX)
+      throw Error(ErrorCode::kInvalidArgument, "job " + job_ + ": tensor '" + units_[u].name +
                                                    "' has too many partitions");
     parts.push_back(static_cast<uint32_t>(n));
+  }
+  auto* slots = reinterpret_cast<ipc::TensorSlot*>(base_ + layout_.tensors_offset);
+  for (uint32_t t = 0; t < tensors_.size(); ++t) {
     slots[t].partition_bytes = static_cast<uint32_t>(tensor_pb_[t]);
-    slots[t].partitions = static_cast<uint32_t>(n);
+    slots[t].partitions = parts[t];
   }
   header_->partition_bytes.store(
       static_cast<uint32_t>(std::min<uint64_t>(partition_bytes_, UINT32_MAX)),
@@ -290,7 +327,7 @@ void Engine::log_phases() const {
   if (!LogPhases().enabled(log::Level::kDebug)) return;
   for (const PhaseRecord& r : phases_.snapshot()) {
     log::Line line(LogPhases(), log::Level::kDebug);
-    line.stream() << "job " << job_ << " tensor '" << tensors_[r.tensor].name << "' partition "
+    line.stream() << "job " << job_ << " tensor '" << unit_name(r.tensor) << "' partition "
                   << r.partition << " iteration " << r.iteration << " path "
                   << (r.tensor < path_of_.size() ? path_of_[r.tensor]->name() : "?") << ":";
     for (size_t p = 0; p < kPhaseCount; ++p) {
@@ -307,8 +344,40 @@ void Engine::publish_gauges() {
   waiting_pub_.store(waiting, std::memory_order_relaxed);
 }
 
+uint64_t Engine::unit_partition_bytes(uint32_t unit) const { return tensor_pb_.at(unit); }
+
+const std::string& Engine::unit_name(uint32_t unit) const {
+  return unit < units_.size() ? units_[unit].name : tensors_.at(unit).name;
+}
+
 void Engine::begin_round(uint32_t tensor) {
   Round& round = rounds_[tensor];
+  if (fusion_ && fusion_->fused(tensor)) {
+    const auto b = static_cast<uint32_t>(fusion_->bucket_of[tensor]);
+    const auto unit = static_cast<uint32_t>(fusion_->declared + b);
+    BucketRound& br = buckets_[b];
+    if (round.compressed) {
+      fail(ErrorCode::kInvalidArgument,
+           "tensor '" + tensors_[tensor].name + "' (iteration " + std::to_string(round.iteration) +
+               ") was submitted compressed by the client, but it is fused into bucket '" +
+               unit_name(unit) + "' (tensor fusion fuses only tensors the daemon compresses)");
+      return;
+    }
+    if (br.ready == 0) {
+      br.iteration = round.iteration;
+      br.first_ns = round.first_ns;
+    } else if (br.iteration != round.iteration) {
+      // A member completes only with its bucket, so its next push cannot
+      // come before every member of this one.
+      fail(ErrorCode::kInternal, "bucket '" + unit_name(unit) + "': tensor '" +
+                                     tensors_[tensor].name + "' began iteration " +
+                                     std::to_string(round.iteration) + " while the bucket is at " +
+                                     std::to_string(br.iteration));
+      return;
+    }
+    if (++br.ready == fusion_->buckets[b].members.size()) begin_bucket(unit, br.iteration);
+    return;
+  }
   // The round's plan, fixed once for all its partitions.
   const strategy::Timeline::Entry in_force = timeline_->at(round.iteration);
   if (local_) local_->follow(tensor, in_force);
@@ -332,6 +401,49 @@ void Engine::begin_round(uint32_t tensor) {
     for (size_t p = 0; p < round.partitions_left; ++p) {
       phases_.begin(tensor, static_cast<uint32_t>(p), round.iteration, round.first_ns, now);
     }
+  }
+}
+
+void Engine::begin_bucket(uint32_t unit, uint64_t iteration) {
+  const server::Bucket& bucket = fusion_->bucket(unit);
+  BucketRound& br = buckets_[unit - fusion_->declared];
+  // The members are packed into the staging copies (in ready order, as the
+  // servers' and the other nodes' layout says) partition by partition, in
+  // run_batch(), and unpacked in process_arrivals().
+  const strategy::Timeline::Entry in_force = timeline_->at(iteration);
+  br.partitions_left = sched_.add(
+      unit, iteration, units_[unit].bytes(), unit_partition_bytes(unit), 4,
+      std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[unit]), false, 0,
+      bucket.members.back(),
+      // Shard i sits on server (s0 + i) mod S: node r starting at shard r
+      // pushes to another server than every other node at each step (the
+      // same order everywhere made all nodes push to one server at a time:
+      // 0.80x of unfused at 100 Mbit/s, 4 nodes).
+      unit < shard_elems_.size() && shard_elems_[unit] > 0 ? node_rank_ : 0);
+  if (phases_.enabled()) {
+    const uint64_t now = monotonic_ns();
+    for (size_t p = 0; p < br.partitions_left; ++p) {
+      phases_.begin(unit, static_cast<uint32_t>(p), iteration, br.first_ns, now);
+    }
+  }
+}
+
+void Engine::complete_bucket(uint32_t unit) {
+  // Every partition was unpacked into the members as it finished.
+  const server::Bucket& bucket = fusion_->bucket(unit);
+  BucketRound& br = buckets_[unit - fusion_->declared];
+  br.ready = 0;
+  for (uint32_t m : bucket.members) {
+    complete(m);
+    if (failed_.load()) return;
+  }
+}
+
+void Engine::partition_done(uint32_t unit) {
+  if (fusion_ && fusion_->is_bucket(unit)) {
+    if (--buckets_[unit - fusion_->declared].partitions_left == 0) complete_bucket(unit);
+  } else if (--rounds_[unit].partitions_left == 0) {
+    complete(unit);
   }
 }
 
@@ -395,20 +507,48 @@ bool Engine::open_paths() {
   }
   partition_bytes_ = pb;
   timeline_ = &ps_->timeline();
+  // The job's units: the declared tensors, then its fused buckets.
+  units_ = ps_->info().tensors;
+  if (!ps_->info().units.buckets.empty()) {
+    fusion_ = &ps_->info().units;
+    shard_elems_ = server::shard_elements(*fusion_, ps_->info().servers.size(), pb);
+    staging_ = std::make_shared<std::vector<std::unique_ptr<char[]>>>();
+    buckets_.resize(fusion_->buckets.size());
+    uint64_t fused = 0;
+    for (size_t b = 0; b < fusion_->buckets.size(); ++b) {
+      const uint64_t bytes = fusion_->buckets[b].count * 4;
+      fused += bytes;
+      for (uint32_t r = 0; r < layout_.local_size; ++r) {
+        staging_->push_back(std::make_unique<char[]>(bytes + 64));
+        const auto at = reinterpret_cast<uintptr_t>(staging_->back().get());
+        buckets_[b].bufs.push_back(reinterpret_cast<char*>((at + 63) / 64 * 64));
+      }
+    }
+    // The PS path may push straight from staging: keep it with the segment.
+    if (keep_mapped_) {
+      keep_mapped_ = std::shared_ptr<const void>(
+          std::make_shared<std::pair<std::shared_ptr<const void>,
+                                     std::shared_ptr<std::vector<std::unique_ptr<char[]>>>>>(
+              keep_mapped_, staging_));
+    }
+    BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": " << fusion_->buckets.size()
+                               << " fused buckets hold " << fused << " bytes of "
+                               << fusion_->declared << " tensors";
+  }
   std::weak_ptr<Inbox> inbox = inbox_;
   ps_->on_failure([inbox](const Status& s) {
     if (auto i = inbox.lock()) i->fail(s);
   });
   BC_LOG(LogEngine(), kInfo) << "job " << job_ << ": joined the parameter servers as rank "
                              << ps_->info().rank << " of " << ps_->info().nodes.size();
-  // The job's first plans: what the servers' assignment was cut by.
+  // The job's first plans, per unit: what the servers' assignment was cut by.
   try {
     setup_phases(ps_->info().plans);
   } catch (const Error& e) {
     fail(e.code(), e.what());
     return false;
   }
-  const PathContext ctx{job_,   &tensors_, tensor_pb_, reducer_.get(),
+  const PathContext ctx{job_,   &units_, tensor_pb_, reducer_.get(),
                         inbox_, &phases_,  bytes_.get()};
   ps_path_ = std::make_unique<PsPath>(ctx, ps_, keep_mapped_);
   try {
@@ -420,8 +560,8 @@ bool Engine::open_paths() {
   }
   // A tensor's placement is fixed for the job (the coordinator refuses a
   // change of it), so its path is too.
-  path_of_.resize(tensors_.size());
-  for (uint32_t t = 0; t < tensors_.size(); ++t) {
+  path_of_.resize(units_.size());
+  for (uint32_t t = 0; t < units_.size(); ++t) {
     if (peer_path_ && peer_path_->runs(t)) {
       path_of_[t] = peer_path_.get();
     } else if (ring_path_ && ring_path_->runs(t)) {
@@ -566,6 +706,10 @@ void Engine::submit_collective(uint32_t rank, const ipc::Collective& c) {
 }
 
 void Engine::buffers_of(uint32_t tensor, std::vector<char*>& out) const {
+  if (fusion_ && fusion_->is_bucket(tensor)) {
+    out = buckets_[tensor - fusion_->declared].bufs;
+    return;
+  }
   const ipc::TensorSlot& s = layout_.tensors[tensor];
   out.clear();
   for (uint32_t r = 0; r < layout_.local_size; ++r) out.push_back(base_ + s.offset + s.stride * r);
@@ -584,16 +728,25 @@ void Engine::run_batch(const std::vector<Task>& batch) {
           const Task& t = batch[i];
           phases_.stamp(t.tensor, t.index, t.iteration, Phase::kStart);
           ExecutionPath& path = *path_of_[t.tensor];
+          const bool bucket = fusion_ && fusion_->is_bucket(t.tensor);
+          if (bucket) {
+            bucket_copy(fusion_->bucket(t.tensor), tensors_, layout_, base_, bufs[i], t.begin,
+                        t.end, true);
+          }
           path.start(t, bufs[i]);
-          if (path.synchronous()) phases_.end(t.tensor, t.index, t.iteration);
+          if (path.synchronous()) {
+            if (bucket) {
+              bucket_copy(fusion_->bucket(t.tensor), tensors_, layout_, base_, bufs[i], t.begin,
+                          t.end, false);
+            }
+            phases_.end(t.tensor, t.index, t.iteration);
+          }
         }
       },
       batch.size());
   // Asynchronous paths' tasks complete in process_arrivals().
   for (const Task& t : batch) {
-    if (path_of_[t.tensor]->synchronous() && --rounds_[t.tensor].partitions_left == 0) {
-      complete(t.tensor);
-    }
+    if (path_of_[t.tensor]->synchronous()) partition_done(t.tensor);
   }
 }
 
@@ -614,7 +767,7 @@ bool Engine::process_arrivals() {
   if (arrived.empty()) return true;
   for (const auto& a : arrived) {
     if (!a.status.ok()) {
-      fail(a.status.code(), "pull of tensor '" + tensors_[a.task.tensor].name + "' (iteration " +
+      fail(a.status.code(), "pull of tensor '" + unit_name(a.task.tensor) + "' (iteration " +
                                 std::to_string(a.task.iteration) + ") failed: " + a.status.message());
       return false;
     }
@@ -629,22 +782,24 @@ bool Engine::process_arrivals() {
           phases_.stamp(t.tensor, t.index, t.iteration, Phase::kArrived, arrived[i].at_ns);
           buffers_of(t.tensor, bufs);
           errors[i] = path_of_[t.tensor]->finish(arrived[i], bufs);
+          if (errors[i].empty() && fusion_ && fusion_->is_bucket(t.tensor)) {
+            bucket_copy(fusion_->bucket(t.tensor), tensors_, layout_, base_, bufs, t.begin, t.end,
+                        false);
+          }
           if (errors[i].empty()) phases_.end(t.tensor, t.index, t.iteration);
         }
       },
       arrived.size());
   for (size_t i = 0; i < arrived.size(); ++i) {
     if (!errors[i].empty()) {
-      fail(ErrorCode::kMalformed, "answer for tensor '" + tensors_[arrived[i].task.tensor].name +
+      fail(ErrorCode::kMalformed, "answer for tensor '" + unit_name(arrived[i].task.tensor) +
                                       "' unusable: " + errors[i]);
       return false;
     }
   }
   // Bytes in flight were released by the acknowledgements (servers' for
   // pushes, peers' for allgather payloads), not here.
-  for (const auto& a : arrived) {
-    if (--rounds_[a.task.tensor].partitions_left == 0) complete(a.task.tensor);
-  }
+  for (const auto& a : arrived) partition_done(a.task.tensor);
   return true;
 }
 

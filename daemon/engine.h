@@ -204,12 +204,25 @@ class Engine {
   bool notify_ranks(uint32_t tensor, uint64_t iteration);
   void fail(ErrorCode code, const std::string& reason);
   int64_t latest_begun() const;
-  // All local ranks of the tensor's round arrived: queue its partitions.
+  // All local ranks of the tensor's round arrived: queue its partitions (a
+  // fused tensor's: its bucket's, once every member arrived).
   void begin_round(uint32_t tensor);
+  // Tensor fusion (server/fusion.h): a bucket's members all arrived; packs
+  // them into the bucket's staging buffers and queues its partitions.
+  void begin_bucket(uint32_t unit, uint64_t iteration);
+  // A partition of `unit` finished; completes the round after its last.
+  void partition_done(uint32_t unit);
+  // Unpacks a finished bucket into its members' buffers and completes them.
+  void complete_bucket(uint32_t unit);
+  // Bytes per scheduler partition of a unit (tensor_pb_: a sharded bucket's
+  // equal shards, else its option's pieces).
+  uint64_t unit_partition_bytes(uint32_t unit) const;
+  const std::string& unit_name(uint32_t unit) const;
   // Begins the held rounds once no strategy change of ours is unconfirmed.
   void release_held();
-  // Once partition_bytes_ is final: every tensor's partition size from the
-  // job's first plans (its pieces), published in shared memory.
+  // Once partition_bytes_ (and shard_elems_) are final: every unit's
+  // partition size from the job's first plans (server::unit_partition_bytes),
+  // the declared tensors' published in shared memory.
   void setup_phases(const std::vector<TensorPlan>& plans);
   void log_phases() const;
   void publish_gauges();
@@ -229,7 +242,7 @@ class Engine {
   std::unique_ptr<std::atomic<bool>[]> left_;
   uint32_t node_rank_;
   uint64_t partition_bytes_;
-  // Per tensor: strategy::tensor_partition_bytes of the job's first plans;
+  // Per unit (units_): server::unit_partition_bytes of the job's first plans;
   // written by setup_phases() (the constructor for a single-node job, the
   // engine thread after the join otherwise), fixed after.
   std::vector<uint64_t> tensor_pb_;
@@ -277,7 +290,25 @@ class Engine {
   std::unique_ptr<RingPath> ring_path_;
   // Broadcast and barrier, beside the paths.
   std::unique_ptr<Collectives> collectives_;
-  std::vector<ExecutionPath*> path_of_;
+  std::vector<ExecutionPath*> path_of_;  // per unit
+  // Multi-node: the job's units (declared tensors, then fused buckets) as
+  // the servers and paths see them; single-node: the declared tensors.
+  std::vector<TensorSpec> units_;
+  const server::JobUnits* fusion_ = nullptr;  // ps_->info().units, when any bucket
+  std::vector<uint64_t> shard_elems_;         // per unit (server/fusion.h)
+  // Per bucket: one contiguous fp32 copy per local rank (the path runs on
+  // these like on a tensor's buffers), and the round.
+  struct BucketRound {
+    std::vector<char*> bufs;  // per local rank, 64-byte aligned, in staging_
+    uint32_t ready = 0;                            // members all ranks submitted
+    uint64_t iteration = 0;
+    uint64_t first_ns = 0;
+    size_t partitions_left = 0;
+  };
+  std::vector<BucketRound> buckets_;
+  // The staging memory, shared with the PS path's zero-copy pushes (the
+  // transport may still send from it after the job ended).
+  std::shared_ptr<std::vector<std::unique_ptr<char[]>>> staging_;
   // gauges(): written by the engine thread.
   std::atomic<uint64_t> queued_pub_{0};
   std::atomic<uint64_t> inflight_pub_{0};

@@ -2,6 +2,7 @@
 #include "planner/strategy/partition.h"
 #include "daemon/engine_ps.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "compress/reduce.h"
@@ -15,6 +16,8 @@ PsPath::PsPath(const PathContext& ctx, std::shared_ptr<server::PsJob> ps,
     : ctx_(ctx), ps_(std::move(ps)), keep_mapped_(std::move(keep_mapped)) {
   ps_parts_.resize(ctx_.tensors->size());
   for (size_t t = 0; t < ps_parts_.size(); ++t) {
+    // Per unit (server::unit_partition_bytes: a fused bucket's equal shards,
+    // else its pieces), as assign_partitions cut it.
     const uint64_t pb = ctx_.partition_bytes.at(t);
     ps_parts_[t].resize(static_cast<size_t>(((*ctx_.tensors)[t].bytes() + pb - 1) / pb));
   }

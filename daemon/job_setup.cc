@@ -71,6 +71,10 @@ void Daemon::maybe_start(Job& j) {
       spec.tensors.push_back({d.name, d.count, compress::DType::kFloat32});
     }
     if (strategy) spec.strategy_yaml = strategy_text;
+    // An auto job changes its tensors' plans one by one: never fused.
+    spec.fusion.enabled = config_.fusion_enabled && !auto_job;
+    spec.fusion.first_bucket_bytes = config_.fusion_first_bucket_bytes;
+    spec.fusion.bucket_cap_bytes = config_.fusion_bucket_cap_bytes;
     // An auto job's placement is fixed once it runs: it starts with the
     // tensors auto can never compress beyond fp16 on the daemons' ring where
     // the model has the ring no slower (strategy::start_strategy_yaml;
@@ -341,6 +345,9 @@ std::pair<bool, std::string> Daemon::reload() {
     config_.partition_bytes = next.partition_bytes;
     config_.max_inflight_bytes = next.max_inflight_bytes;
     config_.phase_timestamps = next.phase_timestamps;
+    config_.fusion_enabled = next.fusion_enabled;
+    config_.fusion_first_bucket_bytes = next.fusion_first_bucket_bytes;
+    config_.fusion_bucket_cap_bytes = next.fusion_bucket_cap_bytes;
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
     config_.strategy_file = next.strategy_file;

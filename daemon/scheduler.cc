@@ -9,10 +9,12 @@ namespace bytecomp::daemon {
 size_t Scheduler::add(uint32_t tensor, uint64_t iteration, uint64_t bytes,
                       uint64_t partition_bytes, uint32_t elem_size,
                       std::shared_ptr<const strategy::TensorPlan> plan, bool compressed,
-                      uint32_t dense_partitions) {
+                      uint32_t dense_partitions, std::optional<uint32_t> priority,
+                      uint32_t first) {
   const uint64_t part = std::max<uint64_t>(64, partition_bytes / 64 * 64);
   size_t n = 0;
   uint64_t begin = 0;
+  std::vector<Task> tasks;
   do {
     Task t;
     t.tensor = tensor;
@@ -25,9 +27,13 @@ size_t Scheduler::add(uint32_t tensor, uint64_t iteration, uint64_t bytes,
     t.plan = plan;
     t.compressed = compressed && n >= dense_partitions;
     begin = t.end;
-    queue_.emplace(std::make_pair(tensor, seq_++), std::move(t));
+    tasks.push_back(std::move(t));
     ++n;
   } while (begin < bytes);
+  for (size_t i = 0; i < n; ++i) {
+    queue_.emplace(std::make_pair(priority.value_or(tensor), seq_++),
+                   std::move(tasks[(i + first) % n]));
+  }
   return n;
 }
 

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -48,10 +49,15 @@ class Scheduler {
  public:
   // Queues every partition of the tensor. Partitions are multiples of 64
   // bytes and of elem_size (64 is a multiple of every element size we have).
-  // Returns the number of partitions.
+  // `priority` (default: the tensor id; lower first): a fused bucket
+  // (server/fusion.h) takes its earliest-declared member's. Returns the
+  // number of partitions. `first`: the partition queued first, the others
+  // following it cyclically (a bucket's equal shards: each node starts at
+  // another server's, so the nodes do not all push to one server at once).
   size_t add(uint32_t tensor, uint64_t iteration, uint64_t bytes, uint64_t partition_bytes,
              uint32_t elem_size, std::shared_ptr<const strategy::TensorPlan> plan = {},
-             bool compressed = false, uint32_t dense_partitions = 0);
+             bool compressed = false, uint32_t dense_partitions = 0,
+             std::optional<uint32_t> priority = std::nullopt, uint32_t first = 0);
 
   // Up to max_tasks highest-priority partitions whose bytes sum to at most
   // max_bytes (the first always fits).

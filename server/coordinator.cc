@@ -142,6 +142,10 @@ std::string spec_difference(const std::string& job, const JobSpec& a, const std:
   if (a.strategy_yaml != b.strategy_yaml)
     return head + "the strategy differs on " + bn + " from " + an +
            " (every node must run the job with the same strategy text)";
+  if (!(a.fusion == b.fusion))
+    return head + "tensor fusion differs on " + bn + " (" + b.fusion.describe() + ") from " + an +
+           " (" + a.fusion.describe() +
+           "): every node's bytecompd must have the same fusion section";
   if (a.start_iteration != b.start_iteration)
     return head + "start_iteration " + std::to_string(b.start_iteration) + " on " + bn +
            " differs from " + std::to_string(a.start_iteration) + " on " + an;
@@ -380,6 +384,7 @@ void Coordinator::try_admit_locked(Pending& p, std::vector<std::function<void()>
   adm.partition_bytes = srv_.cfg.cluster.partition_bytes;
   for (const ServerInfo& s : srv_.cfg.cluster.servers) adm.servers.push_back(servers_.at(s.id));
   adm.strategy_yaml = p.regs.at(0).spec.strategy_yaml;
+  adm.fusion = p.regs.at(0).spec.fusion;
   for (const auto& [rank, reg] : p.regs) adm.peer_addresses.push_back(reg.spec.peer_address);
   p.setting_up = true;
   std::string name = p.name;
@@ -392,7 +397,14 @@ void Coordinator::admit(proto::Admission adm, std::string name) {
   auto plans = std::make_shared<std::vector<TensorPlan>>();
   try {
     *plans = plan_job(adm.tensors, adm.strategy_yaml);
-    adm.digest = assign_partitions(adm.tensors, *plans, adm.servers, adm.partition_bytes).digest;
+    // The servers run the job's units (declared tensors, then fused buckets).
+    const JobUnits units = fuse_job(adm.tensors, *plans, adm.fusion);
+    adm.digest = assign_partitions(units.tensors, units.plans, adm.servers, adm.partition_bytes,
+                                   shard_elements(units, adm.servers.size(), adm.partition_bytes))
+                     .digest;
+    if (!units.buckets.empty())
+      BC_LOG(LogCoord(), kInfo) << "job '" << name << "': " << units.buckets.size()
+                                << " fused buckets (" << adm.fusion.describe() << ")";
   } catch (const Error& e) {
     problem = "job '" + name + "': " + e.what();
   }
@@ -611,6 +623,10 @@ void Coordinator::on_set_strategy(Incoming in, proto::SetStrategy m) {
     // (assign_partitions, the nodes' paths, the clients' shared memory).
     if (std::string why = strategy::layout_change(adm.tensors, current, plans); !why.empty())
       throw Error(ErrorCode::kInvalidArgument, why);
+    // Fused buckets are fixed for the job: their members must keep one plan.
+    if (adm.fusion.enabled)
+      unit_plans(fuse_job(adm.tensors, plan_job(adm.tensors, adm.strategy_yaml), adm.fusion),
+                 plans);
   } catch (const Error& e) {
     unmark();
     return refuse("job '" + adm.name + "': " + e.what());

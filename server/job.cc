@@ -31,7 +31,8 @@ size_t least_loaded(const std::vector<uint64_t>& load) {
 Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
                              const std::vector<TensorPlan>& plans,
                              const std::vector<ServerInfo>& servers,
-                             uint64_t partition_bytes) {
+                             uint64_t partition_bytes,
+                             const std::vector<uint64_t>& shard_elems) {
   if (plans.size() != tensors.size())
     throw Error(ErrorCode::kInvalidArgument,
                 "assign_partitions: " + std::to_string(plans.size()) + " plans for " +
@@ -47,11 +48,14 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
   a.by_tensor.resize(tensors.size());
   for (uint32_t t = 0; t < tensors.size(); ++t) {
     if (strategy::between_daemons(plans[t].placement)) continue;
-    // The tensor's own partition size (its option's pieces), as the nodes
-    // cut it.
-    const uint64_t per = strategy::tensor_partition_bytes(plans[t], partition_bytes) / 4;
+    // The unit's partition size as the nodes cut it: a fused bucket's equal
+    // shards, else the tensor's option's pieces (server/fusion.h).
+    const uint64_t tper =
+        unit_partition_bytes(plans[t], t < shard_elems.size() ? shard_elems[t] : 0,
+                             partition_bytes) /
+        4;
     uint64_t n = tensors[t].count;
-    uint64_t parts = n == 0 ? 0 : (n + per - 1) / per;
+    uint64_t parts = n == 0 ? 0 : (n + tper - 1) / tper;
     if (parts > 0xFFFFFFFFull)
       throw Error(ErrorCode::kInvalidArgument,
                   "assign_partitions: tensor '" + tensors[t].name + "' has too many partitions");
@@ -60,8 +64,8 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
       p.tensor = t;
       p.index = static_cast<uint32_t>(i);
       p.key = partition_key(t, p.index);
-      p.offset = i * per;
-      p.count = std::min(per, n - p.offset);
+      p.offset = i * tper;
+      p.count = std::min(tper, n - p.offset);
       a.partitions.push_back(p);
     }
   }
@@ -76,10 +80,37 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
     std::vector<size_t> parts;
   };
   std::vector<Unit> units;
+  std::vector<uint64_t> server_load(servers.size(), 0);
+  std::vector<std::vector<size_t>> on_server(servers.size());
+  // Equal shards first: shard i of a bucket on server (s0 + i) mod S, s0 the
+  // least loaded so far, so no server carries more than its share of any
+  // bucket (the greedy placement below balances whole partitions only).
+  std::vector<bool> sharded(tensors.size(), false);
+  for (uint32_t t = 0; t < tensors.size() && t < shard_elems.size(); ++t)
+    sharded[t] = shard_elems[t] > 0 && !strategy::between_daemons(plans[t].placement) &&
+                 plans[t].placement != Placement::kSingle;
+  {
+    size_t i = 0;
+    while (i < a.partitions.size()) {
+      const uint32_t t = a.partitions[i].tensor;
+      if (!sharded[t]) {
+        ++i;
+        continue;
+      }
+      const size_t s0 = least_loaded(server_load);
+      for (size_t k = 0; i < a.partitions.size() && a.partitions[i].tensor == t; ++i, ++k) {
+        const size_t s = (s0 + k) % servers.size();
+        server_load[s] += a.partitions[i].count * 4;
+        a.partitions[i].server = servers[s].id;
+        on_server[s].push_back(i);
+      }
+    }
+  }
   {
     std::vector<int64_t> single_unit(tensors.size(), -1);
     for (size_t i = 0; i < a.partitions.size(); ++i) {
       const Partition& p = a.partitions[i];
+      if (sharded[p.tensor]) continue;
       if (plans[p.tensor].placement == Placement::kSingle) {
         if (single_unit[p.tensor] < 0) {
           single_unit[p.tensor] = static_cast<int64_t>(units.size());
@@ -96,8 +127,6 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
   std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) {
     return x.bytes != y.bytes ? x.bytes > y.bytes : x.first_key < y.first_key;
   });
-  std::vector<uint64_t> server_load(servers.size(), 0);
-  std::vector<std::vector<size_t>> on_server(servers.size());
   for (const Unit& u : units) {
     size_t s = least_loaded(server_load);
     server_load[s] += u.bytes;

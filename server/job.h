@@ -17,6 +17,7 @@
 
 #include "compress/compressor.h"
 #include "planner/strategy/partition.h"
+#include "server/fusion.h"
 #include "planner/strategy/plan.h"
 #include "transport/transport.h"
 
@@ -45,6 +46,9 @@ struct JobSpec {
   // empty when it has none. Per node, so never compared between nodes: the
   // coordinator hands every node the list at admission.
   std::string peer_address;
+  // Tensor fusion (server/fusion.h), from the daemon's configuration; every
+  // node of a job must send the same (an auto job sends it disabled).
+  FusionConfig fusion;
 };
 
 // The per-tensor plan and the option -> plan mapping live in the strategy
@@ -96,9 +100,10 @@ struct Assignment {
 };
 
 // The pure assignment function. Tensors are cut into partitions of at most
-// strategy::tensor_partition_bytes(plan, partition_bytes) (fp32 bytes: the
-// job's partition size cut into the option's `pieces`; the last one may be
-// shorter), so the digest covers every tensor's pieces. Placement
+// unit_partition_bytes(plan, shard_elems[t], partition_bytes) (server/fusion.h;
+// fp32 bytes: a fused bucket's equal shards, else the job's partition size
+// cut into the option's `pieces`; the last one may be shorter), so the digest
+// covers every tensor's pieces and every bucket's shards. Placement
 // kPeer and kRing tensors (between daemons) get none. Balancing (greedy, largest first, ties by key):
 // each kSharded partition goes to the server with the fewest assigned bytes,
 // each kSingle tensor as a whole to the least-loaded server; then within a
@@ -106,9 +111,14 @@ struct Assignment {
 // taken in the given order; ties go to the earlier one. Throws
 // Error(kInvalidArgument) for an empty server list (when any partition
 // exists), partition_bytes < 4, or plans.size() != tensors.size().
+// shard_elems (server/fusion.h's shard_elements, may be empty): per tensor, a
+// partition size in elements for fused buckets (0: the plan's); such a
+// kSharded tensor's partitions are placed first, round-robin from the least
+// loaded server, so every server holds an equal share of it.
 Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
                              const std::vector<TensorPlan>& plans,
                              const std::vector<ServerInfo>& servers,
-                             uint64_t partition_bytes);
+                             uint64_t partition_bytes,
+                             const std::vector<uint64_t>& shard_elems = {});
 
 }  // namespace bytecomp::server

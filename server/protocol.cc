@@ -124,6 +124,30 @@ ServerInfo read_server(Reader& r) {
   return s;
 }
 
+// Tensor fusion: u8 enabled | u64 first bucket bytes | u64 cap bytes.
+void write_fusion(Writer& w, const FusionConfig& f) {
+  w.u8(f.enabled ? 1 : 0);
+  w.u64(f.first_bucket_bytes);
+  w.u64(f.bucket_cap_bytes);
+}
+
+FusionConfig read_fusion(Reader& r) {
+  FusionConfig f;
+  const uint8_t on = r.u8("fusion.enabled");
+  if (on > 1)
+    throw Error(ErrorCode::kMalformed, "fusion.enabled " + std::to_string(on) + " (accepted: 0, 1)");
+  f.enabled = on == 1;
+  f.first_bucket_bytes = r.u64("fusion.first_bucket_bytes");
+  f.bucket_cap_bytes = r.u64("fusion.bucket_cap_bytes");
+  if (f.enabled && (f.first_bucket_bytes == 0 || f.bucket_cap_bytes == 0 ||
+                    f.first_bucket_bytes > f.bucket_cap_bytes || f.bucket_cap_bytes > (1ull << 34)))
+    throw Error(ErrorCode::kMalformed, "fusion: first bucket " +
+                                           std::to_string(f.first_bucket_bytes) + " B, cap " +
+                                           std::to_string(f.bucket_cap_bytes) +
+                                           " B (accepted: 0 < first <= cap <= 16 GiB)");
+  return f;
+}
+
 }  // namespace
 
 void write_spec(Writer& w, const JobSpec& spec) {
@@ -134,6 +158,7 @@ void write_spec(Writer& w, const JobSpec& spec) {
   w.u8(spec.deterministic ? 1 : 0);
   w.u64(spec.start_iteration);
   w.str(spec.peer_address);
+  write_fusion(w, spec.fusion);
 }
 
 JobSpec read_spec(Reader& r) {
@@ -145,6 +170,7 @@ JobSpec read_spec(Reader& r) {
   s.deterministic = r.u8("job.deterministic") != 0;
   s.start_iteration = r.u64("job.start_iteration");
   s.peer_address = r.str("job.peer_address", 4096);
+  s.fusion = read_fusion(r);
   return s;
 }
 
@@ -164,6 +190,7 @@ transport::Buffer encode(const Admission& a) {
   w.u64(a.digest);
   w.u32(static_cast<uint32_t>(a.peer_addresses.size()));
   for (const std::string& p : a.peer_addresses) w.str(p);
+  write_fusion(w, a.fusion);
   return w.take();
 }
 
@@ -184,6 +211,7 @@ Admission decode_admission(std::string_view bytes) {
   a.digest = r.u64("digest");
   const uint32_t np = r.count("peer_addresses", 4);
   for (uint32_t i = 0; i < np; ++i) a.peer_addresses.push_back(r.str("peer_address", 4096));
+  a.fusion = read_fusion(r);
   r.end();
   return a;
 }

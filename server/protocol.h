@@ -135,6 +135,7 @@ struct Admission {
   std::string strategy_yaml;
   uint64_t digest = 0;  // the coordinator's assignment digest
   std::vector<std::string> peer_addresses;  // JobSpec::peer_address by rank
+  FusionConfig fusion;                       // rank 0's JobSpec::fusion (all agree)
 };
 
 // The kStats reply (a server's counters; ps_client.h's ServerStats).

@@ -301,7 +301,11 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     if (timeline_.at(iteration).first == iteration) return;
     std::vector<TensorPlan> plans;
     try {
-      plans = plan_job(info_.tensors, yaml);
+      plans = unit_plans(
+          info_.units,
+          plan_job({info_.tensors.begin(),
+                    info_.tensors.begin() + static_cast<ptrdiff_t>(info_.units.declared)},
+                   yaml));
     } catch (const Error& e) {
       fail(Status(ErrorCode::kAborted, "job '" + info_.name +
                                            "': announced strategy cannot be used: " + e.what()));
@@ -521,8 +525,13 @@ class ClientImpl final : public PsClient {
     info.servers = a.servers;
     info.strategy_yaml = a.strategy_yaml;
     info.peer_addresses = a.peer_addresses;
-    info.plans = plan_job(info.tensors, info.strategy_yaml);
-    info.assignment = assign_partitions(info.tensors, info.plans, info.servers, info.partition_bytes);
+    info.fusion = a.fusion;
+    info.units = fuse_job(info.tensors, plan_job(info.tensors, info.strategy_yaml), info.fusion);
+    info.tensors = info.units.tensors;
+    info.plans = info.units.plans;
+    info.assignment =
+        assign_partitions(info.tensors, info.plans, info.servers, info.partition_bytes,
+                          shard_elements(info.units, info.servers.size(), info.partition_bytes));
     if (info.assignment.digest != a.digest)
       throw Error(ErrorCode::kInternal, "join job '" + spec.name +
                                             "': partition assignment differs from the "

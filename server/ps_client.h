@@ -111,13 +111,17 @@ struct JobInfo {
   uint32_t uid = 0;                  // cluster-unique job number (wire id)
   uint32_t rank = 0;                 // this node's rank
   std::vector<NodeId> nodes;         // rank order
+  // The job's units (server/fusion.h): the declared tensors, then one per
+  // fused bucket; plans, the timeline and the assignment are per unit.
   std::vector<TensorSpec> tensors;
   bool deterministic = false;
   uint64_t start_iteration = 0;
   uint64_t partition_bytes = 0;
   std::vector<ServerInfo> servers;
   std::string strategy_yaml;         // in force from start_iteration
-  std::vector<TensorPlan> plans;     // per tensor, from strategy_yaml
+  std::vector<TensorPlan> plans;     // per unit, from strategy_yaml
+  FusionConfig fusion;
+  JobUnits units;                    // the layout (units.tensors == tensors)
   Assignment assignment;
   // Every node's JobSpec::peer_address, by rank ("" where a node has none).
   std::vector<std::string> peer_addresses;

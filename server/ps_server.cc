@@ -179,13 +179,18 @@ Status ParameterServer::Impl::setup_job(const proto::Admission& a) {
   for (uint32_t r = 0; r < a.nodes.size(); ++r) job->rank[a.nodes[r]] = r;
   job->deterministic = a.deterministic;
   job->start_iteration = a.start_iteration;
-  job->tensors = a.tensors;
-  std::vector<TensorPlan> plans = plan_job(a.tensors, a.strategy_yaml);
-  job->assignment = assign_partitions(a.tensors, plans, a.servers, a.partition_bytes);
+  job->units = fuse_job(a.tensors, plan_job(a.tensors, a.strategy_yaml), a.fusion);
+  job->tensors = job->units.tensors;
+  std::vector<TensorPlan> plans = job->units.plans;
+  job->assignment = assign_partitions(job->tensors, plans, a.servers, a.partition_bytes,
+                                      shard_elements(job->units, a.servers.size(), a.partition_bytes));
   if (job->assignment.digest != a.digest)
     return Status(ErrorCode::kInternal, "assignment digest differs from the coordinator's");
   for (const Partition& p : job->assignment.partitions) {
     if (p.server != cfg.node_id) continue;
+    // A fused tensor's own partitions serve broadcasts only (its gradient
+    // travels in its bucket): no sum to reserve.
+    if (job->units.fused(p.tensor)) continue;
     job->reserved += round_reservation(plans[p.tensor], p.count, a.nodes.size(), a.deterministic);
   }
   {
@@ -210,7 +215,7 @@ Status ParameterServer::Impl::setup_job(const proto::Admission& a) {
     if (p.server != cfg.node_id) continue;
     RoundSetup rs;
     rs.part = p;
-    rs.label = "job '" + a.name + "' tensor '" + a.tensors[p.tensor].name + "' partition " +
+    rs.label = "job '" + a.name + "' tensor '" + job->tensors[p.tensor].name + "' partition " +
                std::to_string(p.index) + " (key " + hex(p.key) + ")";
     rs.start_iteration = a.start_iteration;
     rs.nodes = static_cast<uint32_t>(a.nodes.size());
@@ -218,6 +223,7 @@ Status ParameterServer::Impl::setup_job(const proto::Admission& a) {
     rs.shared_seed = strategy::partition_seed(a.name, p.key);
     rs.private_seed = strategy::server_private_seed(cfg.node_id, p.key);
     job->bcasts.emplace(p.key, std::make_unique<BroadcastRound>(p, rs.label, rs.nodes));
+    if (job->units.fused(p.tensor)) continue;
     auto round = std::make_unique<PartitionRound>(std::move(rs), *job->plans);
     job->round_list.push_back(round.get());
     job->parts.emplace(p.key, std::move(round));
@@ -286,7 +292,15 @@ Status ParameterServer::Impl::prepare_strategy(uint32_t uid, uint64_t iteration,
     job->plans->cancel(iteration);
     return Status::Ok();
   }
-  std::vector<TensorPlan> plans = plan_job(job->tensors, yaml);
+  std::vector<TensorPlan> plans;
+  try {
+    plans = unit_plans(
+        job->units, plan_job({job->tensors.begin(),
+                              job->tensors.begin() + static_cast<ptrdiff_t>(job->units.declared)},
+                             yaml));
+  } catch (const Error& e) {
+    return Status(ErrorCode::kInvalidArgument, e.what());
+  }
   uint64_t need = 0;
   for (auto& [key, ps] : job->parts)
     need += round_reservation(plans[ps->part().tensor], ps->part().count, job->nodes.size(),
@@ -398,6 +412,18 @@ void ParameterServer::Impl::on_data(Incoming in) {
     return refuse(in, ErrorCode::kInvalidArgument,
                   std::string(what) + " refused: node " + std::to_string(in.from) +
                       " is not part of job '" + job->name + "'");
+  if (h.type == proto::kBroadcast) {
+    // Every partition has a broadcast round, also a fused tensor's own
+    // (which has no sum round: its gradient travels in its bucket).
+    auto bit = job->bcasts.find(h.key);
+    const Partition* part = job->assignment.find(h.key);
+    if (bit != job->bcasts.end() && part != nullptr) {
+      EngineThread& e = *engines[part->engine % engines.size()];
+      BroadcastRound* b = bit->second.get();
+      e.post([this, job, b, in = std::move(in)]() mutable { on_broadcast(job, *b, std::move(in)); });
+      return;
+    }
+  }
   auto pit = job->parts.find(h.key);
   if (pit == job->parts.end()) {
     const uint64_t t = strategy::partition_tensor(h.key);

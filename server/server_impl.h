@@ -37,7 +37,8 @@ struct ServerJob {
   std::unordered_map<NodeId, uint32_t> rank;
   bool deterministic = false;
   uint64_t start_iteration = 0;
-  std::vector<TensorSpec> tensors;
+  std::vector<TensorSpec> tensors;  // the job's units: declared, then fused buckets
+  JobUnits units;                   // its layout (server/fusion.h)
   Assignment assignment;
   std::unique_ptr<Timeline> plans;  // from iteration on; its own lock
   std::unordered_map<uint64_t, std::unique_ptr<PartitionRound>> parts;  // fixed after setup

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -35,28 +36,40 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   if (argc != 7 && argc != 8) {
     std::fprintf(stderr,
-                 "usage: bc_bench SOCKET JOB RANK SIZE big|small|model[:K[:BYTES]] ITERATIONS [R/N]\n");
+                 "usage: bc_bench SOCKET JOB RANK SIZE big|small|model[:K[:BYTES]] ITERATIONS "
+                 "[R/N]\n");
     return 2;
   }
   uint32_t node_rank = 0, num_nodes = 1;
   if (argc == 8) std::sscanf(argv[7], "%u/%u", &node_rank, &num_nodes);
-  const std::string mode = argv[5];
-  if (mode == "model" || mode.rfind("model:", 0) == 0) {
-    const int tensors = mode == "model" ? 64 : std::atoi(mode.c_str() + 6);
-    if (tensors < 1 || tensors > 1024) {
-      std::fprintf(stderr, "bc_bench: %s: expected model:K with K in 1..1024\n", argv[5]);
+  std::string mode = argv[5];
+  // list:PATH: one tensor per line of PATH, its element count (a real
+  // model's sizes, e.g. ResNet-18's 62 tensors), else as model:K.
+  std::vector<uint64_t> listed;
+  if (mode.rfind("list:", 0) == 0) {
+    std::ifstream in(mode.substr(5));
+    uint64_t n = 0;
+    while (in >> n) listed.push_back(n);
+    if (listed.empty() || listed.size() > 4096) {
+      std::fprintf(stderr, "bc_bench: %s: expected 1..4096 element counts, one per line\n",
+                   argv[5]);
       return 2;
     }
-    uint64_t tensor_bytes = 4ull << 20;
-    if (const size_t colon = mode.find(':', 6); colon != std::string::npos) {
-      tensor_bytes = std::strtoull(mode.c_str() + colon + 1, nullptr, 10);
-      if (tensor_bytes < 4 || tensor_bytes > (1ull << 30) || tensor_bytes % 4 != 0) {
-        std::fprintf(stderr,
-                     "bc_bench: %s: expected model:K:BYTES with BYTES a multiple of 4 in "
-                     "4..1073741824\n",
-                     argv[5]);
-        return 2;
-      }
+    mode = "model:" + std::to_string(listed.size());
+  }
+  if (mode == "model" || mode.rfind("model:", 0) == 0) {
+    const int tensors = mode == "model" ? 64 : std::atoi(mode.c_str() + 6);
+    // model:K:BYTES: K tensors of BYTES each (many small ones: tensor fusion).
+    const size_t colon = mode.find(':', 6);
+    const long long tensor_bytes =
+        colon == std::string::npos ? (4ll << 20) : std::atoll(mode.c_str() + colon + 1);
+    if (tensors < 1 || tensors > 4096 || tensor_bytes < 4 || tensor_bytes > (1ll << 30) ||
+        tensor_bytes % 4 != 0) {
+      std::fprintf(stderr,
+                   "bc_bench: %s: expected model:K[:BYTES] with K in 1..4096 and BYTES a multiple "
+                   "of 4 in 4..1 GiB\n",
+                   argv[5]);
+      return 2;
     }
     try {
       bytecomp::Client c({.job_id = argv[2], .local_rank = static_cast<uint32_t>(std::atoi(argv[3])),
@@ -64,10 +77,13 @@ int main(int argc, char** argv) {
                           .node_rank = node_rank, .num_nodes = num_nodes,
                           .socket_path = argv[1], .connect_timeout_ms = 30000});
       const int kTensors = tensors;
-      const uint64_t kCount = tensor_bytes / 4;
+      const uint64_t kCount = static_cast<uint64_t>(tensor_bytes) / 4;
       std::vector<uint32_t> ids;
+      uint64_t total = 0;
       for (int t = 0; t < kTensors; ++t) {
-        ids.push_back(c.declare("layer" + std::to_string(t), kCount, BYTECOMP_FLOAT32));
+        const uint64_t n = listed.empty() ? kCount : listed[static_cast<size_t>(t)];
+        ids.push_back(c.declare("layer" + std::to_string(t), n, BYTECOMP_FLOAT32));
+        total += n * 4;
       }
       c.start(60000);
       for (uint32_t id : ids) {
@@ -86,7 +102,7 @@ int main(int argc, char** argv) {
       const double m = median(secs);
       if (std::atoi(argv[3]) == 0 && node_rank == 0) {
         std::printf("model_iteration_ms %.2f goodput_bytes_per_s %.4g\n", 1e3 * m,
-                    static_cast<double>(kTensors * kCount * 4) / m);
+                    static_cast<double>(total) / m);
       }
       c.close();
     } catch (const std::exception& e) {
