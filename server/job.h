@@ -45,6 +45,11 @@ struct JobSpec {
   // empty when it has none. Per node, so never compared between nodes: the
   // coordinator hands every node the list at admission.
   std::string peer_address;
+  // Strategy auto: this node's settings (strategy::AutoSpec::to_yaml), with
+  // strategy_yaml empty; empty otherwise. The coordinator picks the job's
+  // start placement from them at admission, where the inputs (every node's
+  // peer endpoint, the cluster's partition_bytes) are the same for all.
+  std::string auto_spec_yaml;
 };
 
 // The per-tensor plan and the option -> plan mapping live in the strategy

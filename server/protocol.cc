@@ -134,6 +134,7 @@ void write_spec(Writer& w, const JobSpec& spec) {
   w.u8(spec.deterministic ? 1 : 0);
   w.u64(spec.start_iteration);
   w.str(spec.peer_address);
+  w.str(spec.auto_spec_yaml);
 }
 
 JobSpec read_spec(Reader& r) {
@@ -145,6 +146,7 @@ JobSpec read_spec(Reader& r) {
   s.deterministic = r.u8("job.deterministic") != 0;
   s.start_iteration = r.u64("job.start_iteration");
   s.peer_address = r.str("job.peer_address", 4096);
+  s.auto_spec_yaml = r.str("job.auto_spec", 1u << 20);
   return s;
 }
 
