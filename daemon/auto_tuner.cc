@@ -134,6 +134,15 @@ void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
   }
   current_yaml_ = ps->info().strategy_yaml;
   start_yaml_ = current_yaml_;
+  if (!start_yaml_.empty())
+    BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": strategy auto starts with "
+                             << [&] {
+                                  const auto m = strategy::Strategy::parse(start_yaml_, "start").meta;
+                                  const auto it = m.find("ring_tensors");
+                                  return it == m.end() ? std::string("its") : it->second;
+                                }()
+                             << " tensor(s) on the daemons' ring (never compressed beyond fp16; "
+                                "placement is fixed for the job; decided by the coordinator)";
   {
     // bytecompctl shows the start placement (ring tensors) before any switch.
     std::lock_guard lk(mu_);

@@ -75,26 +75,12 @@ void Daemon::maybe_start(Job& j) {
     spec.fusion.enabled = config_.fusion_enabled && !auto_job;
     spec.fusion.first_bucket_bytes = config_.fusion_first_bucket_bytes;
     spec.fusion.bucket_cap_bytes = config_.fusion_bucket_cap_bytes;
-    // An auto job's placement is fixed once it runs: it starts with the
-    // tensors auto can never compress beyond fp16 on the daemons' ring where
-    // the model has the ring no slower (strategy::start_strategy_yaml;
-    // without a peer endpoint there is no ring).
-    if (auto_job && peer_hub_) {
-      std::vector<std::string> names;
-      std::vector<uint64_t> elements;
-      for (const auto& d : j.reference) {
-        names.push_back(d.name);
-        elements.push_back(d.count);
-      }
-      spec.strategy_yaml = strategy::start_strategy_yaml(
-          *auto_spec, names, elements, j.num_nodes, config_.partition_bytes);
-      if (!spec.strategy_yaml.empty())
-        BC_LOG(LogDaemon(), kInfo) << "job " << j.id << ": strategy auto starts with "
-                                   << strategy::Strategy::parse(spec.strategy_yaml, "start")
-                                          .meta.at("ring_tensors")
-                                   << " tensor(s) on the daemons' ring (never compressed beyond "
-                                      "fp16; placement is fixed for the job)";
-    }
+    // An auto job registers no strategy but its settings: the coordinator
+    // decides its start placement (strategy::start_strategy_yaml) from
+    // inputs every node shares and sends it in the admission, which every
+    // party's plans come from (a daemon's own scheduler.partition_bytes or
+    // peer endpoint would make the nodes disagree).
+    if (auto_job) spec.auto_spec_yaml = auto_spec->to_yaml();
     if (problem.empty()) {
       try {
         for (const auto& plan : strategy::plans_for(strategy::Scope::kCluster, spec.tensors,

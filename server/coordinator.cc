@@ -5,6 +5,8 @@
 #include <random>
 #include <type_traits>
 
+#include "planner/strategy/auto_spec.h"
+#include "planner/strategy/strategy.h"
 #include "server/server_impl.h"
 #include "server/server_log.h"
 
@@ -128,6 +130,57 @@ void to_servers(ParameterServer::Impl& srv, const std::vector<NodeId>& servers, 
 std::string describe_tensor(const TensorSpec& t) {
   return "'" + t.name + "' " + std::to_string(t.count) + " x " +
          std::string(compress::to_string(t.dtype));
+}
+
+// The start placement of an auto job (strategy::start_strategy_yaml),
+// decided here once for every node: its inputs (every node's peer endpoint,
+// the cluster's partition_bytes, which cuts the job) are the same for all,
+// whereas each daemon's own scheduler.partition_bytes and peer_listen are
+// not. "" (every tensor on the servers) unless every node runs strategy auto
+// with the same settings and has a peer endpoint; `why` then says why not
+// when some node asked for auto.
+std::string auto_start_yaml(const std::vector<TensorSpec>& tensors, uint32_t nodes,
+                            const std::vector<std::string>& auto_specs,
+                            const std::vector<std::string>& peer_addresses,
+                            uint64_t partition_bytes, std::string& why) {
+  bool any = false, all = true;
+  for (const std::string& a : auto_specs) {
+    any = any || !a.empty();
+    all = all && !a.empty();
+  }
+  if (!any || nodes < 2) return "";
+  if (!all) {
+    why = "not every node runs strategy auto";
+    return "";
+  }
+  for (size_t r = 1; r < auto_specs.size(); ++r)
+    if (auto_specs[r] != auto_specs[0]) {
+      why = "ranks 0 and " + std::to_string(r) + " run different auto settings";
+      return "";
+    }
+  for (size_t r = 0; r < peer_addresses.size(); ++r)
+    if (peer_addresses[r].empty()) {
+      why = "rank " + std::to_string(r) +
+            "'s daemon has no peer endpoint (internode.peer_listen), so there is no ring";
+      return "";
+    }
+  try {
+    const auto spec = strategy::AutoSpec::parse_job_text(auto_specs[0], "the job's auto settings");
+    if (!spec) {
+      why = "the nodes' auto settings are not mode: auto";
+      return "";
+    }
+    std::vector<std::string> names;
+    std::vector<uint64_t> elements;
+    for (const TensorSpec& t : tensors) {
+      names.push_back(t.name);
+      elements.push_back(t.count);
+    }
+    return strategy::start_strategy_yaml(*spec, names, elements, nodes, partition_bytes);
+  } catch (const Error& e) {
+    why = e.what();
+    return "";
+  }
 }
 
 // Empty when `b` (node `bn`) declares the same job as `a` (node `an`).
@@ -385,7 +438,27 @@ void Coordinator::try_admit_locked(Pending& p, std::vector<std::function<void()>
   for (const ServerInfo& s : srv_.cfg.cluster.servers) adm.servers.push_back(servers_.at(s.id));
   adm.strategy_yaml = p.regs.at(0).spec.strategy_yaml;
   adm.fusion = p.regs.at(0).spec.fusion;
-  for (const auto& [rank, reg] : p.regs) adm.peer_addresses.push_back(reg.spec.peer_address);
+  std::vector<std::string> auto_specs;
+  for (const auto& [rank, reg] : p.regs) {
+    adm.peer_addresses.push_back(reg.spec.peer_address);
+    auto_specs.push_back(reg.spec.auto_spec_yaml);
+  }
+  // An auto job registers no strategy; its start placement travels to every
+  // party in the admission, which all plans come from.
+  if (adm.strategy_yaml.empty()) {
+    std::string why;
+    adm.strategy_yaml =
+        auto_start_yaml(adm.tensors, static_cast<uint32_t>(adm.nodes.size()), auto_specs,
+                        adm.peer_addresses, adm.partition_bytes, why);
+    if (!adm.strategy_yaml.empty())
+      BC_LOG(LogCoord(), kInfo) << "job '" << p.name << "': strategy auto starts with "
+                                << strategy::Strategy::parse(adm.strategy_yaml, "start")
+                                       .meta.at("ring_tensors")
+                                << " tensor(s) on the daemons' ring";
+    else if (!why.empty())
+      BC_LOG(LogCoord(), kInfo) << "job '" << p.name << "': strategy auto starts with every "
+                                << "tensor on the servers: " << why;
+  }
   p.setting_up = true;
   std::string name = p.name;
   after.push_back([this, adm = std::move(adm), name]() mutable { admit(std::move(adm), name); });

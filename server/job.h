@@ -49,6 +49,11 @@ struct JobSpec {
   // Tensor fusion (server/fusion.h), from the daemon's configuration; every
   // node of a job must send the same (an auto job sends it disabled).
   FusionConfig fusion;
+  // Strategy auto: this node's settings (strategy::AutoSpec::to_yaml), with
+  // strategy_yaml empty; empty otherwise. The coordinator picks the job's
+  // start placement from them at admission, where the inputs (every node's
+  // peer endpoint, the cluster's partition_bytes) are the same for all.
+  std::string auto_spec_yaml;
 };
 
 // The per-tensor plan and the option -> plan mapping live in the strategy

@@ -159,6 +159,7 @@ void write_spec(Writer& w, const JobSpec& spec) {
   w.u64(spec.start_iteration);
   w.str(spec.peer_address);
   write_fusion(w, spec.fusion);
+  w.str(spec.auto_spec_yaml);
 }
 
 JobSpec read_spec(Reader& r) {
@@ -171,6 +172,7 @@ JobSpec read_spec(Reader& r) {
   s.start_iteration = r.u64("job.start_iteration");
   s.peer_address = r.str("job.peer_address", 4096);
   s.fusion = read_fusion(r);
+  s.auto_spec_yaml = r.str("job.auto_spec", 1u << 20);
   return s;
 }
 

@@ -229,6 +229,53 @@ TEST_P(AutoNodes, StartsTheNeverCompressedTensorsOnTheRingAndKeepsThemThere) {
             std::string::npos);
 }
 
+// The start placement is the coordinator's (docs/auto.md "Placement"): a
+// daemon's own scheduler.partition_bytes or peer endpoint does not make the
+// nodes register different strategies, which the coordinator would refuse.
+TEST_P(AutoNodes, StartPlacementIsTheSameOnDaemonsWithOtherPartitionSizes) {
+  strategy_section_ =
+      "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
+      "  warmup_iterations: 3\n  guard: {output_layer: false}\n";
+  scheduler_node1_ = "  partition_bytes: 64KiB\n";
+  start(1);
+  const std::vector<uint64_t> sizes{64, 150000};
+  constexpr int kIters = 8;
+  JobRun r = run_job(*this, "autopb", sizes, kIters, std::chrono::milliseconds(5));
+  ASSERT_EQ(r.got[0].size(), static_cast<size_t>(kIters));
+  for (int n = 0; n < 2; ++n) {
+    EXPECT_NE(nodes_[n]->daemon().output().find("starts with 1 tensor(s) on the daemons' ring"),
+              std::string::npos)
+        << nodes_[n]->daemon().output();
+    EXPECT_EQ(nodes_[n]->daemon().output().find("strategy differs"), std::string::npos);
+  }
+  EXPECT_EQ(inexact(r, 0, sizes[0], 0, kIters), 0u);
+}
+
+TEST_P(AutoNodes, ANodeWithoutAPeerEndpointStartsEveryNodeOnTheServers) {
+  // Node 1 has no peer endpoint (and another partition size): there is no
+  // ring, so the coordinator starts the job with every tensor on the
+  // servers on both nodes and says why; before, node 0 registered the ring
+  // placement, node 1 none, and the job was refused.
+  strategy_section_ =
+      "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
+      "  warmup_iterations: 3\n  guard: {output_layer: false}\n";
+  peer_listen_node1_ = false;
+  scheduler_node1_ = "  partition_bytes: 64KiB\n";
+  start(1);
+  const std::vector<uint64_t> sizes{64, 150000};
+  constexpr int kIters = 8;
+  JobRun r = run_job(*this, "autonopeer", sizes, kIters, std::chrono::milliseconds(5));
+  ASSERT_EQ(r.got[0].size(), static_cast<size_t>(kIters));
+  for (int n = 0; n < 2; ++n)
+    EXPECT_EQ(nodes_[n]->daemon().output().find("on the daemons' ring"), std::string::npos)
+        << nodes_[n]->daemon().output();
+  EXPECT_TRUE(servers_[0]->wait_output("rank 1's daemon has no peer endpoint", 5s))
+      << servers_[0]->output();
+  EXPECT_EQ(inexact(r, 0, sizes[0], 0, kIters), 0u);
+  const int64_t at = switch_iteration(nodes_[0]->daemon());
+  EXPECT_EQ(inexact(r, 1, sizes[1], 0, at < 0 ? kIters : static_cast<int>(at)), 0u);
+}
+
 TEST_P(AutoNodes, NodesThatDisagreeGetNoPlanAndKeepTheirStrategy) {
   strategy_section_ = "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
                       "  warmup_iterations: 2\n";

@@ -69,10 +69,11 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
       nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
                               "\n  node_id: " + std::to_string(100 + n) +
                               "\n  nodes: [100, 101]\n" +
-                              (peer_listen_ ? "  peer_listen: " + endpoint() + "\n" : "") +
+                              (peer_listen_ && (n == 0 || peer_listen_node1_)
+                                   ? "  peer_listen: " + endpoint() + "\n" : "") +
                                   (n == 1 && !strategy_section_node1_.empty()
                                        ? strategy_section_node1_ : strategy),
-                              scheduler);
+                              n == 1 && !scheduler_node1_.empty() ? scheduler_node1_ : scheduler);
       nodes_[n]->start(daemon_env_);
     }
   }
@@ -159,6 +160,8 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
 
   static inline int counter_ = 0;
   bool peer_listen_ = true;  // give the daemons a peer endpoint
+  bool peer_listen_node1_ = true;  // and node 1 too (when peer_listen_)
+  std::string scheduler_node1_;  // node 1's scheduler lines, when they must differ
   // The daemons' strategy section (e.g. mode: auto), when no strategy file.
   std::string strategy_section_;
   std::string strategy_section_node1_;  // node 1's, when it must differ

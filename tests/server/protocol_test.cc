@@ -22,6 +22,7 @@ JobSpec spec() {
   s.strategy_yaml = "version: 1\n";
   s.start_iteration = 3;
   s.peer_address = "tcp://10.0.0.1:5000";
+  s.auto_spec_yaml = "version: 1\nmode: auto\n";
   return s;
 }
 
@@ -100,6 +101,7 @@ TEST(ProtocolTest, FieldsComeBackWithTheirValues) {
   const auto r = proto::from_message<proto::Register>(proto::to_message(proto::Register{spec()}));
   EXPECT_EQ(r.spec.name, "job");
   EXPECT_EQ(r.spec.peer_address, "tcp://10.0.0.1:5000");
+  EXPECT_EQ(r.spec.auto_spec_yaml, "version: 1\nmode: auto\n");
 }
 
 TEST(ProtocolTest, HeaderKeyAndArgAreUsedByDataMessagesOnly) {
