@@ -260,9 +260,17 @@ TEST_P(BcastHubs, MalformedMessagesAreRefusedWithTheReason) {
           "sent iteration 2, this node has iterations 0 (running), 1 open (a job of 2 nodes "
           "has at most 2 rounds of a tensor open on a node");
   job->close();
-  // A job that never opens here: parked, then refused after 300 ms (the
-  // next message's arrival expires it).
+  // A job that never opens here: parked, then refused after 300 ms by the
+  // hub's tick (the daemon's run loop calls it), with no other traffic.
+  // Without the tick it would wait unanswered until the call timed out.
   auto parked = std::async(std::launch::async, [&] {
+    return send(*x, 81, 0, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')});
+  });
+  for (int i = 0; i < 100 && parked.wait_for(50ms) != std::future_status::ready; ++i)
+    a.tick(std::chrono::steady_clock::now());
+  refused(parked.get(), "no job with uid 81 opened its broadcast on node 200 within 300 ms");
+  // The same after the next message's arrival (which expires what waited).
+  parked = std::async(std::launch::async, [&] {
     return send(*x, 81, 0, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')});
   });
   std::this_thread::sleep_for(500ms);
@@ -276,6 +284,24 @@ TEST_P(BcastHubs, MalformedMessagesAreRefusedWithTheReason) {
       a.open_bcast(spec(82, 0, {200, 201}, {a.address(), xa}), eb.on_ready(), eb.on_fail());
   EXPECT_EQ(later.get().first, bd::kBcastOk);
   job82->close();
+  {
+    // Data of a job that closed here is refused at once, naming the job
+    // (not parked). A hub with the default park timeout (30 s), for which
+    // it remembers the closed job.
+    Events ec;
+    bd::PeerHub b(hub_config(210, GetParam()));
+    auto job83 =
+        b.open_bcast(spec(83, 0, {210, 201}, {b.address(), xa}), ec.on_ready(), ec.on_fail());
+    job83->close();
+    x->add_peer(210, b.address());
+    bt::Response r = x->call(
+        210, message(83, 0, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')}), 5000ms);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    std::string text;
+    for (const auto& p : r.response.payloads) text.append(p.view());
+    refused({r.response.header.type, text}, "job 'bc83' (uid 83) ended its broadcasts on node 210");
+    EXPECT_EQ(r.response.header.aux, static_cast<uint32_t>(bytecomp::ErrorCode::kUnavailable));
+  }
   x->shutdown();
   stranger->shutdown();
 }
