@@ -227,6 +227,8 @@ int Daemon::run(int signal_fd) {
       if (it != conns_.end() && !it->second->closed) on_readable(*it->second);
     }
     check_setup_deadlines();
+    // Parked broadcast data of jobs that never open here is refused in time.
+    if (peer_hub_) peer_hub_->tick(std::chrono::steady_clock::now());
     sweep_closed();
   }
 }

@@ -445,6 +445,7 @@ std::shared_ptr<BcastJob> PeerHub::open_bcast(BcastJobSpec spec, BcastJob::Ready
                   "job uid " + std::to_string(spec.uid) + " already has a broadcast chain here");
     }
     bcasts_[spec.uid] = job;
+    std::erase_if(closed_bcasts_, [&](const Closed& c) { return c.uid == spec.uid; });
     connect_peers(spec.rank, spec.nodes, spec.addresses);
     expire_parked(Clock::now(), expired);
     if (auto it = parked_.find(spec.uid); it != parked_.end()) {
@@ -453,13 +454,7 @@ std::shared_ptr<BcastJob> PeerHub::open_bcast(BcastJobSpec spec, BcastJob::Ready
       for (const Parked& p : parked) parked_bytes_ -= p.in.message.payload_bytes();
     }
   }
-  for (Incoming& in : expired) {
-    refuse(in, ErrorCode::kUnavailable,
-           "no job with uid " + std::to_string(in.message.header.aux) +
-               " opened its broadcast on node " + std::to_string(self()) + " within " +
-               std::to_string(park_timeout_.count()) + " ms",
-           kBcastError);
-  }
+  refuse_expired(expired);
   // In arrival order; the handler threads deliver what comes from now on.
   for (Parked& p : parked) deliver_bcast(job, std::move(p.in), p.header);
   return job;
@@ -478,6 +473,29 @@ void PeerHub::expire_parked(Clock::time_point now, std::vector<Incoming>& expire
     v.erase(keep, v.end());
     it = v.empty() ? parked_.erase(it) : std::next(it);
   }
+}
+
+void PeerHub::refuse_expired(std::vector<Incoming>& expired) {
+  for (Incoming& in : expired) {
+    refuse(in, ErrorCode::kUnavailable,
+           "no job with uid " + std::to_string(in.message.header.aux) +
+               " opened its broadcast on node " + std::to_string(self()) + " within " +
+               std::to_string(park_timeout_.count()) + " ms",
+           kBcastError);
+  }
+  expired.clear();
+}
+
+void PeerHub::tick(Clock::time_point now) {
+  std::vector<Incoming> expired;
+  {
+    std::lock_guard lock(mu_);
+    while (!closed_bcasts_.empty() && now - closed_bcasts_.front().at > park_timeout_)
+      closed_bcasts_.pop_front();
+    if (parked_.empty()) return;
+    expire_parked(now, expired);
+  }
+  refuse_expired(expired);
 }
 
 void PeerHub::release_peers(const std::vector<NodeId>& peers) {
@@ -517,7 +535,13 @@ void PeerHub::unregister_bcast(const BcastJob* job, uint32_t uid, const std::vec
   std::lock_guard lock(mu_);
   if (auto it = bcasts_.find(uid); it != bcasts_.end()) {
     auto current = it->second.lock();
-    if (!current || current.get() == job) bcasts_.erase(it);
+    if (!current || current.get() == job) {
+      bcasts_.erase(it);
+      // Its late data (a neighbour's last chunks, sends of a node that
+      // failed later) is refused naming it rather than parked.
+      closed_bcasts_.push_back({uid, job->spec().name, Clock::now()});
+      if (closed_bcasts_.size() > kClosedRemembered) closed_bcasts_.pop_front();
+    }
   }
   release_peers(peers);
 }
@@ -656,11 +680,18 @@ void PeerHub::on_bcast_data(Incoming in) {
   std::shared_ptr<BcastJob> job;
   std::vector<Incoming> expired;
   std::string full;
+  std::string ended;
   {
     std::lock_guard lock(mu_);
     const uint32_t uid = in.message.header.aux;
     if (auto it = bcasts_.find(uid); it != bcasts_.end()) job = it->second.lock();
-    if (!job) {
+    const auto closed = std::find_if(closed_bcasts_.rbegin(), closed_bcasts_.rend(),
+                                     [&](const Closed& c) { return c.uid == uid; });
+    if (!job && closed != closed_bcasts_.rend() &&
+        Clock::now() - closed->at <= park_timeout_) {
+      ended = "job '" + closed->name + "' (uid " + std::to_string(uid) +
+              ") ended its broadcasts on node " + std::to_string(self());
+    } else if (!job) {
       // Its node has not broadcast yet: wait for it (answered when it opens).
       const auto now = Clock::now();
       expire_parked(now, expired);
@@ -681,13 +712,8 @@ void PeerHub::on_bcast_data(Incoming in) {
       }
     }
   }
-  for (Incoming& e : expired) {
-    refuse(e, ErrorCode::kUnavailable,
-           "no job with uid " + std::to_string(e.message.header.aux) +
-               " opened its broadcast on node " + std::to_string(self()) + " within " +
-               std::to_string(park_timeout_.count()) + " ms",
-           kBcastError);
-  }
+  refuse_expired(expired);
+  if (!ended.empty()) return refuse_bcast(ErrorCode::kUnavailable, ended);
   if (!full.empty()) return refuse_bcast(ErrorCode::kResourceExhausted, full);
   if (job) deliver_bcast(job, std::move(in), h);
 }

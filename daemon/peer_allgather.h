@@ -48,6 +48,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -207,7 +208,17 @@ class PeerHub {
   std::shared_ptr<BcastJob> open_bcast(BcastJobSpec spec, BcastJob::ReadyFn ready,
                                        BcastJob::FailFn fail);
 
+  // Refuses the parked broadcast data that waited longer than
+  // park_timeout (else data of a job that never opens here would wait
+  // unanswered until more broadcast data came). The daemon's run loop calls
+  // it at least 4 times a second.
+  void tick(std::chrono::steady_clock::time_point now);
+
   static constexpr size_t kMaxParkedBytes = size_t{64} << 20;
+  // How many closed broadcast jobs a hub remembers (each for park_timeout),
+  // to refuse their late data at once, naming the job, instead of parking
+  // it. Not for longer: a restarted coordinator may reuse a uid.
+  static constexpr size_t kClosedRemembered = 256;
 
  private:
   friend class PeerJob;
@@ -237,6 +248,8 @@ class PeerHub {
   // mu_ held: refuses (after unlocking: into `expired`) what waited too long.
   void expire_parked(std::chrono::steady_clock::time_point now,
                      std::vector<transport::Incoming>& expired);
+  // mu_ not held: refuses what expire_parked() took.
+  void refuse_expired(std::vector<transport::Incoming>& expired);
   void refuse(const transport::Incoming& in, ErrorCode code, const std::string& why,
               uint16_t type = kPeerError);
 
@@ -254,6 +267,14 @@ class PeerHub {
   const std::chrono::milliseconds park_timeout_;
   std::map<uint32_t, std::vector<Parked>> parked_;  // by uid; guarded by mu_
   size_t parked_bytes_ = 0;                          // guarded by mu_
+  struct Closed {
+    uint32_t uid = 0;
+    std::string name;
+    std::chrono::steady_clock::time_point at;
+  };
+  // Recently closed broadcast jobs, oldest first, at most kClosedRemembered,
+  // none older than park_timeout; guarded by mu_.
+  std::deque<Closed> closed_bcasts_;
   struct Peer {
     std::string address;
     int jobs = 0;

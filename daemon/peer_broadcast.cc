@@ -149,15 +149,18 @@ void BcastJob::apply(Round& round, const Received& r) {
   for (char* d : round.dsts) std::memcpy(d + r.header.offset, r.data.data(), r.data.size());
 }
 
-bool BcastJob::take_if_done(Slot& slot) {
-  if (!slot.open) return false;
-  Round& round = *slot.open;
+bool BcastJob::take_if_done(Slot& slot, uint64_t iteration) {
+  const auto it = slot.rounds.find(iteration);
+  if (it == slot.rounds.end()) return false;
+  Round& round = it->second;
   if (!round.started || round.sending != 0) return false;
   const BcastChain c = chain(round.call.root);
   const bool root = c.root_node == spec_.rank;
   if (!root && round.received != chunks(round.call.nbytes)) return false;
   if (!c.last(spec_.rank) && !round.downstream_done) return false;
-  slot.finished = static_cast<int64_t>(round.iteration);
+  // Rounds start in order (start()), so this is the oldest one here.
+  slot.finished = static_cast<int64_t>(iteration);
+  slot.rounds.erase(it);
   return true;
 }
 
@@ -219,21 +222,25 @@ void BcastJob::start(uint32_t tensor, uint64_t iteration, const BcastCall& call,
     }
     const BcastChain c = chain(call.root);
     const bool root = c.root_node == spec_.rank;
-    if (slot.open && slot.open->iteration != iteration) {
-      // Chunks of another iteration came from upstream: the nodes' ranks
-      // passed other iterations.
+    const auto older = slot.rounds.begin();
+    if (older != slot.rounds.end() && older->first < iteration) {
+      if (older->second.started) {
+        throw Error(ErrorCode::kInternal, "broadcast chain: " + round_name(tensor, iteration) +
+                                              " started before " +
+                                              round_name(tensor, older->first) + " finished");
+      }
+      // Chunks of an earlier iteration came from upstream: the nodes' ranks
+      // passed other iterations. (Chunks of later ones are kept: see the
+      // header on rounds with different roots.)
       bad = Status(ErrorCode::kInvalidArgument,
                    "the ranks disagree on the broadcast of tensor '" + spec_.tensor_names[tensor] +
                        "': the ranks of " + who(spec_.rank) + " passed iteration " +
-                       std::to_string(iteration) + ", " + who(slot.open->seen_from) +
-                       " sent iteration " + std::to_string(slot.open->iteration) +
+                       std::to_string(iteration) + ", " + who(older->second.seen_from) +
+                       " sent iteration " + std::to_string(older->first) +
                        " (every rank must make the same call)");
     } else {
-      if (!slot.open) {
-        slot.open.emplace();
-        slot.open->iteration = iteration;
-      }
-      Round& round = *slot.open;
+      Round& round = slot.rounds[iteration];
+      round.iteration = iteration;
       if (round.started) {
         throw Error(ErrorCode::kInternal,
                     "broadcast chain: " + round_name(tensor, iteration) + " started twice");
@@ -272,8 +279,7 @@ void BcastJob::start(uint32_t tensor, uint64_t iteration, const BcastCall& call,
         round.got.resize(chunks(call.nbytes), false);
         for (const Received& e : std::exchange(round.early, {})) apply(round, e);
       }
-      finished = bad.ok() && take_if_done(slot);
-      if (finished) slot.open.reset();
+      finished = bad.ok() && take_if_done(slot, iteration);
     }
   }
   if (!bad.ok()) {
@@ -358,21 +364,28 @@ Status BcastJob::receive(NodeId from, uint64_t key, uint64_t iteration, Received
     ErrorCode code = ErrorCode::kMalformed;
     if (static_cast<int64_t>(iteration) <= slot.finished) {
       why = what + ": stale, this node finished iteration " + std::to_string(slot.finished);
-    } else if (slot.open && slot.open->iteration != iteration) {
-      code = ErrorCode::kInvalidArgument;
-      why = "the ranks disagree on the broadcast of tensor '" + spec_.tensor_names[tensor] +
-            "': " + who(rank) + " sent iteration " + std::to_string(iteration) + ", this node " +
-            (slot.open->started ? "runs" : "has chunks of") + " iteration " +
-            std::to_string(slot.open->iteration) + " (every rank must make the same call)";
-    } else if (!data && !slot.open) {
-      why = what + ": reported done before any of its chunks came here";
+    } else if (!slot.rounds.count(iteration)) {
+      if (!data) {
+        why = what + ": reported done before any of its chunks came here";
+      } else if (slot.rounds.size() >= m) {
+        // At most M rounds of a tensor can be open on a node (header).
+        code = ErrorCode::kInvalidArgument;
+        std::string open;
+        for (const auto& [i, round] : slot.rounds) {
+          open += (open.empty() ? "" : ", ") + std::to_string(i);
+          if (round.started) open += " (running)";
+        }
+        why = "the ranks disagree on the broadcast of tensor '" + spec_.tensor_names[tensor] +
+              "': " + who(rank) + " sent iteration " + std::to_string(iteration) +
+              ", this node has iterations " + open + " open (a job of " + std::to_string(m) +
+              " nodes has at most " + std::to_string(m) +
+              " rounds of a tensor open on a node; every rank must make the same calls in the "
+              "same order)";
+      }
     }
     if (why.empty()) {
-      if (!slot.open) {
-        slot.open.emplace();
-        slot.open->iteration = iteration;
-      }
-      Round& round = *slot.open;
+      Round& round = slot.rounds[iteration];
+      round.iteration = iteration;
       if (round.started && round.call != theirs) {
         lock.unlock();
         const Status s = disagree(tensor, iteration, round.call, theirs, rank);
@@ -421,9 +434,8 @@ Status BcastJob::receive(NodeId from, uint64_t key, uint64_t iteration, Received
       lock.unlock();
       return refuse(code, why);
     }
-    call = slot.open->call;
-    finished = take_if_done(slot);
-    if (finished) slot.open.reset();
+    call = slot.rounds.at(iteration).call;
+    finished = take_if_done(slot, iteration);
   }
   pump();
   if (finished) done(tensor, iteration, call);
@@ -488,13 +500,12 @@ void BcastJob::sent(uint32_t tensor, uint64_t iteration) {
     if (closed_) return;
     if (unanswered_ > 0) --unanswered_;
     Slot& slot = slots_.at(tensor);
-    if (slot.open && slot.open->iteration == iteration) {
-      Round& round = *slot.open;
+    if (const auto it = slot.rounds.find(iteration); it != slot.rounds.end()) {
+      Round& round = it->second;
       if (round.sending > 0) --round.sending;
       round.progress = Clock::now();
       call = round.call;
-      finished = take_if_done(slot);
-      if (finished) slot.open.reset();
+      finished = take_if_done(slot, iteration);
     }
   }
   pump();
@@ -507,8 +518,9 @@ Status BcastJob::check_deadlines(Clock::time_point now) {
     std::lock_guard lock(mu_);
     if (closed_ || failed_) return Status::Ok();
     for (uint32_t t = 0; t < slots_.size() && late.ok(); ++t) {
-      if (!slots_[t].open) continue;
-      const Round& round = *slots_[t].open;
+      // Only the oldest round of a tensor can be started (start()).
+      if (slots_[t].rounds.empty()) continue;
+      const Round& round = slots_[t].rounds.begin()->second;
       if (!round.started || now - round.progress <= spec_.timeout) continue;
       const BcastChain c = chain(round.call.root);
       const uint64_t n = chunks(round.call.nbytes);

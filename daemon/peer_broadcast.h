@@ -15,11 +15,20 @@
 // neighbour reported the round done (kDone, sent upstream by each node once
 // it is done; the last node of the chain needs none). So the root finishes
 // last, after every node: like the servers' broadcast, a round completes
-// only once every node's ranks joined, which bounds what a node holds: a
-// tensor has at most one open round on each node (its next round's chunks
-// leave the root only after every node finished this one), and that round
-// holds at most the broadcast's bytes while the node's ranks have not
-// joined yet.
+// only once every node's ranks joined, which bounds what a node holds.
+// Consecutive rounds of a tensor may have different roots, so a node can get
+// chunks of later rounds while its own round is still open: the root of
+// round i + 1 only finished round i, which needs just the nodes after it in
+// round i's chain to have finished (e.g. nodes A, B, C, round i from B
+// (B, C, A): A finishes at once, its ranks start round i + 1 from A and A's
+// chunks reach B while B still waits for C's report). Among the nodes that
+// finished round i those that also finished round i + 1 are fewer (the
+// root of round i + 1 finished i but finishes i + 1 last), so while one
+// node lags at round i, rounds up to i + M - 1 can exist, never i + M. Each
+// node therefore keeps, per tensor, its oldest open round and the chunks of
+// up to M - 1 later ones (the chain's M nodes): at most M times the
+// tensor's bytes, and only while its own ranks lag; data of a round beyond
+// that is refused.
 //
 // Wire format (version 1). One request per (tensor, iteration, chunk) and
 // one per (tensor, iteration) for the report upstream:
@@ -35,7 +44,8 @@
 // its neighbour in the chain of the root it names (upstream for data,
 // downstream for done), the tensor and that the bytes fit it, that chunk
 // and offset are exactly that chunk of the broadcast, that the iteration is
-// neither finished nor beyond the one open round, and refuses duplicates;
+// neither finished nor beyond the M rounds a node holds (above), and
+// refuses duplicates;
 // the reply is kBcastOk or kBcastError (aux = ErrorCode, payload = the
 // reason, which the sender's job aborts with). Root, bytes and tag are
 // compared with this node's call (at receipt, or at start() for chunks that
@@ -60,6 +70,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -188,7 +199,9 @@ class BcastJob {
   };
   struct Slot {
     int64_t finished = -1;
-    std::optional<Round> open;
+    // Open rounds by iteration: the oldest (the one this node's ranks are
+    // in or join next) and the early chunks of at most M - 1 later ones.
+    std::map<uint64_t, Round> rounds;
   };
   struct Out {
     uint32_t tensor = 0;
@@ -208,9 +221,10 @@ class BcastJob {
   Status receive(transport::NodeId from, uint64_t tensor, uint64_t iteration, Received r);
   // mu_ held: the chunk's bytes into the round's buffers.
   void apply(Round& round, const Received& r);
-  // mu_ held: the round is done here (see above); finishes it (the caller
-  // then reports upstream and runs ready_).
-  bool take_if_done(Slot& slot);
+  // mu_ held: round `iteration` is done here (see above); finishes it and
+  // drops it from the slot (the caller then reports upstream and runs
+  // ready_).
+  bool take_if_done(Slot& slot, uint64_t iteration);
   // mu_ not held: report upstream (non-root), ready_.
   void done(uint32_t tensor, uint64_t iteration, const BcastCall& call);
   // mu_ held: the disagreement between this node's call and a sender's.

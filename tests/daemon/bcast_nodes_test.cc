@@ -165,6 +165,25 @@ TEST_P(BcastNodes, ChunksForANodeThatHasNotOpenedTheJobWaitForIt) {
       << nodes_[2]->daemon().output();
 }
 
+// Consecutive broadcasts of a tensor from different roots, each from the
+// node before the last one's (3 nodes: roots on nodes 1, 0, 2, 1, ...): the
+// last node of each chain finishes first and its ranks start the next
+// round as its root at once, so its chunks can reach the nodes still in
+// the round before (waiting for the report from downstream). They keep
+// them (daemon/peer_broadcast.h); before, they refused them and the job
+// failed with "the ranks disagree ... sent iteration".
+TEST_P(BcastNodes, ConsecutiveBroadcastsFromTheLastNodeOfTheChainBefore) {
+  start(3);
+  std::string sizes;
+  for (int k = 0; k < 8; ++k) sizes += std::string(k ? "," : "") + "1,16385,100003";
+  auto w = workers("brot", "rotate", 2, sizes, "f32");
+  for (auto& p : w) expect_exit(*p, 0);
+  for (auto& p : w) EXPECT_NE(p->output().find("OK"), std::string::npos) << p->output();
+  for (auto& n : nodes_) {
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+  }
+}
+
 // The ranks of the last node pass 4 bytes more: a node of the chain finds
 // the disagreement, and every rank fails naming both calls.
 TEST_P(BcastNodes, DisagreeingNodesFailEveryRankNamingBothCalls) {

@@ -252,12 +252,25 @@ TEST_P(BcastHubs, MalformedMessagesAreRefusedWithTheReason) {
     refused(send(*x, 80, 0, {bd::encode_bcast_header(h), bt::Buffer()}),
             "in which this node is the last");
   }
-  refused(send(*x, 80, 1, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')}),
-          "sent iteration 1, this node runs iteration 0");
+  // A node keeps the chunks of later rounds (at most M = 2 rounds open in a
+  // job of 2 nodes; see the chain's tests below), refuses beyond that.
+  EXPECT_EQ(send(*x, 80, 1, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')}).first,
+            bd::kBcastOk);
+  refused(send(*x, 80, 2, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')}),
+          "sent iteration 2, this node has iterations 0 (running), 1 open (a job of 2 nodes "
+          "has at most 2 rounds of a tensor open on a node");
   job->close();
-  // A job that never opens here: parked, then refused after 300 ms (the
-  // next message's arrival expires it).
+  // A job that never opens here: parked, then refused after 300 ms by the
+  // hub's tick (the daemon's run loop calls it), with no other traffic.
+  // Without the tick it would wait unanswered until the call timed out.
   auto parked = std::async(std::launch::async, [&] {
+    return send(*x, 81, 0, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')});
+  });
+  for (int i = 0; i < 100 && parked.wait_for(50ms) != std::future_status::ready; ++i)
+    a.tick(std::chrono::steady_clock::now());
+  refused(parked.get(), "no job with uid 81 opened its broadcast on node 200 within 300 ms");
+  // The same after the next message's arrival (which expires what waited).
+  parked = std::async(std::launch::async, [&] {
     return send(*x, 81, 0, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')});
   });
   std::this_thread::sleep_for(500ms);
@@ -271,6 +284,24 @@ TEST_P(BcastHubs, MalformedMessagesAreRefusedWithTheReason) {
       a.open_bcast(spec(82, 0, {200, 201}, {a.address(), xa}), eb.on_ready(), eb.on_fail());
   EXPECT_EQ(later.get().first, bd::kBcastOk);
   job82->close();
+  {
+    // Data of a job that closed here is refused at once, naming the job
+    // (not parked). A hub with the default park timeout (30 s), for which
+    // it remembers the closed job.
+    Events ec;
+    bd::PeerHub b(hub_config(210, GetParam()));
+    auto job83 =
+        b.open_bcast(spec(83, 0, {210, 201}, {b.address(), xa}), ec.on_ready(), ec.on_fail());
+    job83->close();
+    x->add_peer(210, b.address());
+    bt::Response r = x->call(
+        210, message(83, 0, {bd::encode_bcast_header(header(0, 1024)), data(1024, 'a')}), 5000ms);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    std::string text;
+    for (const auto& p : r.response.payloads) text.append(p.view());
+    refused({r.response.header.type, text}, "job 'bc83' (uid 83) ended its broadcasts on node 210");
+    EXPECT_EQ(r.response.header.aux, static_cast<uint32_t>(bytecomp::ErrorCode::kUnavailable));
+  }
   x->shutdown();
   stranger->shutdown();
 }
@@ -333,6 +364,92 @@ TEST_P(BcastHubs, ChainOfThreeHubsCarriesEveryByteAndALostNodeFailsTheOthers) {
         << events[r]->failures.front();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  for (auto& j : jobs) j->close();
+}
+
+// Consecutive rounds with different roots: a node gets chunks of later
+// rounds while its own round is still open. Four hubs, node 1's ranks join
+// nothing until the end: round 0 from node 0 (chain 0 1 2 3) finishes on
+// nodes 3 and 2, whose ranks go on: round 1 from node 3 (3 0 1 2) and
+// round 2 from node 2 (2 3 0 1). Node 0 then holds rounds 0 (running), 1
+// and 2, node 1 rounds 0, 1 and 2 (not joined), node 3 rounds 1 and 2: at
+// most M - 1 rounds ahead (docs/daemon.md). Once node 1's ranks join, every
+// round completes with every byte.
+TEST_P(BcastHubs, LaterRoundsFromOtherRootsWaitForTheNodesStillInAnEarlierOne) {
+  constexpr uint32_t kNodes = 4, kRounds = 3;
+  const uint32_t roots[kRounds] = {0, 3, 2};
+  const uint64_t nbytes[kRounds] = {5000, 3000, 4097};
+  std::vector<std::unique_ptr<Events>> events;  // outlive the hubs
+  std::vector<std::unique_ptr<bd::PeerHub>> hubs;
+  std::vector<std::shared_ptr<bd::BcastJob>> jobs;
+  std::vector<bt::NodeId> nodes;
+  std::vector<std::string> addresses;
+  for (uint32_t r = 0; r < kNodes; ++r) {
+    hubs.push_back(std::make_unique<bd::PeerHub>(hub_config(400 + r, GetParam())));
+    nodes.push_back(400 + r);
+    addresses.push_back(hubs.back()->address());
+  }
+  for (uint32_t r = 0; r < kNodes; ++r) {
+    events.push_back(std::make_unique<Events>());
+    jobs.push_back(hubs[r]->open_bcast(spec(91, r, nodes, addresses), events[r]->on_ready(),
+                                       events[r]->on_fail()));
+  }
+  // bufs[node][round]; the root's holds the bytes, the others 0xA0 + node.
+  auto want = [&](uint32_t r, uint64_t it, size_t i) {
+    return static_cast<char>(r == roots[it] || i < nbytes[it] ? (i * 13 + it * 5) & 0xFF
+                                                              : 0xA0 + r);
+  };
+  std::vector<std::vector<std::vector<char>>> bufs(
+      kNodes, std::vector<std::vector<char>>(kRounds, std::vector<char>(5000)));
+  for (uint32_t r = 0; r < kNodes; ++r)
+    for (uint64_t it = 0; it < kRounds; ++it)
+      for (size_t i = 0; i < 5000; ++i)
+        bufs[r][it][i] = r == roots[it] ? want(r, it, i) : static_cast<char>(0xA0 + r);
+  auto start = [&](uint32_t r, uint64_t it) {
+    const bool root = r == roots[it];
+    jobs[r]->start(0, it, bd::BcastCall{roots[it], nbytes[it], 5}, root ? bufs[r][it].data() : nullptr,
+                   root ? std::vector<char*>{} : std::vector<char*>{bufs[r][it].data()}, nullptr);
+  };
+  auto ready = [&](uint32_t r, uint64_t it) {
+    const bool ok = events[r]->wait_ready(0, it);
+    std::lock_guard l(events[r]->mu);
+    EXPECT_TRUE(ok) << "node " << r << " round " << it << ": "
+                    << (events[r]->failures.empty() ? "timed out" : events[r]->failures.front());
+    return ok;
+  };
+  auto not_ready = [&](uint32_t r, uint64_t it) {
+    std::lock_guard l(events[r]->mu);
+    EXPECT_TRUE(events[r]->failures.empty()) << "node " << r << ": " << events[r]->failures.front();
+    EXPECT_EQ(events[r]->ready.count({0, it}), 0u) << "node " << r << " round " << it;
+  };
+  for (uint32_t r : {0u, 2u, 3u}) start(r, 0);
+  ASSERT_TRUE(ready(3, 0));
+  ASSERT_TRUE(ready(2, 0));
+  for (uint32_t r : {3u, 2u}) start(r, 1);
+  ASSERT_TRUE(ready(2, 1));  // the last of round 1's chain
+  start(2, 2);
+  // Round 2's chunks went 2 -> 3 -> 0 -> 1 (node 1 answers them unjoined);
+  // the sends are answered once stored, so node 2 waits for the report only.
+  {
+    // Nothing can finish before node 1's ranks join.
+    for (uint32_t r : {0u, 1u}) not_ready(r, 0);
+    not_ready(3, 1);
+    not_ready(2, 2);
+  }
+  start(1, 0);
+  ASSERT_TRUE(ready(1, 0));
+  ASSERT_TRUE(ready(0, 0));  // the root, last
+  for (uint32_t r : {0u, 1u}) start(r, 1);
+  for (uint32_t r : {1u, 0u, 3u}) ASSERT_TRUE(ready(r, 1));
+  for (uint32_t r : {3u, 0u, 1u}) start(r, 2);
+  for (uint32_t r : {1u, 0u, 3u, 2u}) ASSERT_TRUE(ready(r, 2));
+  for (uint32_t r = 0; r < kNodes; ++r) {
+    for (uint64_t it = 0; it < kRounds; ++it) {
+      size_t wrong = 0;
+      for (size_t i = 0; i < 5000; ++i) wrong += bufs[r][it][i] != want(r, it, i);
+      EXPECT_EQ(wrong, 0u) << "node " << r << " round " << it;
+    }
+  }
   for (auto& j : jobs) j->close();
 }
 

@@ -15,6 +15,11 @@
 //                    before it opened the job's broadcasts)
 //          loop      as ok over the first tensor, again and again until a
 //                    call fails; prints "running" after the first pass
+//          rotate    as ok, but broadcast k comes from the node before the
+//                    one of broadcast k - 1 (ROOT's node for the first; the
+//                    local rank k mod LOCAL_SIZE): the last node of each
+//                    round's chain is the next round's root, whose ranks go
+//                    on at once
 //   SIZES  comma-separated byte counts (0 allowed)
 //   DTYPES comma-separated f32,f64,i32,i64: one tensor each, as large as the
 //          largest size
@@ -106,7 +111,7 @@ int main(int argc, char** argv) {
     tensors.push_back({id, elem});
   }
   if (bytecomp_status s = bytecomp_start(c, 20000); s != BYTECOMP_OK) return api_error(s, "start");
-  const uint32_t from = mode == "die" ? 0 : root;
+  const uint32_t from0 = mode == "die" ? 0 : root;
   if (mode == "late" && node == nodes - 1) usleep(1500 * 1000);
   uint64_t it = 0;
   for (size_t ti = 0; ti < tensors.size(); ++ti) {
@@ -117,6 +122,12 @@ int main(int argc, char** argv) {
       return api_error(s, "buffer");
     auto* b = static_cast<uint8_t*>(buf);
     for (uint64_t size : sizes) {
+      const uint32_t root_node = root / local_size;
+      const uint32_t from = mode == "rotate"
+                                ? (root_node + nodes - static_cast<uint32_t>(it % nodes)) % nodes *
+                                          local_size +
+                                      static_cast<uint32_t>(it % local_size)
+                                : from0;
       for (uint64_t i = 0; i < bytes; ++i) b[i] = grank == from ? root_byte(it, i) : own_byte(grank, i);
       const bool odd = nodes > 1 ? node == nodes - 1 : grank == 1;
       const uint64_t n = mode == "mismatch" && odd ? size + 4 : size;
