@@ -455,8 +455,8 @@ void Coordinator::try_admit_locked(Pending& p, std::vector<std::function<void()>
                                 << strategy::Strategy::parse(adm.strategy_yaml, "start")
                                        .meta.at("ring_tensors")
                                 << " tensor(s) on the daemons' ring";
-    else if (!why.empty())
-      BC_LOG(LogCoord(), kInfo) << "job '" << p.name << "': strategy auto starts with every "
+    else if (!why.empty())  // a warning: the job runs without the ring its nodes could use
+      BC_LOG(LogCoord(), kWarn) << "job '" << p.name << "': strategy auto starts with every "
                                 << "tensor on the servers: " << why;
   }
   p.setting_up = true;
