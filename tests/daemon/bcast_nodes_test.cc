@@ -11,6 +11,7 @@
 #include <csignal>
 
 #include "tests/daemon/harness.h"
+#include "tests/daemon/peer_nodes.h"
 #include "transport/transport.h"
 
 using namespace bctest;
@@ -23,71 +24,10 @@ constexpr uint64_t kChunkBytes = 16384;
 // (more than the window of 4 in flight) and odd.
 constexpr const char* kSizes = "0,1,3,16383,16384,16385,1000003";
 
-class BcastNodes : public ::testing::TestWithParam<std::string> {
+class BcastNodes : public PeerNodes {
  protected:
-  void SetUp() override {
-    std::string reason;
-    if (!bytecomp::transport::backend_usable(GetParam(), &reason)) GTEST_SKIP() << reason;
-  }
-  std::string endpoint() const {
-    return (GetParam() == "rdma" ? "rdma://" : "tcp://") + std::string("127.0.0.1:0");
-  }
-  void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
-  std::string cluster(const std::string& coordinator) const {
-    std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n"
-                    "    - {id: 0, address: \"" + coordinator + "\"}\n  daemons:\n";
-    for (uint32_t n = 0; n < n_; ++n) s += "    - {id: " + std::to_string(100 + n) + "}\n";
-    s += "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n"
-         "transport: {backend: " + GetParam() + ", heartbeat_interval_ms: 100, peer_timeout_ms: " +
-         std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n";
-    return s;
-  }
   // One server, `n` daemons with a peer endpoint.
-  void start(uint32_t n) {
-    n_ = n;
-    dir_ = fs::temp_directory_path() / ("bcd-bcast-" + std::to_string(::getpid()) + "-" +
-                                        std::to_string(counter_++));
-    fs::create_directories(dir_);
-    write("server-cluster.yaml", cluster(endpoint()));
-    write("server.yaml", "version: 1\nserver: {node_id: 0, cluster_file: server-cluster.yaml, "
-                         "engine_threads: 1}\ntransport: {backend: " + GetParam() +
-                             ", heartbeat_interval_ms: 100, peer_timeout_ms: " +
-                             std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n");
-    const std::string ready = (dir_ / "ready").string();
-    server_ = std::make_unique<Process>(
-        std::vector<std::string>{build_root() + "/server/bytecomp-server", "--config",
-                                 (dir_ / "server.yaml").string(), "--ready-file", ready},
-        dir_ / "server.log");
-    const auto deadline = std::chrono::steady_clock::now() + 15s;
-    while (!fs::exists(ready) || read_file(ready).find('\n') == std::string::npos) {
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << server_->output();
-      ASSERT_FALSE(server_->wait(0ms).has_value()) << server_->output();
-      std::this_thread::sleep_for(10ms);
-    }
-    std::string a = read_file(ready);
-    a.erase(a.find_last_not_of('\n') + 1);
-    write("cluster.yaml", cluster(a));
-    std::string nodes;
-    for (uint32_t k = 0; k < n; ++k) nodes += (k ? ", " : "") + std::to_string(100 + k);
-    for (uint32_t k = 0; k < n; ++k) {
-      nodes_.push_back(std::make_unique<DaemonEnv>("bcast" + std::to_string(k)));
-      nodes_[k]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
-                              "\n  node_id: " + std::to_string(100 + k) + "\n  nodes: [" + nodes +
-                              "]\n  peer_listen: " + endpoint() +
-                              "\n  ring_chunk_bytes: " + std::to_string(kChunkBytes) + "\n");
-      nodes_[k]->start();
-    }
-  }
-  void TearDown() override {
-    nodes_.clear();
-    if (server_) {
-      server_->signal(SIGTERM);
-      (void)server_->wait(10s);
-      server_.reset();
-    }
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  void start(uint32_t n) { start_nodes("bcast", n, kChunkBytes); }
   // Two bc_bcast_workers per node.
   std::vector<std::unique_ptr<Process>> workers(const std::string& job, const std::string& mode,
                                                 uint32_t root, const std::string& sizes,
@@ -106,12 +46,6 @@ class BcastNodes : public ::testing::TestWithParam<std::string> {
     return w;
   }
 
-  static inline int counter_ = 0;
-  uint32_t n_ = 0;
-  int peer_timeout_ms_ = 3000;
-  fs::path dir_;
-  std::unique_ptr<Process> server_;
-  std::vector<std::unique_ptr<DaemonEnv>> nodes_;
 };
 
 void expect_exit(Process& p, int code, std::chrono::seconds within = std::chrono::seconds(90)) {

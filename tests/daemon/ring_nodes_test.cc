@@ -18,6 +18,7 @@
 #include "server/cluster_config.h"
 #include "server/ps_client.h"
 #include "tests/daemon/harness.h"
+#include "tests/daemon/peer_nodes.h"
 #include "transport/transport.h"
 
 using namespace bctest;
@@ -29,72 +30,16 @@ namespace {
 constexpr uint64_t kPartitionElements = 65536;  // the fixture's 256 KiB partitions
 constexpr uint64_t kChunkBytes = 16384;         // internode.ring_chunk_bytes: 4096 elements
 
-class RingNodes : public ::testing::TestWithParam<std::string> {
+class RingNodes : public PeerNodes {
  protected:
-  void SetUp() override {
-    std::string reason;
-    if (!bytecomp::transport::backend_usable(GetParam(), &reason)) GTEST_SKIP() << reason;
-  }
-  std::string endpoint() const {
-    return (GetParam() == "rdma" ? "rdma://" : "tcp://") + std::string("127.0.0.1:0");
-  }
-  void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
-  std::string cluster(const std::string& coordinator) const {
-    std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n"
-                    "    - {id: 0, address: \"" + coordinator + "\"}\n  daemons:\n";
-    for (uint32_t n = 0; n < n_; ++n) s += "    - {id: " + std::to_string(100 + n) + "}\n";
-    s += "  timeouts: {admission_ms: 10000, request_ms: 10000, setup_ms: 5000}\n"
-         "transport: {backend: " + GetParam() + ", heartbeat_interval_ms: 100, peer_timeout_ms: " +
-         std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n";
-    return s;
-  }
   // One server, `n` daemons with a peer endpoint and the strategy file.
   void start(uint32_t n, const std::string& strategy_yaml) {
-    n_ = n;
-    dir_ = fs::temp_directory_path() / ("bcd-ring-" + std::to_string(::getpid()) + "-" +
-                                        std::to_string(counter_++));
-    fs::create_directories(dir_);
-    write("server-cluster.yaml", cluster(endpoint()));
-    write("server.yaml", "version: 1\nserver: {node_id: 0, cluster_file: server-cluster.yaml, "
-                         "engine_threads: 1}\ntransport: {backend: " + GetParam() +
-                             ", heartbeat_interval_ms: 100, peer_timeout_ms: " +
-                             std::to_string(peer_timeout_ms_) + ", io_threads: 1}\n");
-    const std::string ready = (dir_ / "ready").string();
-    server_ = std::make_unique<Process>(
-        std::vector<std::string>{build_root() + "/server/bytecomp-server", "--config",
-                                 (dir_ / "server.yaml").string(), "--ready-file", ready},
-        dir_ / "server.log");
-    const auto deadline = std::chrono::steady_clock::now() + 15s;
-    while (!fs::exists(ready) || read_file(ready).find('\n') == std::string::npos) {
-      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << server_->output();
-      ASSERT_FALSE(server_->wait(0ms).has_value()) << server_->output();
-      std::this_thread::sleep_for(10ms);
-    }
-    std::string a = read_file(ready);
-    a.erase(a.find_last_not_of('\n') + 1);
-    write("cluster.yaml", cluster(a));
-    write("strategy.yaml", strategy_yaml);
-    std::string nodes;
-    for (uint32_t k = 0; k < n; ++k) nodes += (k ? ", " : "") + std::to_string(100 + k);
-    for (uint32_t k = 0; k < n; ++k) {
-      nodes_.push_back(std::make_unique<DaemonEnv>("ring" + std::to_string(k)));
-      nodes_[k]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
-                              "\n  node_id: " + std::to_string(100 + k) + "\n  nodes: [" + nodes +
-                              "]\n  peer_listen: " + endpoint() +
-                              "\n  ring_chunk_bytes: " + std::to_string(kChunkBytes) +
-                              "\nstrategy:\n  file: " + (dir_ / "strategy.yaml").string() + "\n");
-      nodes_[k]->start();
-    }
+    strategy_yaml_ = strategy_yaml;
+    start_nodes("ring", n, kChunkBytes);
   }
-  void TearDown() override {
-    nodes_.clear();
-    if (server_) {
-      server_->signal(SIGTERM);
-      (void)server_->wait(10s);
-      server_.reset();
-    }
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
+  std::string daemon_extra() override {
+    write("strategy.yaml", strategy_yaml_);
+    return "strategy:\n  file: " + (dir_ / "strategy.yaml").string() + "\n";
   }
   bytecomp_client* connect_client(uint32_t node, uint32_t rank, const char* job) {
     bytecomp_connect_options o;
@@ -130,12 +75,8 @@ class RingNodes : public ::testing::TestWithParam<std::string> {
     return sv::PsClient::create(c, tc)->stats(0).rounds_completed;
   }
 
-  static inline int counter_ = 0;
-  uint32_t n_ = 0;
-  int peer_timeout_ms_ = 3000;
-  fs::path dir_;
-  std::unique_ptr<Process> server_;
-  std::vector<std::unique_ptr<DaemonEnv>> nodes_;
+  std::string strategy_yaml_;
+
 };
 
 float grad(uint32_t grank, uint64_t it, uint64_t i) {
