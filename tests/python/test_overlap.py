@@ -6,7 +6,8 @@ parameter server across nodes), workers/overlap_worker.py:
   default's bit for bit at every step (SGD momentum + weight decay, Adam,
   2 backward passes per step; a module used twice, an unused parameter, a
   StepLR scheduler, zero_grad() before the forward or right after step()),
-  on 1 node x 2 and on 2 nodes x 1 through a server;
+  on 1 node x 2 and on 2 nodes x 1 through a server; bc.shutdown() right
+  after step() applies that step;
 - a peer killed (or stuck) while a sum is pending: the forward that waits
   for it raises JobAbortedError (BytecompTimeout) naming the module;
 - refusals: LBFGS, an optimizer subclass, a non-module, parameters outside
@@ -48,6 +49,8 @@ class Overlap(unittest.TestCase):
             for r in range(ranks):
                 self.assertIn("[rank %d] OK equal %s (8 steps, %d ranks)" % (r, name, ranks),
                               out)
+        for r in range(ranks):
+            self.assertIn("[rank %d] OK shutdown applied the last step" % r, out)
 
     def test_bit_identical_to_default_one_node(self):
         self.check_equal(["--nproc-per-node", "2"], 2)

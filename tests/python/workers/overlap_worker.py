@@ -148,6 +148,34 @@ def mode_equal():
               lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), passes=2)
 
 
+def close_drains():
+    """The last step() is followed by bc.shutdown() directly: shutdown waits
+    for the pending sums and applies them (a process leaving with a sum in
+    flight would abort the job for its peers)."""
+    r, n = bc.rank(), bc.size()
+    torch.manual_seed(200)
+    a = Net()
+    b = Net()
+    b.load_state_dict(a.state_dict())
+    oa = bc.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9),
+                                 named_parameters=a.named_parameters())
+    ob = bc.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9),
+                                 named_parameters=b.named_parameters(), overlap_forward=b)
+    for x, y in batches(3, 4 * n, seed=11):
+        sl = slice(r * 4, (r + 1) * 4)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x[sl]), y[sl]).backward()
+            o.step()
+    pending = b.fc2.weight.detach().clone()
+    bc.shutdown()
+    if torch.equal(pending, b.fc2.weight.detach()):
+        raise AssertionError("shutdown() did not apply the last step's update")
+    for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        same(pa.detach(), pb.detach(), "close: parameter %s after shutdown()" % k)
+    print("OK shutdown applied the last step", flush=True)
+
+
 def wait_file(path, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -267,6 +295,7 @@ def mode_refuse():
 bc.init()
 if args.mode == "equal":
     mode_equal()
+    close_drains()  # ends with bc.shutdown()
 elif args.mode in ("kill", "hang"):
     mode_fail()
 else:
