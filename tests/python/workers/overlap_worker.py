@@ -12,9 +12,11 @@ default DistributedOptimizer, one with overlap_forward, the same batches
 parameters) must be equal bit for bit; at some steps model.state_dict(), an
 eval forward under no_grad and the optimizer's state too; at the end every
 parameter and every optimizer state tensor. The model has a module used
-twice, a parameter the forward never uses and one of the root module's
-own; zero_grad() comes before the forward on even steps and right after
-step() on odd ones; a StepLR scheduler changes lr every 2 steps."""
+twice, a parameter the forward never uses, one of the root module's own
+and a weight_norm layer (a pre-hook of its own that reads parameters);
+zero_grad() comes before the forward on even steps and right after step()
+on odd ones; a StepLR scheduler changes lr every 2 steps. Then
+bc.shutdown() right after a step() must apply that step's updates."""
 import argparse
 import os
 import signal
@@ -39,7 +41,9 @@ class Net(torch.nn.Module):
         self.conv = torch.nn.Conv1d(1, 4, 3)
         self.fc1 = torch.nn.Linear(4 * 14, 64)
         self.mid = torch.nn.Linear(64, 64)      # called twice per forward
-        self.fc2 = torch.nn.Linear(64, 5)
+        # weight_norm: its own forward pre-hook computes fc2.weight from
+        # weight_g and weight_v, so their updates must come before it.
+        self.fc2 = torch.nn.utils.weight_norm(torch.nn.Linear(64, 5))
         self.scale = torch.nn.Parameter(torch.ones(5))  # the root module's own
         self.unused = torch.nn.Parameter(torch.ones(3))  # never in forward
 
@@ -167,9 +171,9 @@ def close_drains():
             o.zero_grad()
             torch.nn.functional.cross_entropy(m(x[sl]), y[sl]).backward()
             o.step()
-    pending = b.fc2.weight.detach().clone()
+    pending = b.fc1.weight.detach().clone()
     bc.shutdown()
-    if torch.equal(pending, b.fc2.weight.detach()):
+    if torch.equal(pending, b.fc1.weight.detach()):
         raise AssertionError("shutdown() did not apply the last step's update")
     for (k, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         same(pa.detach(), pb.detach(), "close: parameter %s after shutdown()" % k)

@@ -518,7 +518,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if self._bc_pending:
                     self._bytecomp_apply_slots(slots, "load_state_dict()")
 
-            self._bc_module_hooks.append(m.register_forward_pre_hook(pre))
+            self._bc_module_hooks.append(_first_forward_pre_hook(m, pre))
             # The public forms where present (PyTorch 2.x), the private ones
             # of 1.13 (same call; the load pre-hook there without `module`).
             if hasattr(m, "register_state_dict_post_hook"):
@@ -827,6 +827,18 @@ _PER_PARAMETER_OPTIMIZERS = frozenset(
     c for c in (getattr(torch.optim, n, None) for n in (
         "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
         "RMSprop", "Rprop")) if c is not None)
+
+
+def _first_forward_pre_hook(module, hook):
+    """register_forward_pre_hook, run before the module's other pre-hooks:
+    one that computes from the parameters (torch.nn.utils.weight_norm's
+    weight from weight_g and weight_v) must see them updated."""
+    try:
+        return module.register_forward_pre_hook(hook, prepend=True)  # PyTorch >= 2.0
+    except TypeError:
+        handle = module.register_forward_pre_hook(hook)
+        module._forward_pre_hooks.move_to_end(handle.id, last=False)  # 1.13: an OrderedDict
+        return handle
 
 
 def _unhooked_step(cls):
