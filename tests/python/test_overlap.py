@@ -10,6 +10,8 @@ parameter server across nodes), workers/overlap_worker.py:
   after step() applies that step;
 - a peer killed (or stuck) while a sum is pending: the forward that waits
   for it raises JobAbortedError (BytecompTimeout) naming the module;
+- every optimizer class it accepts steps one parameter at a time bit for
+  bit as a whole step (in-process, on the PyTorch that runs the tests);
 - refusals: LBFGS, an optimizer subclass, a non-module, parameters outside
   the model, a forward that uses a parameter without its module's forward."""
 
@@ -23,6 +25,47 @@ import uuid
 import helpers
 
 WORKER = os.path.join(helpers.TESTS_DIR, "workers", "overlap_worker.py")
+
+
+class PerParameterSteps(unittest.TestCase):
+    def test_every_accepted_optimizer_steps_per_parameter_bit_for_bit(self):
+        """The premise of overlap_forward, on the PyTorch that runs the tests:
+        for every optimizer class it accepts, one step on each parameter
+        alone (_step_one, as the pre-hooks do) gives the bits of one whole
+        step, with state, over several steps (no daemon needed)."""
+        import torch
+        from bytecomp.torch import _optimizer as o
+
+        def make(cls, params):
+            if cls is torch.optim.SGD:  # the only one without a default lr
+                return cls(params, lr=0.01, momentum=0.9, weight_decay=1e-4, nesterov=True)
+            return cls(params)
+
+        def run(cls, split):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 3))
+            opt = make(cls, m.parameters())
+            g = torch.Generator().manual_seed(1)
+            for _ in range(4):
+                opt.zero_grad()
+                m(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+                if split:
+                    for grp in opt.param_groups:
+                        hp = {k: v for k, v in grp.items() if k != "params"}
+                        for p in grp["params"]:
+                            o._step_one(opt, cls, p, hp)
+                else:
+                    opt.step()
+            return [p.detach().clone() for p in m.parameters()]
+
+        self.assertIn(torch.optim.SGD, o._PER_PARAMETER_OPTIMIZERS)
+        self.assertIn(torch.optim.Adam, o._PER_PARAMETER_OPTIMIZERS)
+        for cls in sorted(o._PER_PARAMETER_OPTIMIZERS, key=lambda c: c.__name__):
+            whole, split = run(cls, False), run(cls, True)
+            for a, b in zip(whole, split):
+                self.assertTrue(torch.equal(a, b), "%s: max |diff| %g" %
+                                (cls.__name__, (a - b).abs().max()))
 
 
 class Overlap(unittest.TestCase):

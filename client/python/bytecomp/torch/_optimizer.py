@@ -571,12 +571,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p = slot.param
             if p.grad is None or p.grad.data_ptr() != slot.buf.data_ptr():
                 p.grad = slot.buf
-        saved = self.param_groups
-        self.param_groups = [dict(group, params=[p])]
-        try:
-            _unhooked_step(type(self).__mro__[1])(self)
-        finally:
-            self.param_groups = saved
+        _step_one(self, type(self).__mro__[1], p, group)
         if slot.zero_after:
             slot.zero_after = False
             with torch.no_grad():
@@ -850,6 +845,17 @@ def _unhooked_step(cls):
     if getattr(f, "hooked", False) and hasattr(f, "__wrapped__"):
         f = f.__wrapped__
     return f
+
+
+def _step_one(opt, cls, p, group):
+    """cls.step (the wrapped optimizer's) on parameter p alone, with the
+    hyperparameters `group` (a dict without "params"); opt.state is shared."""
+    saved = opt.param_groups
+    opt.param_groups = [dict(group, params=[p])]
+    try:
+        _unhooked_step(cls)(opt)
+    finally:
+        opt.param_groups = saved
 
 
 class _Scratch:
