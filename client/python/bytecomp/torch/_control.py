@@ -540,6 +540,15 @@ def shutdown(barrier=False):
                 c.barrier("shutdown")  # here, not on the worker: at exit it is gone
             except BytecompError:
                 pass  # the job already ended (a peer failed): just leave
+        # overlap_forward: the sums the last step() left in flight are waited
+        # for and applied (leaving with one in flight would abort the job for
+        # the peers); a failure is raised once everything is closed.
+        drain_error = None
+        for opt in list(c.optimizers):
+            try:
+                opt._bytecomp_drain_for_close()
+            except BytecompError as e:
+                drain_error = drain_error or e
         for opt in list(c.optimizers):
             opt._bytecomp_detach()
         c.optimizers.clear()
@@ -549,6 +558,8 @@ def shutdown(barrier=False):
         _ctx = None
         for fn in _on_shutdown:
             fn()
+    if drain_error is not None:
+        raise drain_error
 
 
 def _barrier(c):

@@ -26,7 +26,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's class by DistributedOptimizer()."""
 
     def __init__(self, params, named_parameters, strategy, backward_passes_per_step, op,
-                 original, compressors=None, exclude=None, predivide=1.0):
+                 original, compressors=None, exclude=None, predivide=1.0, overlap_forward=None):
         super(self.__class__, self).__init__(params)
         if original.state:
             self.load_state_dict(original.state_dict())
@@ -64,11 +64,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_failed = None
         self._bc_loss_off = False  # the daemon said the job is not auto
         self._bc_loss_warned = False
+        # overlap_forward: the model whose forward pre-hooks apply the updates
+        # step() left pending (_bc_pending of them); None: step() waits.
+        self._bc_overlap = overlap_forward
+        self._bc_pending = 0
+        self._bc_module_hooks = []
+        if overlap_forward is not None:
+            self._bytecomp_check_overlap(overlap_forward)
         index = c.next_optimizer
         c.next_optimizer += 1
         self._bc_job = "%s.opt%d" % (c.settings.job_id, index)
         self._bytecomp_start()
         c.optimizers.append(self)
+        if overlap_forward is not None:
+            self._bytecomp_overlap_hooks(overlap_forward)
 
     # -- setup -------------------------------------------------------------
     def _bytecomp_names(self, named_parameters):
@@ -375,6 +384,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         def hook(*_):
             if self._bc_client is None or self._bc_failed is not None:
                 return
+            if slot.pending is not None:
+                # overlap_forward: the forward used this parameter before its
+                # update (its module's pre-hook did not run: e.g. a parent
+                # read the submodule's weight directly), so this gradient is
+                # of the old value; stepping on it would diverge silently.
+                raise StateError(
+                    "BYTECOMP_ERR_STATE",
+                    "overlap_forward: the gradient of %r was computed from its value before "
+                    "the last step()'s update: the forward used the parameter without calling "
+                    "the forward of the module that owns it (whose pre-hook applies the "
+                    "update). Call that module, call optimizer.drain() before the forward, or "
+                    "use the default overlap_forward=None" % (slot.name,))
             slot.passes += 1
             if slot.passes > self._bc_passes:
                 raise StateError(
@@ -437,6 +458,160 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._bc_ctx.failed = True
             raise
 
+    # -- overlap_forward: the next forward waits per module ------------------
+    def _bytecomp_check_overlap(self, model):
+        """Refuses, before the job starts (every rank alike), what the
+        per-module waits cannot do exactly as step() would."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("DistributedOptimizer: overlap_forward=%r must be the "
+                            "torch.nn.Module whose forward uses the parameters (or None)" %
+                            (type(model).__name__,))
+        base = type(self).__mro__[1]
+        if base not in _PER_PARAMETER_OPTIMIZERS:
+            raise _lib.UnsupportedError(
+                "BYTECOMP_ERR_UNSUPPORTED",
+                "DistributedOptimizer: overlap_forward cannot split %s.step() into one step "
+                "per parameter (supported: %s; subclasses too may couple parameters): use "
+                "the default overlap_forward=None" %
+                (base.__name__, ", ".join(sorted(c.__name__ for c in _PER_PARAMETER_OPTIMIZERS))))
+        if self._bc_cuda_device is not None or _intra.mode() != "daemon":
+            raise _lib.UnsupportedError(
+                "BYTECOMP_ERR_UNSUPPORTED",
+                "DistributedOptimizer: overlap_forward supports CPU parameters without "
+                "BYTECOMP_INTRA_NODE (this job has %s): use the default overlap_forward=None" %
+                ("CUDA parameters" if self._bc_cuda_device is not None else
+                 "BYTECOMP_INTRA_NODE=%s" % _intra.mode()))
+        in_model = {id(p) for p in model.parameters()}
+        outside = [name for name, p in self._bc_params if id(p) not in in_model]
+        if outside:
+            raise ValueError("DistributedOptimizer: overlap_forward: parameter %r (and %d "
+                             "more) is not a parameter of the model passed: its forward could "
+                             "not wait for it" % (outside[0], len(outside) - 1))
+
+    def _bytecomp_overlap_hooks(self, model):
+        """Per module with parameters of its own: a forward pre-hook that
+        applies their pending updates, and the same before the module's
+        state_dict() is read (a post-hook: the dict holds the parameters'
+        storage, updated in place) and before load_state_dict() writes."""
+        slot_of = {id(sl.param): sl for sl in self._bc_slots}
+        done = set()
+        for mname, m in model.named_modules():
+            slots = []
+            for p in m._parameters.values():
+                sl = slot_of.get(id(p)) if p is not None else None
+                if sl is not None and id(sl) not in {id(x) for x in slots}:
+                    slots.append(sl)
+            if not slots or id(m) in done:
+                continue
+            done.add(id(m))
+            where = "the forward of module %r" % (mname or type(m).__name__)
+
+            def pre(module, inputs, slots=slots, where=where):
+                if self._bc_pending:
+                    self._bytecomp_apply_slots(slots, where)
+
+            def sd_post(module, destination, prefix, local_metadata, slots=slots):
+                if self._bc_pending:
+                    self._bytecomp_apply_slots(slots, "state_dict()")
+
+            def load_pre(*_, slots=slots):
+                if self._bc_pending:
+                    self._bytecomp_apply_slots(slots, "load_state_dict()")
+
+            self._bc_module_hooks.append(_first_forward_pre_hook(m, pre))
+            # The public forms where present (PyTorch 2.x), the private ones
+            # of 1.13 (same call; the load pre-hook there without `module`).
+            if hasattr(m, "register_state_dict_post_hook"):
+                self._bc_module_hooks.append(m.register_state_dict_post_hook(sd_post))
+            else:
+                self._bc_module_hooks.append(m._register_state_dict_hook(sd_post))
+            if hasattr(m, "register_load_state_dict_pre_hook"):
+                self._bc_module_hooks.append(m.register_load_state_dict_pre_hook(load_pre))
+            else:
+                self._bc_module_hooks.append(m._register_load_state_dict_pre_hook(load_pre))
+
+    def _bytecomp_apply_slots(self, slots, where):
+        for sl in slots:
+            if sl.pending is not None:
+                self._bytecomp_apply(sl, where)
+
+    def _bytecomp_apply(self, slot, where):
+        """Waits (bounded) for the sum step() left in flight for this slot and
+        applies exactly what step() would have: the average, then the wrapped
+        optimizer's step on this one parameter with the hyperparameters of its
+        group as they were at step()."""
+        if self._bc_client is None:
+            raise NotInitializedError("DistributedOptimizer used after bytecomp.torch.shutdown()")
+        if self._bc_failed is not None:
+            raise self._bc_failed
+        handle, group, iteration = slot.pending
+        try:
+            _wait(self._bc_client, handle, self._bc_timeout_ms,
+                  "push_pull of gradient %r (step %d, waited for in %s)", slot.name,
+                  iteration + 1, where)
+        except BytecompError as e:
+            if not isinstance(e, _lib.BytecompTimeout):
+                # The daemon's cause, and where the program waited for it.
+                try:
+                    e = type(e)(e.status, "%s (gradient %r of step %d, waited for in %s)" %
+                                (e.message, slot.name, iteration + 1, where))
+                except Exception:  # noqa: BLE001 - keep the original then
+                    pass
+            self._bc_failed = e
+            self._bc_ctx.failed = True  # no exit barrier: the job is broken
+            raise e
+        slot.pending = None
+        self._bc_pending -= 1
+        scale = 1.0
+        if self._bc_op == Average:
+            scale = self._bc_predivide / self._bc_ctx.settings.size
+        with torch.no_grad():
+            if scale != 1.0:
+                slot.buf.mul_(scale)
+            p = slot.param
+            if p.grad is None or p.grad.data_ptr() != slot.buf.data_ptr():
+                p.grad = slot.buf
+        _step_one(self, type(self).__mro__[1], p, group)
+        if slot.zero_after:
+            slot.zero_after = False
+            with torch.no_grad():
+                slot.buf.zero_()
+
+    def _bytecomp_defer(self):
+        """step() with overlap_forward: pushes what backward did not, records
+        each sum as pending with its group's hyperparameters of now (an LR
+        scheduler may change them before the next forward) and returns."""
+        if self._bc_client is None:
+            raise NotInitializedError("DistributedOptimizer used after bytecomp.torch.shutdown()")
+        if self._bc_failed is not None:
+            raise self._bc_failed
+        for slot in self._bc_slots:
+            if slot.handle is None:
+                if slot.pending is not None:
+                    # Not used by the last forward: its previous update first.
+                    self._bytecomp_apply(slot, "step()")
+                self._bytecomp_push(slot)
+        group_of = {}
+        for g in self.param_groups:
+            snap = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()
+                    if k != "params"}
+            for p in g["params"]:
+                group_of[id(p)] = snap
+        for slot in self._bc_slots:
+            slot.pending = (slot.handle, group_of[id(slot.param)], self._bc_iteration)
+            slot.handle = None
+            slot.passes = 0
+        self._bc_pending = len(self._bc_slots)
+        self._bc_iteration += 1
+
+    def drain(self):
+        """overlap_forward: waits for every sum still in flight and applies the
+        updates step() left pending (the next forward, state_dict() and
+        shutdown() do it too). Then the parameters are what they would be
+        after step() without overlap_forward. Without it: nothing to do."""
+        if self._bc_pending:
+            self._bytecomp_apply_slots(self._bc_slots, "drain()")
+
     # -- public ------------------------------------------------------------
     def synchronize(self):
         """Pushes the gradients backward did not produce, waits for all of
@@ -450,6 +625,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise self._bc_failed
         if self._bc_synced:
             return
+        if self._bc_pending:
+            # overlap_forward: last step()'s updates not applied yet (their
+            # parameters were not used by the forward since).
+            self._bytecomp_apply_slots(self._bc_slots, "synchronize()")
         try:
             for slot in self._bc_slots:
                 if slot.handle is None:
@@ -520,6 +699,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._bc_overlap is not None and not self._bc_synced:
+            # The next forward's pre-hooks wait, per module, and step then.
+            self._bytecomp_defer()
+            return loss
         self.synchronize()
         super(self.__class__, self).step()
         self._bc_synced = False  # the next step() sums the next gradients
@@ -563,6 +746,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for s in self._bc_slots:
                 s.passes = 0
+                if s.pending is not None:
+                    # overlap_forward: the daemon still writes the sum there;
+                    # zeroed once the update used it.
+                    s.zero_after = True
+                    continue
                 if s.staged is not None:
                     if s.param.grad is None:
                         s.param.grad = torch.zeros_like(s.param)
@@ -573,11 +761,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if s.param.grad is None or s.param.grad.data_ptr() != s.buf.data_ptr():
                     s.param.grad = s.buf
 
+    def state_dict(self):
+        self.drain()  # overlap_forward: the state (momentum, ...) of every step
+        return super(self.__class__, self).state_dict()
+
+    def load_state_dict(self, state_dict):
+        if getattr(self, "_bc_pending", 0):
+            self.drain()  # else a pending update would step on the loaded state
+        return super(self.__class__, self).load_state_dict(state_dict)
+
+    def _bytecomp_drain_for_close(self):
+        """shutdown(): applies pending updates (overlap_forward) so no sum is
+        in flight when the process leaves; raises what the wait raised."""
+        if self._bc_client is not None and self._bc_failed is None and self._bc_pending:
+            self.drain()
+
     def _bytecomp_detach(self):
         """Leaves the job: gradients move out of shared memory first."""
         client, self._bc_client = self._bc_client, None
         if client is None:
             return
+        for h in self._bc_module_hooks:
+            h.remove()
+        self._bc_module_hooks = []
         if self._bc_failed is not None:
             # Before any device synchronize: an NCCL collective stuck on a
             # dead local rank would otherwise block the synchronizes below
@@ -606,6 +812,50 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bc_hooks = []
         client.close()
         self._bc_intra.close()
+
+
+# torch.optim classes whose step() updates each parameter from its own
+# gradient and state only (their single-tensor and foreach paths loop over
+# parameters): a step on one parameter at a time gives the same bits.
+# LBFGS (one closure over all parameters) and unknown classes are refused.
+_PER_PARAMETER_OPTIMIZERS = frozenset(
+    c for c in (getattr(torch.optim, n, None) for n in (
+        "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
+        "RMSprop", "Rprop")) if c is not None)
+
+
+def _first_forward_pre_hook(module, hook):
+    """register_forward_pre_hook, run before the module's other pre-hooks:
+    one that computes from the parameters (torch.nn.utils.weight_norm's
+    weight from weight_g and weight_v) must see them updated."""
+    try:
+        return module.register_forward_pre_hook(hook, prepend=True)  # PyTorch >= 2.0
+    except TypeError:
+        handle = module.register_forward_pre_hook(hook)
+        module._forward_pre_hooks.move_to_end(handle.id, last=False)  # 1.13: an OrderedDict
+        return handle
+
+
+def _unhooked_step(cls):
+    """cls.step without the step-hook wrapper PyTorch >= 2.0 puts around it
+    (Optimizer._patch_step_function, marked `hooked`): the per-parameter
+    steps of overlap_forward must not run the user's step hooks once per
+    parameter (they run once, around DistributedOptimizer.step())."""
+    f = cls.step
+    if getattr(f, "hooked", False) and hasattr(f, "__wrapped__"):
+        f = f.__wrapped__
+    return f
+
+
+def _step_one(opt, cls, p, group):
+    """cls.step (the wrapped optimizer's) on parameter p alone, with the
+    hyperparameters `group` (a dict without "params"); opt.state is shared."""
+    saved = opt.param_groups
+    opt.param_groups = [dict(group, params=[p])]
+    try:
+        _unhooked_step(cls)(opt)
+    finally:
+        opt.param_groups = saved
 
 
 class _Scratch:
@@ -660,7 +910,7 @@ class _HostCodecOps:
 
 class _Slot:
     __slots__ = ("name", "param", "tid", "buf", "handle", "passes", "staged", "place", "codec",
-                 "cpu_share")
+                 "cpu_share", "pending", "zero_after")
 
     def __init__(self, name, param, tid, buf):
         self.name = name
@@ -673,6 +923,10 @@ class _Slot:
         self.place = None  # compressor spec when this process compresses it (GPU placement)
         self.codec = None  # its bytecomp.gpu.PartitionCodec, once made
         self.cpu_share = 0.0  # of its partitions, the daemon's CPU pool compresses (strategy)
+        # overlap_forward: (handle, group hyperparameters, iteration) of a sum
+        # step() did not wait for; its update is applied by the next forward.
+        self.pending = None
+        self.zero_after = False  # zero_grad() came while pending
 
 
 def _compression_strategy(compression):
@@ -694,7 +948,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, strategy=None, compressors=None,
-                         exclude=None):
+                         exclude=None, overlap_forward=None):
     """Wraps `optimizer` so gradients are summed over every process of the
     job (and averaged, op=Average) before each step.
 
@@ -718,6 +972,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         there (this package's older signature) is taken as strategy.
     num_groups, groups, sparse_as_dense, process_set: Horovod's; only their
         defaults (the daemons group and schedule tensors themselves).
+    overlap_forward: None (step() waits for every sum and steps), or the
+        model (torch.nn.Module) whose parameters the optimizer updates:
+        step() then returns without waiting, and the next forward waits per
+        module, before it runs, for the sums of that module's own parameters
+        and applies their updates (state_dict(), load_state_dict(),
+        optimizer.drain(), the next step() and shutdown() apply the rest).
+        The parameters are bit for bit those of the default after each
+        step. CPU parameters; the torch.optim optimizers that step each
+        parameter alone (SGD, Adam, AdamW, ...; not LBFGS). docs/torch.md.
 
     The result is an instance of the optimizer's own class (isinstance and LR
     schedulers keep working)."""
@@ -752,4 +1015,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, strategy, backward_passes_per_step,
-               op, optimizer, compressors, exclude, gradient_predivide_factor)
+               op, optimizer, compressors, exclude, gradient_predivide_factor, overlap_forward)
