@@ -209,6 +209,7 @@ class Detach(unittest.TestCase):
         opt = _optimizer._DistributedOptimizer.__new__(_optimizer._DistributedOptimizer)
         opt._bc_client, opt._bc_slots, opt._bc_failed = Client(), [slot], RuntimeError("dead")
         opt._bc_intra, opt._bc_pinned, opt._bc_staging, opt._bc_hooks = Intra(), None, None, []
+        opt._bc_module_hooks = []
         with mock.patch.object(torch.cuda, "synchronize",
                                lambda *a: events.append("synchronize")):
             opt._bytecomp_detach()
