@@ -35,19 +35,23 @@ T get(const std::byte* at) {
 // `n` elements of fp32 as they go on the wire in format `f`.
 Buffer encode(RingFormat f, const float* src, uint64_t n) {
   if (f == RingFormat::kFp32) return Buffer::copy_of(src, n * 4);
-  std::vector<std::byte> b(n * 2);
-  auto* dst = reinterpret_cast<uint16_t*>(b.data());
+  Buffer b = Buffer::allocate_for_overwrite(n * 2);
+  auto* dst = reinterpret_cast<uint16_t*>(b.mutable_data());
   if (f == RingFormat::kFp16) {
     compress::fp32_to_fp16(dst, src, n);
   } else {
     compress::fp32_to_bf16(dst, src, n);
   }
-  return Buffer::take(std::move(b));
+  return b;
 }
 
 // dst = (add ? dst : 0) + the chunk's values, in fp32. The data may be
 // unaligned (it is where the transport put it).
 void merge(RingFormat f, float* dst, const Buffer& data, uint64_t n, bool add) {
+  if (f == RingFormat::kFp32 && !add) {
+    std::memcpy(dst, data.data(), n * 4);  // any alignment: no staging copy
+    return;
+  }
   const size_t align = f == RingFormat::kFp32 ? alignof(float) : alignof(uint16_t);
   std::vector<std::byte> aligned;
   const std::byte* src = data.data();
@@ -56,11 +60,7 @@ void merge(RingFormat f, float* dst, const Buffer& data, uint64_t n, bool add) {
     src = aligned.data();
   }
   if (f == RingFormat::kFp32) {
-    if (add) {
-      compress::sum_into(dst, reinterpret_cast<const float*>(src), n);
-    } else {
-      std::memcpy(dst, src, n * 4);
-    }
+    compress::sum_into(dst, reinterpret_cast<const float*>(src), n);
     return;
   }
   const auto* h = reinterpret_cast<const uint16_t*>(src);

@@ -39,15 +39,20 @@ Buffer Buffer::take(std::string bytes) {
 }
 
 Buffer Buffer::copy_of(const void* data, size_t size) {
-  Buffer b = allocate(size);
+  Buffer b = allocate_for_overwrite(size);
   if (size > 0) std::memcpy(b.mutable_data(), data, size);
   b.writable_ = false;
   return b;
 }
 
 Buffer Buffer::allocate(size_t size) {
-  // make_shared_for_overwrite would skip zeroing; zeroed keeps reads defined.
-  std::shared_ptr<std::byte[]> owner(new std::byte[size == 0 ? 1 : size]());
+  Buffer b = allocate_for_overwrite(size);
+  if (size > 0) std::memset(b.mutable_data(), 0, size);  // reads of unwritten bytes stay defined
+  return b;
+}
+
+Buffer Buffer::allocate_for_overwrite(size_t size) {
+  std::shared_ptr<std::byte[]> owner(new std::byte[size == 0 ? 1 : size]);
   const std::byte* p = owner.get();
   return Buffer(std::shared_ptr<const void>(owner, p), p, size, true);
 }

@@ -121,6 +121,9 @@ class Buffer {
   }
   // Owned, zero-filled, writable through mutable_data() until shared.
   static Buffer allocate(size_t size);
+  // As allocate() without the zeroing, for a caller that writes every byte
+  // before sharing it (a bulk encoder: the zeroing is a second pass).
+  static Buffer allocate_for_overwrite(size_t size);
 
   const std::byte* data() const noexcept { return data_; }
   size_t size() const noexcept { return size_; }
@@ -129,7 +132,7 @@ class Buffer {
   std::string_view view() const noexcept {
     return {reinterpret_cast<const char*>(data_), size_};
   }
-  // Only for buffers made by allocate(); throws Error(kInvalidArgument) else.
+  // Only for buffers made by allocate*(); throws Error(kInvalidArgument) else.
   std::byte* mutable_data();
   // A sub-range sharing ownership; throws Error(kInvalidArgument) when out of
   // range.
