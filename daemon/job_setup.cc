@@ -376,7 +376,8 @@ std::pair<bool, std::string> Daemon::reload() {
          << " for new jobs, max_inflight_bytes " << config_.max_inflight_bytes
          << ", setup_timeout_ms " << config_.setup_timeout_ms << ", strategy '"
          << config_.strategy_file << "', metrics '" << config_.metrics_textfile_dir
-         << "', log levels)";
+         << "', fusion " << (config_.fusion_enabled ? "on" : "off")
+         << " for new jobs, log levels)";
     if (!kept.empty()) done << "; needs a restart, not applied: " << kept;
     BC_LOG(LogDaemon(), kInfo) << "SIGHUP: " << done.str();
     ++counters_.reloads;
