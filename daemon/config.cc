@@ -95,7 +95,8 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   fusion.get("enabled", c.fusion_enabled)
       .get_bytes("first_bucket_bytes", c.fusion_first_bucket_bytes,
                  Range<uint64_t>{4096, 1ull << 34})
-      .get_bytes("bucket_cap_bytes", c.fusion_bucket_cap_bytes, Range<uint64_t>{4096, 1ull << 34});
+      .get_bytes("bucket_cap_bytes", c.fusion_bucket_cap_bytes, Range<uint64_t>{4096, 1ull << 34})
+      .get("member_timeout_ms", c.fusion_member_timeout_ms, Range<uint32_t>{100, 3600000});
   if (c.fusion_first_bucket_bytes > c.fusion_bucket_cap_bytes) {
     fusion.fail("first_bucket_bytes",
                 std::to_string(c.fusion_first_bucket_bytes) + " is above bucket_cap_bytes " +

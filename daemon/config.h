@@ -60,6 +60,11 @@ struct DaemonConfig {
   bool fusion_enabled = false;
   uint64_t fusion_first_bucket_bytes = 1ull << 20;
   uint64_t fusion_bucket_cap_bytes = 25ull << 20;
+  // How long a bucket waits for a member that some local rank has not pushed
+  // in the bucket's iteration before it fails the job naming the member
+  // (an unused parameter would otherwise hold its bucket for ever). Local to
+  // this node: nodes may differ. Reloadable (running jobs too).
+  uint32_t fusion_member_timeout_ms = 20000;
   // metrics (reloadable): Prometheus textfile (bytecompd.prom) in this
   // directory every interval_ms; empty: no file (bytecompctl metrics still
   // answers).
@@ -82,8 +87,10 @@ struct Tunables {
   std::atomic<uint64_t> partition_bytes{4ull << 20};
   std::atomic<uint64_t> max_inflight_bytes{64ull << 20};
   std::atomic<bool> phase_timestamps{true};
+  std::atomic<uint32_t> fusion_member_timeout_ms{20000};
 
   void apply(const DaemonConfig& c) {
+    fusion_member_timeout_ms.store(c.fusion_member_timeout_ms);
     phase_timestamps.store(c.phase_timestamps);
     setup_timeout_ms.store(c.setup_timeout_ms);
     partition_bytes.store(c.partition_bytes);

@@ -363,12 +363,9 @@ void Engine::begin_round(uint32_t tensor) {
                unit_name(unit) + "' (tensor fusion fuses only tensors the daemon compresses)");
       return;
     }
-    if (br.ready == 0) {
-      br.iteration = round.iteration;
-      br.first_ns = round.first_ns;
-    } else if (br.iteration != round.iteration) {
-      // A member completes only with its bucket, so its next push cannot
-      // come before every member of this one.
+    if (br.ready == 0) br.first_ns = round.first_ns;
+    if (br.iteration != round.iteration) {
+      // track_buckets() refused a member of another iteration at its push.
       fail(ErrorCode::kInternal, "bucket '" + unit_name(unit) + "': tensor '" +
                                      tensors_[tensor].name + "' began iteration " +
                                      std::to_string(round.iteration) + " while the bucket is at " +
@@ -407,6 +404,7 @@ void Engine::begin_round(uint32_t tensor) {
 void Engine::begin_bucket(uint32_t unit, uint64_t iteration) {
   const server::Bucket& bucket = fusion_->bucket(unit);
   BucketRound& br = buckets_[unit - fusion_->declared];
+  br.collecting = false;
   // The members are packed into the staging copies (in ready order, as the
   // servers' and the other nodes' layout says) partition by partition, in
   // run_batch(), and unpacked in process_arrivals().
@@ -523,6 +521,7 @@ bool Engine::open_paths() {
         const auto at = reinterpret_cast<uintptr_t>(staging_->back().get());
         buckets_[b].bufs.push_back(reinterpret_cast<char*>((at + 63) / 64 * 64));
       }
+      buckets_[b].pushed.assign(layout_.local_size, 0);
     }
     // The PS path may push straight from staging: keep it with the segment.
     if (keep_mapped_) {
@@ -595,6 +594,7 @@ void Engine::loop() {
         fail(late.code(), "inter-node: " + late.message());
         break;
       }
+      if (fusion_ && !check_buckets(now)) break;
       adopt_pending();
       release_held();
       if (!drain() || !collectives_->drain() || !check_left()) break;
@@ -648,6 +648,7 @@ bool Engine::drain() {
         fail(bad->first, bad->second);
         return false;
       }
+      if (fusion_ && !track_buckets(r, e)) return false;
       if (round.arrived == 0) {
         round.iteration = e.iteration;
         round.compressed = (e.flags & ipc::kSubmitCompressed) != 0;
@@ -664,6 +665,116 @@ bool Engine::drain() {
         }
       }
     }
+  }
+  return true;
+}
+
+namespace {
+// "'a', 'b', 'c', 'd' and 3 more"
+std::string name_list(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 4;
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < kShown; ++i)
+    out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > kShown) out += " and " + std::to_string(names.size() - kShown) + " more";
+  return out;
+}
+
+// Why and what to do, after every missing-member failure.
+constexpr const char* kMemberRule =
+    ": every member of a fused bucket must be pushed in every iteration (tensor fusion has no "
+    "find_unused_parameters: push an unused parameter's gradient as zeros, or turn fusion off; "
+    "docs/daemon.md \"Tensor fusion\")";
+}  // namespace
+
+std::string Engine::missing_members(uint32_t b, const std::vector<uint32_t>& ranks) const {
+  const server::Bucket& bucket = fusion_->buckets[b];
+  const BucketRound& br = buckets_[b];
+  std::vector<uint32_t> all;
+  const std::vector<uint32_t>* of = &ranks;
+  if (ranks.empty()) {
+    for (uint32_t r = 0; r < layout_.local_size; ++r) all.push_back(r);
+    of = &all;
+  }
+  std::vector<std::string> names;
+  std::vector<bool> missed(layout_.local_size, false);
+  for (uint32_t m : bucket.members) {
+    // A member of a collecting bucket is at the bucket's iteration
+    // (track_buckets refuses any other), so `from` says who pushed it.
+    const Round& round = rounds_[m];
+    bool missing = false;
+    for (uint32_t r : *of) {
+      if (round.arrived > 0 && round.from[r]) continue;
+      missing = true;
+      missed[r] = true;
+    }
+    if (missing) names.push_back(tensors_[m].name);
+  }
+  std::vector<std::string> who;
+  for (uint32_t r = 0; r < layout_.local_size; ++r)
+    if (missed[r]) who.push_back(std::to_string(r));
+  std::string ranks_text;
+  for (size_t i = 0; i < who.size(); ++i) ranks_text += (i ? ", " : "") + who[i];
+  return std::string(names.size() == 1 ? "fused tensor " : "fused tensors ") + name_list(names) +
+         " (bucket '" + unit_name(static_cast<uint32_t>(fusion_->declared + b)) +
+         "', iteration " + std::to_string(br.iteration) + ") " +
+         (names.size() == 1 ? "was" : "were") + " not pushed by local rank" +
+         (who.size() == 1 ? " " : "s ") + ranks_text + " of node rank " +
+         std::to_string(node_rank_);
+}
+
+bool Engine::track_buckets(uint32_t rank, const ipc::RingEntry& e) {
+  // A rank pushes an iteration's tensors before any of the next (DDP's rule,
+  // which fusion relies on: a bucket's members all come in one iteration),
+  // so a rank that moved on will never push what it left out.
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    const BucketRound& br = buckets_[b];
+    if (!br.collecting || e.iteration <= br.iteration ||
+        br.pushed[rank] == fusion_->buckets[b].members.size())
+      continue;
+    fail(ErrorCode::kInvalidArgument, missing_members(b, {rank}) + ", which pushed tensor '" +
+                                          tensors_[e.tensor].name + "' of iteration " +
+                                          std::to_string(e.iteration) + " already" + kMemberRule);
+    return false;
+  }
+  if (!fusion_->fused(e.tensor)) return true;
+  const auto b = static_cast<uint32_t>(fusion_->bucket_of[e.tensor]);
+  BucketRound& br = buckets_[b];
+  if (!br.collecting) {
+    // Not running either: its members' rounds run until the bucket
+    // completes, and check_round refuses a second push of one meanwhile.
+    br.collecting = true;
+    br.iteration = e.iteration;
+    br.since = std::chrono::steady_clock::now();
+    std::fill(br.pushed.begin(), br.pushed.end(), 0u);
+  } else if (e.iteration != br.iteration) {
+    // An earlier iteration (a later one was refused above).
+    fail(ErrorCode::kInvalidArgument,
+         "local rank " + std::to_string(rank) + " pushed fused tensor '" +
+             tensors_[e.tensor].name + "' for iteration " + std::to_string(e.iteration) +
+             " while its bucket '" + unit_name(static_cast<uint32_t>(fusion_->declared + b)) +
+             "' collects iteration " + std::to_string(br.iteration) +
+             ": the members of a bucket are pushed with the same iteration");
+    return false;
+  }
+  ++br.pushed[rank];
+  return true;
+}
+
+bool Engine::check_buckets(std::chrono::steady_clock::time_point now) {
+  const uint32_t ms = tunables_.fusion_member_timeout_ms.load();
+  for (uint32_t b = 0; b < buckets_.size(); ++b) {
+    const BucketRound& br = buckets_[b];
+    if (!br.collecting || now - br.since < std::chrono::milliseconds(ms)) continue;
+    // Every rank pushed every member: the bucket waits for a strategy
+    // change's confirmation (held_), which has its own bound.
+    const size_t members = fusion_->buckets[b].members.size();
+    if (std::all_of(br.pushed.begin(), br.pushed.end(), [&](uint32_t n) { return n == members; }))
+      continue;
+    fail(ErrorCode::kAborted, missing_members(b, {}) + " within fusion.member_timeout_ms (" +
+                                  std::to_string(ms) + " ms) of its bucket's first push" +
+                                  kMemberRule);
+    return false;
   }
   return true;
 }

@@ -210,6 +210,19 @@ class Engine {
   // Tensor fusion (server/fusion.h): a bucket's members all arrived; packs
   // them into the bucket's staging buffers and queues its partitions.
   void begin_bucket(uint32_t unit, uint64_t iteration);
+  // Tensor fusion: local rank `rank` pushes `e` (checked by check_round).
+  // Fails the job (false) when the rank left a bucket of an earlier iteration
+  // without one of its members (it moved on: the member will never come), or
+  // pushes a member for another iteration than its collecting bucket's;
+  // otherwise counts a member's push.
+  bool track_buckets(uint32_t rank, const ipc::RingEntry& e);
+  // Tensor fusion: fails the job (false) when a collecting bucket still
+  // misses a member after fusion.member_timeout_ms.
+  bool check_buckets(std::chrono::steady_clock::time_point now);
+  // "tensor 'w2' (bucket 'fused[0]:w4..w0', iteration 7) was not pushed by
+  // local rank(s) ..." for the members of bucket `b` that `ranks` (or, empty,
+  // any rank) did not push in its iteration.
+  std::string missing_members(uint32_t b, const std::vector<uint32_t>& ranks) const;
   // A partition of `unit` finished; completes the round after its last.
   void partition_done(uint32_t unit);
   // Unpacks a finished bucket into its members' buffers and completes them.
@@ -304,6 +317,13 @@ class Engine {
     uint64_t iteration = 0;
     uint64_t first_ns = 0;
     size_t partitions_left = 0;
+    // Collecting: some local rank pushed a member for `iteration` and the
+    // bucket has not begun. pushed[r]: members local rank r pushed for it;
+    // since: the first of those pushes (fusion.member_timeout_ms counts
+    // from it).
+    bool collecting = false;
+    std::vector<uint32_t> pushed;
+    std::chrono::steady_clock::time_point since;
   };
   std::vector<BucketRound> buckets_;
   // The staging memory, shared with the PS path's zero-copy pushes (the

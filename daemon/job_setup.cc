@@ -334,6 +334,7 @@ std::pair<bool, std::string> Daemon::reload() {
     config_.fusion_enabled = next.fusion_enabled;
     config_.fusion_first_bucket_bytes = next.fusion_first_bucket_bytes;
     config_.fusion_bucket_cap_bytes = next.fusion_bucket_cap_bytes;
+    config_.fusion_member_timeout_ms = next.fusion_member_timeout_ms;
     config_.allow_other_users = next.allow_other_users;
     config_.max_job_bytes = next.max_job_bytes;
     config_.strategy_file = next.strategy_file;
@@ -375,7 +376,8 @@ std::pair<bool, std::string> Daemon::reload() {
          << " for new jobs, max_inflight_bytes " << config_.max_inflight_bytes
          << ", setup_timeout_ms " << config_.setup_timeout_ms << ", strategy '"
          << config_.strategy_file << "', metrics '" << config_.metrics_textfile_dir
-         << "', log levels)";
+         << "', fusion " << (config_.fusion_enabled ? "on" : "off")
+         << " for new jobs, log levels)";
     if (!kept.empty()) done << "; needs a restart, not applied: " << kept;
     BC_LOG(LogDaemon(), kInfo) << "SIGHUP: " << done.str();
     ++counters_.reloads;

@@ -10,6 +10,7 @@
 #include <barrier>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <future>
 #include <regex>
@@ -458,6 +459,284 @@ TEST_P(FusionNodes, BroadcastOfAFusedTensorAfterAFusedPushPull) {
     for (uint64_t i = 0; i < counts[1]; ++i) bad += got[g][i] != static_cast<float>(i);
     EXPECT_EQ(bad, 0u) << "rank " << g;
   }
+}
+
+// Missing members (an unused parameter: tensor fusion has no
+// find_unused_parameters). One bucket 'fused[0]:w4..w0' of five small
+// tensors and 'solo', as large as a bucket, alone (unfused).
+namespace {
+
+const char* kMemberFusion =
+    "fusion: {enabled: true, first_bucket_bytes: 4KiB, bucket_cap_bytes: 4KiB, "
+    "member_timeout_ms: %d}\n";
+constexpr uint64_t kMemberCount = 100;
+constexpr uint64_t kSoloCount = 1024;  // 4 KiB: never fused
+
+std::string member_fusion(int timeout_ms) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, kMemberFusion, timeout_ms);
+  return buf;
+}
+
+// One rank's client with 'solo' (id 0) and w0..w4 (ids 1..5) declared.
+struct MemberJob {
+  bytecomp_client* c = nullptr;
+  uint32_t ids[6] = {};
+  float* p[6] = {};
+  bytecomp_status first = BYTECOMP_OK;  // first failing call's status
+  std::string error;                    // and its message
+
+  bool open(FusionNodes& f, uint32_t node, uint32_t rank, const char* job) {
+    c = f.connect_client(node, rank, job);
+    if (c == nullptr) return false;
+    for (uint32_t k = 0; k < 6; ++k) {
+      const std::string name = k == 0 ? "solo" : "w" + std::to_string(k - 1);
+      if (bytecomp_declare_tensor(c, name.c_str(), k == 0 ? kSoloCount : kMemberCount,
+                                  BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &ids[k]) != BYTECOMP_OK)
+        return false;
+    }
+    if (bytecomp_start(c, 30000) != BYTECOMP_OK) return false;
+    for (uint32_t k = 0; k < 6; ++k) {
+      uint64_t bytes = 0;
+      if (bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes) !=
+          BYTECOMP_OK)
+        return false;
+    }
+    return true;
+  }
+  // Records the first failure; true while none happened.
+  bool ok(bytecomp_status s) {
+    if (s != BYTECOMP_OK && first == BYTECOMP_OK) {
+      first = s;
+      error = bytecomp_last_error();
+    }
+    return first == BYTECOMP_OK;
+  }
+  bool push(uint32_t k, uint64_t it, float v, bytecomp_handle& h) {
+    for (uint64_t i = 0; i < (k == 0 ? kSoloCount : kMemberCount); ++i) p[k][i] = v;
+    return ok(bytecomp_push_pull(c, ids[k], it, &h));
+  }
+  ~MemberJob() { bytecomp_close(c); }
+};
+
+// A fused job that pushes every member runs on both daemons: what the
+// failure tests check after a failure (the daemons keep serving).
+void expect_member_job_runs(FusionNodes& f, const char* job) {
+  auto run = [&](uint32_t node, uint32_t rank) {
+    MemberJob j;
+    ASSERT_TRUE(j.open(f, node, rank, job)) << bytecomp_last_error();
+    const auto grank = static_cast<float>(node * 2 + rank);
+    for (uint64_t it = 0; it < 2; ++it) {
+      bytecomp_handle h[6];
+      for (uint32_t k = 6; k-- > 0;) ASSERT_TRUE(j.push(k, it, grank + 1, h[k])) << j.error;
+      for (uint32_t k = 0; k < 6; ++k) {
+        ASSERT_TRUE(j.ok(bytecomp_wait(j.c, h[k], 30000))) << j.error;
+        EXPECT_EQ(j.p[k][0], 10.0f) << k;
+      }
+    }
+  };
+  f.on_every_rank(run);
+}
+
+}  // namespace
+
+// Node 1's ranks leave w2 out of iteration 1: after member_timeout_ms the
+// job fails on every rank of both nodes naming w2, its bucket and the
+// iteration; nothing is left in /dev/shm and both daemons run the next job.
+TEST_P(FusionNodes, UnpushedMemberFailsEveryRankAfterTheMemberTimeout) {
+  start("version: 1\ndefault: {compressor: none}\n", member_fusion(1000));
+  if (HasFatalFailure()) return;
+  MemberJob jobs[4];
+  std::chrono::steady_clock::duration took[4];
+  auto run = [&](uint32_t node, uint32_t rank) {
+    MemberJob& j = jobs[node * 2 + rank];
+    ASSERT_TRUE(j.open(*this, node, rank, "unused")) << bytecomp_last_error();
+    for (uint64_t it = 0; it < 2; ++it) {
+      const auto t0 = std::chrono::steady_clock::now();
+      bytecomp_handle h[6] = {};
+      for (uint32_t k = 6; k-- > 0;) {
+        if (it == 1 && node == 1 && k == 3) continue;  // w2
+        if (!j.push(k, it, 1.0f, h[k])) break;
+      }
+      // Without the member timeout every wait of iteration 1 times out.
+      for (uint32_t k = 0; k < 6 && j.first == BYTECOMP_OK; ++k)
+        if (h[k] != 0) j.ok(bytecomp_wait(j.c, h[k], 8000));
+      took[node * 2 + rank] = std::chrono::steady_clock::now() - t0;
+      if (it == 0) {
+        ASSERT_EQ(j.first, BYTECOMP_OK) << j.error;
+      }
+    }
+  };
+  on_every_rank(run);
+  ASSERT_FALSE(HasFatalFailure());
+  for (uint32_t g = 0; g < 4; ++g) {
+    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
+    EXPECT_NE(jobs[g].error.find("fused tensor 'w2' (bucket 'fused[0]:w4..w0', iteration 1) was "
+                                 "not pushed by local ranks 0, 1 of node rank 1 within "
+                                 "fusion.member_timeout_ms (1000 ms)"),
+              std::string::npos)
+        << g << ": " << jobs[g].error;
+    EXPECT_LT(took[g], 6s) << g;
+  }
+  for (auto& j : jobs) {
+    bytecomp_close(j.c);
+    j.c = nullptr;
+  }
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+  expect_member_job_runs(*this, "after-unused");
+  for (auto& n : nodes_) EXPECT_FALSE(n->daemon().wait(0ms).has_value()) << "still serving";
+}
+
+// One rank of node 1 leaves w2 out of iteration 1 and pushes 'solo' of
+// iteration 2: the job fails at once (long before member_timeout_ms) on
+// every rank, naming w2, the rank and the tensor of the later iteration.
+TEST_P(FusionNodes, LaterIterationWhileABucketMissesAMemberFailsAtOnce) {
+  start("version: 1\ndefault: {compressor: none}\n", member_fusion(60000));
+  if (HasFatalFailure()) return;
+  MemberJob jobs[4];
+  std::chrono::steady_clock::duration took[4];
+  auto run = [&](uint32_t node, uint32_t rank) {
+    MemberJob& j = jobs[node * 2 + rank];
+    ASSERT_TRUE(j.open(*this, node, rank, "moved-on")) << bytecomp_last_error();
+    const bool skips = node == 1 && rank == 1;
+    for (uint64_t it = 0; it < 2; ++it) {
+      const auto t0 = std::chrono::steady_clock::now();
+      bytecomp_handle h[6] = {};
+      for (uint32_t k = 6; k-- > 0;) {
+        if (it == 1 && skips && k == 3) continue;  // w2
+        if (!j.push(k, it, 1.0f, h[k])) break;
+      }
+      if (it == 0) {
+        for (uint32_t k = 0; k < 6; ++k) ASSERT_TRUE(j.ok(bytecomp_wait(j.c, h[k], 30000))) << j.error;
+        continue;
+      }
+      // 'solo' is not fused: it completes, and its next iteration starts.
+      bytecomp_handle next = 0;
+      if (j.ok(bytecomp_wait(j.c, h[0], 30000)) && j.push(0, 2, 1.0f, next)) {
+        for (uint32_t k = 1; k < 6 && j.first == BYTECOMP_OK; ++k)
+          if (h[k] != 0) j.ok(bytecomp_wait(j.c, h[k], 8000));
+      }
+      took[node * 2 + rank] = std::chrono::steady_clock::now() - t0;
+    }
+  };
+  on_every_rank(run);
+  ASSERT_FALSE(HasFatalFailure());
+  for (uint32_t g = 0; g < 4; ++g) {
+    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
+    EXPECT_NE(jobs[g].error.find("fused tensor 'w2' (bucket 'fused[0]:w4..w0', iteration 1) was "
+                                 "not pushed by local rank 1 of node rank 1, which pushed tensor "
+                                 "'solo' of iteration 2 already"),
+              std::string::npos)
+        << g << ": " << jobs[g].error;
+    EXPECT_LT(took[g], 6s) << g;
+  }
+  for (auto& j : jobs) {
+    bytecomp_close(j.c);
+    j.c = nullptr;
+  }
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+  expect_member_job_runs(*this, "after-moved-on");
+  for (auto& n : nodes_) EXPECT_FALSE(n->daemon().wait(0ms).has_value()) << "still serving";
+}
+
+// A rank that waits for a fused tensor before pushing the rest of its
+// bucket (against the documented rule) holds the bucket: after
+// member_timeout_ms every rank gets the error naming the members it left.
+TEST_P(FusionNodes, WaitBeforePushingTheRestOfTheBucketFailsAfterTheMemberTimeout) {
+  start("version: 1\ndefault: {compressor: none}\n", member_fusion(1000));
+  if (HasFatalFailure()) return;
+  MemberJob jobs[4];
+  auto run = [&](uint32_t node, uint32_t rank) {
+    MemberJob& j = jobs[node * 2 + rank];
+    ASSERT_TRUE(j.open(*this, node, rank, "waits-early")) << bytecomp_last_error();
+    const bool early = node == 0 && rank == 1;
+    bytecomp_handle h[6] = {};
+    for (uint32_t k = 6; k-- > 0;) {
+      if (!j.push(k, 0, 1.0f, h[k])) break;
+      // Without the member timeout this waits out its own timeout.
+      if (early && k == 3 && !j.ok(bytecomp_wait(j.c, h[k], 8000))) break;
+    }
+    for (uint32_t k = 0; k < 6 && j.first == BYTECOMP_OK; ++k)
+      if (h[k] != 0) j.ok(bytecomp_wait(j.c, h[k], 8000));
+  };
+  on_every_rank(run);
+  ASSERT_FALSE(HasFatalFailure());
+  for (uint32_t g = 0; g < 4; ++g) {
+    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
+    EXPECT_NE(jobs[g].error.find("fused tensors 'w1', 'w0' (bucket 'fused[0]:w4..w0', iteration "
+                                 "0) were not pushed by local rank 1 of node rank 0 within "
+                                 "fusion.member_timeout_ms (1000 ms)"),
+              std::string::npos)
+        << g << ": " << jobs[g].error;
+  }
+  for (auto& j : jobs) {
+    bytecomp_close(j.c);
+    j.c = nullptr;
+  }
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+}
+
+// A member pushed for an earlier iteration than the one its bucket collects
+// fails the job at that push, naming both iterations (a bucket runs its
+// members of one iteration). Node 1 pushes w4 and w3 for iteration 1 (the
+// servers would refuse them: they collect iteration 0), then w2 for 0.
+TEST_P(FusionNodes, MemberOfAnEarlierIterationThanItsBucketIsRefused) {
+  start("version: 1\ndefault: {compressor: none}\n", member_fusion(60000));
+  if (HasFatalFailure()) return;
+  MemberJob jobs[4];
+  auto run = [&](uint32_t node, uint32_t rank) {
+    MemberJob& j = jobs[node * 2 + rank];
+    ASSERT_TRUE(j.open(*this, node, rank, "stale")) << bytecomp_last_error();
+    bytecomp_handle h[6] = {};
+    for (uint32_t k = 6; k-- > 0;) {
+      const uint64_t at = node == 1 && k != 3 ? 1 : 0;
+      if (!j.push(k, at, 1.0f, h[k])) break;
+    }
+    for (uint32_t k = 0; k < 6 && j.first == BYTECOMP_OK; ++k)
+      if (h[k] != 0) j.ok(bytecomp_wait(j.c, h[k], 8000));
+  };
+  on_every_rank(run);
+  ASSERT_FALSE(HasFatalFailure());
+  for (uint32_t g = 0; g < 4; ++g) {
+    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
+    EXPECT_NE(jobs[g].error.find("pushed fused tensor 'w2' for iteration 0 while its bucket "
+                                 "'fused[0]:w4..w0' collects iteration 1"),
+              std::string::npos)
+        << g << ": " << jobs[g].error;
+  }
+  for (auto& j : jobs) {
+    bytecomp_close(j.c);
+    j.c = nullptr;
+  }
+  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+}
+
+// The member timeout counts per iteration from the bucket's first push: a
+// job pausing between iterations longer than it, and pushing its members
+// with gaps shorter than it, runs (a guard against a clock that keeps
+// running across iterations; passes with or without the member timeout).
+TEST_P(FusionNodes, MemberTimeoutCountsFromEachIterationsFirstPush) {
+  start("version: 1\ndefault: {compressor: none}\n", member_fusion(1000));
+  if (HasFatalFailure()) return;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    MemberJob j;
+    ASSERT_TRUE(j.open(*this, node, rank, "paused")) << bytecomp_last_error();
+    for (uint64_t it = 0; it < 3; ++it) {
+      std::this_thread::sleep_for(1200ms);
+      bytecomp_handle h[6];
+      for (uint32_t k = 6; k-- > 0;) {
+        ASSERT_TRUE(j.push(k, it, 2.0f, h[k])) << j.error;
+        if (k == 3) std::this_thread::sleep_for(300ms);
+      }
+      for (uint32_t k = 0; k < 6; ++k) {
+        ASSERT_TRUE(j.ok(bytecomp_wait(j.c, h[k], 30000))) << j.error;
+        EXPECT_EQ(j.p[k][kMemberCount - 1], 8.0f) << k;
+      }
+    }
+  };
+  on_every_rank(run);
+  for (auto& n : nodes_)
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, FusionNodes, ::testing::Values("zmq"),

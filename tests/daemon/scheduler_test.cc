@@ -83,6 +83,31 @@ TEST(DaemonConfig, ExampleFileParses) {
   EXPECT_EQ(c.max_job_bytes, 16ull << 30);
 }
 
+TEST(DaemonConfig, FusionMemberTimeoutIsValidated) {
+  auto err = [](const std::string& text) {
+    try {
+      DaemonConfig::parse(config::Document::parse(text, "d.yaml"));
+    } catch (const config::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(DaemonConfig::parse(config::Document::parse("version: 1\n", "d.yaml"))
+                .fusion_member_timeout_ms,
+            20000u);
+  EXPECT_EQ(DaemonConfig::parse(config::Document::parse(
+                                    "version: 1\nfusion: {member_timeout_ms: 250}\n", "d.yaml"))
+                .fusion_member_timeout_ms,
+            250u);
+  for (const char* bad : {"50", "0", "3600001", "soon", "-1"}) {
+    const std::string e =
+        err(std::string("version: 1\nfusion: {member_timeout_ms: ") + bad + "}\n");
+    EXPECT_NE(e.find("fusion.member_timeout_ms"), std::string::npos) << bad << ": " << e;
+    EXPECT_NE(e.find("d.yaml"), std::string::npos) << bad << ": " << e;
+    EXPECT_EQ(e.find("unknown key"), std::string::npos) << bad << ": " << e;
+  }
+}
+
 TEST(DaemonConfig, ErrorsNameTheKey) {
   auto err = [](const std::string& text) {
     try {

@@ -32,6 +32,14 @@ from bytecomp.run import _can_connect, find_build_root, find_program
 DDP_SYSTEMS = ["ddp_fp32", "ddp_fp16", "ddp_powersgd"]
 BC_SYSTEMS = ["bc_none", "bc_none_ps", "bc_fp16", "bc_efsignsgd", "bc_topk", "bc_randomk", "bc_dgc", "bc_auto"]
 ALL_SYSTEMS = DDP_SYSTEMS + BC_SYSTEMS
+# Opt-in (--systems): a base system's strategy with tensor fusion on
+# (docs/daemon.md "Tensor fusion"). The workers turn it on for these jobs
+# only, through a drop-in in every daemon's daemon.yaml.d and `bytecompctl
+# reload` (cluster_worker.set_fusion), so they run in the same launch as
+# their base system.
+FUSED_SYSTEMS = ["bc_none_fused", "bc_none_ps_fused", "bc_fp16_fused"]
+KNOWN_SYSTEMS = ALL_SYSTEMS + FUSED_SYSTEMS
+FUSED_SUFFIX = "_fused"
 # Goodput probes, one per uncompressed path: push/pull and the ring.
 PROBES = ["bc_pushpull", "bc_ringprobe"]
 PROBE_PATH = {"bc_pushpull": "ps", "bc_ringprobe": "ring"}
@@ -53,7 +61,8 @@ COMPUTE_PER_SAMPLE = {"resnet18": 0.012, "transformer": 0.15, "lstm": 0.12, "dig
 # Share of float32 bytes each system sends (the estimate only).
 WIRE_SHARE = {"ddp_fp32": 1.0, "ddp_fp16": 0.5, "ddp_powersgd": 0.05, "bc_none": 1.0,
               "bc_none_ps": 1.0, "bc_fp16": 0.5, "bc_efsignsgd": 0.04, "bc_topk": 0.02, "bc_randomk": 0.01,
-              "bc_dgc": 0.02, "bc_auto": 0.5, "compute": 0.0}
+              "bc_dgc": 0.02, "bc_auto": 0.5, "compute": 0.0, "bc_none_fused": 1.0,
+              "bc_none_ps_fused": 1.0, "bc_fp16_fused": 0.5}
 
 _OPTION = ("{compressor: %s, params: {%s}, error_feedback: %s, comp_device: cpu, "
            "decomp_device: cpu, inter: alltoall_allgather}")
@@ -82,10 +91,13 @@ def strategy_yaml(system, min_bytes=None):
     # Uncompressed tensors take the daemons' ring (`inter: allreduce`), as
     # in Espresso, which sends fp32/fp16 through an allreduce and uses the
     # servers only for compressed tensors; `bc_none_ps` keeps push/pull.
+    name = system
+    if system.endswith(FUSED_SUFFIX):
+        system = system[:-len(FUSED_SUFFIX)]  # fusion is the daemons' setting, not a strategy's
     inter = "reduce_scatter_allgather" if system in ("bc_none_ps", "bc_pushpull") else "allreduce"
     head = ("version: 1\nmeta: {written_by: \"bench-cluster\", system: \"%s\"}\n"
             "default: {compressor: none, inter: %s}\nrules:\n  - match: \"bytecomp.*\"\n"
-            "    option: {compressor: none}\n" % (system, inter))
+            "    option: {compressor: none}\n" % (name, inter))
     if system in ("bc_none", "bc_none_ps", "bc_pushpull", "bc_ringprobe"):
         return head
     if system == "bc_fp16":
@@ -378,7 +390,7 @@ class Bench:
                  (total / 60))
         tmp = tempfile.mkdtemp(prefix="bench-cluster-out-")
         os.makedirs(os.path.join(tmp, "strategies"))
-        for s in BC_SYSTEMS + PROBES:
+        for s in BC_SYSTEMS + FUSED_SYSTEMS + PROBES:
             if s != "bc_auto":
                 with open(os.path.join(tmp, "strategies", s + ".yaml"), "w") as f:
                     f.write(strategy_yaml(s, a.compress_min_bytes))
@@ -622,7 +634,8 @@ def parse(argv):
                     help="server namespaces with --servers dedicated (default: --nodes)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--bandwidths", default=",".join(BANDWIDTHS))
-    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS),
+                    help="default: all but the fused ones (%s)" % ", ".join(FUSED_SYSTEMS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per system (>= 10)")
     ap.add_argument("--batch", type=int, default=0, help="per process (default: per model)")
@@ -694,8 +707,8 @@ def parse(argv):
         if m not in MODELS:
             ap.error("--models: %r is not one of %s" % (m, ", ".join(MODELS)))
     for s in a.systems:
-        if s not in ALL_SYSTEMS:
-            ap.error("--systems: %r is not one of %s" % (s, ", ".join(ALL_SYSTEMS)))
+        if s not in KNOWN_SYSTEMS:
+            ap.error("--systems: %r is not one of %s" % (s, ", ".join(KNOWN_SYSTEMS)))
     for b in a.bandwidths + ([a.accuracy_bandwidth] if a.accuracy_tasks else []):
         try:
             netns.parse_rate(b)

@@ -228,6 +228,9 @@ class NamespacedCluster:
                     "BYTECOMP_TIMEOUT_MS": str(self.timeout_ms),
                     "BYTECOMP_START_TIMEOUT_MS": str(int(self.start_timeout_s * 1000)),
                     "BENCH_WATCH_PIDS": ",".join(str(p) for p in self.watch_pids(n)),
+                    # cluster_worker.set_fusion: the daemon's drop-ins.
+                    "BENCH_DAEMON_DROPIN": os.path.join(self.tmp, "node%d" % n,
+                                                        "daemon.yaml.d"),
                 })
                 if self.servers_mode == "dedicated" and n == 0:
                     env["BENCH_SERVER_PIDS"] = ",".join(str(c.proc.pid) for c in self.servers)

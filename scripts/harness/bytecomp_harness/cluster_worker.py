@@ -305,6 +305,47 @@ def wrap(system, model, opt, args):
     raise ValueError("unknown system %r" % system)
 
 
+FUSION_DROP_IN = "90-bench-fusion.yaml"
+
+
+def set_fusion(on, local_rank):
+    """Tensor fusion on (or off) for the jobs started next, on every node:
+    the first process of each node writes (removes) a drop-in in its
+    daemon's daemon.yaml.d ($BENCH_DAEMON_DROPIN) and has the daemon reload
+    it (`bytecompctl reload`, which answers once applied); then every
+    process waits for all, since the coordinator refuses a job whose nodes'
+    fusion settings differ. Raises naming what failed."""
+    err = None
+    if local_rank == 0:
+        try:
+            d = os.environ.get("BENCH_DAEMON_DROPIN", "")
+            if not d:
+                raise RuntimeError("BENCH_DAEMON_DROPIN is not set (the daemon's drop-in "
+                                   "directory; bytecomp_harness.cluster sets it)")
+            path = os.path.join(d, FUSION_DROP_IN)
+            if on:
+                os.makedirs(d, exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    f.write("version: 1\nfusion: {enabled: true}\n")
+                os.replace(path + ".tmp", path)
+            elif os.path.exists(path):
+                os.remove(path)
+            from bytecomp import ctl
+            answer = ctl.request(os.environ["BYTECOMP_SOCKET"], "reload")
+            want = "fusion %s" % ("on" if on else "off")
+            if want not in answer:
+                raise RuntimeError("bytecompctl reload answered %r, not %r" % (answer.strip(),
+                                                                               want))
+        except Exception as e:  # noqa: BLE001 - every rank must reach the barrier
+            err = "%s: %s" % (type(e).__name__, e)
+    all_errs = [None] * dist.get_world_size()
+    dist.all_gather_object(all_errs, err)
+    bad = [e for e in all_errs if e]
+    if bad:
+        raise RuntimeError("turning tensor fusion %s failed: %s" % ("on" if on else "off",
+                                                                   bad[0]))
+
+
 def release(opt):
     """Leaves the system's bytecomp job so its shared memory goes before the next."""
     detach = getattr(opt, "_bytecomp_detach", None)
@@ -665,10 +706,19 @@ def main(argv=None):
     results = {"rank": rank, "local_rank": local_rank,
                "node_rank": int(os.environ.get("GROUP_RANK", "0")),
                "threads": torch.get_num_threads(), "systems": {}}
+    # With a fused system in the launch, the daemons' setting is set before
+    # the first system (a crashed launch may have left it on) and put back
+    # off after the last.
+    fusion = None if any(x.endswith("_fused") for x in systems) else False
     for system in systems:
         dist.barrier()
         t0 = time.monotonic()
         try:
+            fused = system.endswith("_fused")
+            if fused != fusion:
+                fusion = None  # unknown until every daemon answered: the next system retries
+                set_fusion(fused, local_rank)
+                fusion = fused
             if system in ("bc_pushpull", "bc_ringprobe"):
                 r = run_pushpull(args, counters, system)
             elif system == "broadcast":
@@ -702,6 +752,11 @@ def main(argv=None):
             print("cluster_worker: %s %s: %s (%.1f s)" % (args.model or args.task, system, what,
                                                          r["wall_s"]), flush=True)
     dist.barrier()
+    if fusion is not False:
+        try:
+            set_fusion(False, local_rank)
+        except RuntimeError as e:
+            print("cluster_worker: %s" % e, flush=True)
     if any(s.startswith("bc_") or s == "broadcast" for s in systems):
         import bytecomp.torch as bc
         bc.shutdown()
