@@ -591,8 +591,10 @@ uint64_t shm_bytes_metric(const std::string& text) {
 // Pushes and pulls every partition of `job` for `iterations` iterations
 // (node value: rank + 1 + element index % 7, scaled by the iteration) and
 // checks every sum.
-void run_iterations(PsJob& a, PsJob& b, uint64_t iterations) {
-  for (uint64_t it = 0; it < iterations; ++it) {
+// `kept`: node a's answers of the last iteration, as pulled (Buffers).
+void run_iterations(PsJob& a, PsJob& b, uint64_t first, uint64_t end,
+                    std::vector<transport::Buffer>* kept = nullptr) {
+  for (uint64_t it = first; it < end; ++it) {
     std::vector<std::future<Status>> pushes;
     std::vector<std::pair<const Partition*, std::future<std::pair<Status, std::string>>>> pulls;
     for (int node = 0; node < 2; ++node) {
@@ -607,7 +609,9 @@ void run_iterations(PsJob& a, PsJob& b, uint64_t iterations) {
                [pp](const Status& s) { pp->set_value(s); });
         auto pl = std::make_shared<std::promise<std::pair<Status, std::string>>>();
         pulls.emplace_back(&p, pl->get_future());
-        j.pull(p.key, it, [pl](const Status& s, transport::Buffer r) {
+        std::vector<transport::Buffer>* keep = node == 0 && it + 1 == end ? kept : nullptr;
+        j.pull(p.key, it, [pl, keep](const Status& s, transport::Buffer r) {
+          if (keep) keep->push_back(r);  // completions run on one thread
           pl->set_value({s, std::string(r.view())});
         });
       }
@@ -645,9 +649,24 @@ TEST_P(ServerTest, LocalShmCarriesThisHostsPartitionsAndLeavesNothingBehind) {
   // Attached and already unlinked: the mappings hold the memory.
   EXPECT_TRUE(shm_names(ja->info().uid).empty());
   EXPECT_NE(shm_mappings(server_->pid(), ja->info().uid), "");
-  run_iterations(*ja, *jb, kIterations);
+  run_iterations(*ja, *jb, 0, kIterations);
   // Both nodes' pushes and answers, every byte, went through shared memory.
   EXPECT_EQ(shm_bytes_metric(a->metrics(0)), kIterations * 2 * 2 * kCount * 4);
+  // A pulled answer still held stays intact while the next rounds run: its
+  // slot is not reused (those rounds go over the socket for node a).
+  std::vector<transport::Buffer> kept;
+  run_iterations(*ja, *jb, kIterations, kIterations + 1, &kept);
+  ASSERT_EQ(kept.size(), ja->info().assignment.partitions.size());
+  std::vector<std::string> copies;
+  for (const auto& k : kept) copies.emplace_back(k.view());
+  run_iterations(*ja, *jb, kIterations + 1, kIterations + 3);
+  for (size_t i = 0; i < kept.size(); ++i)
+    EXPECT_TRUE(kept[i].view() == copies[i]) << "held answer " << i << " was overwritten";
+  kept.clear();
+  // Released, the slots carry the next rounds again.
+  const uint64_t held_end = shm_bytes_metric(a->metrics(0));
+  run_iterations(*ja, *jb, kIterations + 3, kIterations + 4);
+  EXPECT_EQ(shm_bytes_metric(a->metrics(0)) - held_end, 2 * 2 * kCount * 4);
   const uint32_t uid = ja->info().uid;
   EXPECT_TRUE(ja->leave().ok());
   EXPECT_TRUE(jb->leave().ok());
@@ -668,7 +687,7 @@ TEST_P(ServerTest, LocalShmCarriesThisHostsPartitionsAndLeavesNothingBehind) {
   spec.nodes = {100, 102};
   auto [ka, kc] = join_both(*a, *c, spec);
   const uint64_t before = shm_bytes_metric(a->metrics(0));
-  run_iterations(*ka, *kc, kIterations);
+  run_iterations(*ka, *kc, 0, kIterations);
   EXPECT_EQ(shm_bytes_metric(a->metrics(0)) - before, kIterations * 2 * kCount * 4);
   // A node that aborts: the server ends the job and unmaps its segment.
   const uint32_t uid2 = ka->info().uid;
