@@ -19,7 +19,8 @@ namespace {
 
 class LocalShm : public TwoNodes {
  protected:
-  // bytecomp_server_shm_bytes_total of `server` (UINT64_MAX: not found).
+  // bytecomp_server_shm_bytes_total of `server` (0 and a failure when the
+  // server does not report it).
   uint64_t shm_bytes(uint32_t server) {
     namespace sv = bytecomp::server;
     sv::ClusterConfig c = sv::load_cluster_config((dir_ / "cluster.yaml").string());
@@ -35,7 +36,10 @@ class LocalShm : public TwoNodes {
     const std::string text = sv::PsClient::create(c, tc)->metrics(server);
     const std::string name = "\nbytecomp_server_shm_bytes_total ";
     const auto at = text.find(name);
-    if (at == std::string::npos) return UINT64_MAX;
+    if (at == std::string::npos) {
+      ADD_FAILURE() << "server " << server << " reports no bytecomp_server_shm_bytes_total";
+      return 0;
+    }
     return std::stoull(text.substr(at + name.size()));
   }
   static bool no_segment_names() {
