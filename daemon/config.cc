@@ -56,6 +56,7 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
       .get("node_id", c.node_id, Range<uint32_t>{0, 0xFFFFFFFEu})
       .get("nodes", nodes)
       .get("peer_listen", c.peer_listen)
+      .get("local_shm", c.local_shm)
       .get_bytes("ring_chunk_bytes", c.ring_chunk_bytes, Range<uint64_t>{64, 1u << 20});
   if (c.ring_chunk_bytes % 4 != 0) {
     inter.fail("ring_chunk_bytes", std::to_string(c.ring_chunk_bytes) + " is not a multiple of 4",

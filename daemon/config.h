@@ -50,6 +50,11 @@ struct DaemonConfig {
   // (tcp://host:port, port 0 = ephemeral; ipc:///path); sent to them through
   // the coordinator at each job's admission. Empty: no peer allgather.
   std::string peer_listen;
+  // The partitions owned by the parameter server on this host travel
+  // through shared memory instead of loopback sockets when that server
+  // agrees (server.local_shm); otherwise, and for every other server, over
+  // the network (server/local_shm.h).
+  bool local_shm = true;
   // Chunk size of the ring allreduce (inter: allreduce) and of the
   // broadcast chain, 64 B .. 1 MiB, a multiple of 4; every node of a job
   // must use the same.

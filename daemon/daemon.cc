@@ -94,7 +94,9 @@ Daemon::Daemon(DaemonConfig config, std::optional<std::string> config_path)
     servers_ = cluster.servers;
     coordinator_ = cluster.coordinator;
     request_timeout_ = cluster.request_timeout;
-    ps_client_ = server::PsClient::create(cluster, tc);
+    server::PsClientOptions po;
+    po.local_shm = config_.local_shm;
+    ps_client_ = server::PsClient::create(cluster, tc, po);
     if (!config_.peer_listen.empty()) {
       transport::TransportConfig pc = cluster.transport;
       pc.node_id = config_.node_id;

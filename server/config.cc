@@ -21,7 +21,8 @@ ServerConfig ServerConfig::load(const std::optional<std::string>& path) {
       .get("engine_threads", c.engine_threads, Range<uint32_t>{1, 256})
       .get_bytes("max_job_bytes", c.max_job_bytes, Range<uint64_t>{1ull << 20, 1ull << 42})
       .get_bytes("max_total_bytes", c.max_total_bytes, Range<uint64_t>{1ull << 20, 1ull << 44})
-      .get("max_jobs", c.max_jobs, Range<uint32_t>{1, 100000});
+      .get("max_jobs", c.max_jobs, Range<uint32_t>{1, 100000})
+      .get("local_shm", c.local_shm);
   if (c.max_total_bytes < c.max_job_bytes)
     s.fail("max_total_bytes",
            std::to_string(c.max_total_bytes) + " is below max_job_bytes " +

@@ -55,6 +55,7 @@ ServerMetricsSnapshot ServerMetrics::snapshot() const {
   s.push_bytes = push_bytes_.load(std::memory_order_relaxed);
   s.answers = answers_.load(std::memory_order_relaxed);
   s.answer_bytes = answer_bytes_.load(std::memory_order_relaxed);
+  s.shm_bytes = shm_bytes_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -94,6 +95,10 @@ std::string metrics_text(const ServerView& v, const ServerMetrics& metrics) {
   p.family("bytecomp_server_answer_bytes_total", "counter",
            "Bytes of those answers (as sent).")
       .sample("", d(m.answer_bytes));
+  p.family("bytecomp_server_shm_bytes_total", "counter",
+           "Bytes of pushes read from and answers written to the shared memory of nodes on "
+           "this host (server.local_shm), instead of travelling over a socket.")
+      .sample("", d(m.shm_bytes));
   p.family("bytecomp_server_refused_total", "counter",
            "Requests refused, by kind: pushes and pulls (wrong job, length, plan, ...) and "
            "malformed transport frames.")

@@ -51,6 +51,7 @@ struct ServerMetricsSnapshot {
   uint64_t push_bytes = 0;
   uint64_t answers = 0;  // pulls answered with a result
   uint64_t answer_bytes = 0;
+  uint64_t shm_bytes = 0;  // pushes read from / answers written to nodes' segments
 };
 
 class ServerMetrics {
@@ -67,6 +68,8 @@ class ServerMetrics {
     answers_.fetch_add(1, std::memory_order_relaxed);
     answer_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   }
+  // `bytes` of a push or an answer went through a node's shared memory.
+  void shm(uint64_t bytes) { shm_bytes_.fetch_add(bytes, std::memory_order_relaxed); }
   // A round's sum is ready; it began (first push) at `started_ns`.
   void round_done(uint64_t started_ns);
   ServerMetricsSnapshot snapshot() const;
@@ -76,7 +79,8 @@ class ServerMetrics {
   std::atomic<uint64_t> rounds_{0};
   std::array<std::atomic<uint64_t>, kRoundBoundsNs.size() + 1> buckets_{};
   std::atomic<uint64_t> round_ns_{0};
-  std::atomic<uint64_t> pushes_{0}, push_bytes_{0}, answers_{0}, answer_bytes_{0};
+  std::atomic<uint64_t> pushes_{0}, push_bytes_{0}, answers_{0}, answer_bytes_{0},
+      shm_bytes_{0};
 };
 
 // The values metrics_text() renders besides the counters.

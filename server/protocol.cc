@@ -355,6 +355,9 @@ const char* name_of(MsgType t) {
     case kMetrics: return "metrics";
     case kProbe: return "probe";
     case kBroadcast: return "broadcast";
+    case kShmAttach: return "shm attach";
+    case kShmPush: return "shm push";
+    case kShmPull: return "shm pull";
     case kOkReply: return "ok reply";
     case kErrorReply: return "error reply";
   }
@@ -476,6 +479,7 @@ BC_CONTROL_MESSAGE(AutoProfileRequest)
 BC_CONTROL_MESSAGE(AutoDecision)
 BC_CONTROL_MESSAGE(StatsRequest)
 BC_CONTROL_MESSAGE(MetricsRequest)
+BC_CONTROL_MESSAGE(ShmAttach)
 #undef BC_CONTROL_MESSAGE
 
 template <>
@@ -574,6 +578,74 @@ Broadcast from_message(const transport::Message& m) {
   out.is_root = root;
   if (root) out.data = m.payloads[1];
   return out;
+}
+
+transport::Buffer encode(const ShmAnswer& a) {
+  Writer w;
+  w.u64(a.length);
+  w.u8(a.in_segment ? 1 : 0);
+  return w.take();
+}
+
+ShmAnswer decode_shm_answer(std::string_view bytes) {
+  Reader r(bytes, "shm answer");
+  ShmAnswer a;
+  a.length = r.u64("length");
+  const uint8_t in = r.u8("in_segment");
+  if (in > 1) malformed(kShmPull, "answer's in_segment " + std::to_string(in) + " (accepted: 0, 1)");
+  a.in_segment = in == 1;
+  r.end();
+  return a;
+}
+
+namespace {
+
+// kShmPush / kShmPull: a data header and payload 0 holding a byte range of
+// the segment.
+template <class M>
+transport::Message shm_data(const M& m, uint64_t offset, uint64_t length) {
+  transport::Message out = data_message(m);
+  Writer w;
+  w.u64(offset);
+  w.u64(length);
+  out.payloads.push_back(w.take());
+  return out;
+}
+
+template <class M>
+M shm_data_from(const transport::Message& m, const char* length_name, uint64_t M::*length) {
+  check_shape(m, M::kType, true, true, 0, 1, 1);
+  Reader r(m.payloads[0].view(), name_of(M::kType));
+  M out;
+  out.uid = m.header.aux;
+  out.key = m.header.key;
+  out.iteration = m.header.arg;
+  out.offset = r.u64("offset");
+  out.*length = r.u64(length_name);
+  r.end();
+  if (out.offset > UINT64_MAX - out.*length)
+    malformed(M::kType, "offset " + std::to_string(out.offset) + " + " + length_name + " " +
+                            std::to_string(out.*length) + " overflows");
+  return out;
+}
+
+}  // namespace
+
+template <>
+transport::Message to_message(const ShmPush& m) {
+  return shm_data(m, m.offset, m.length);
+}
+template <>
+ShmPush from_message(const transport::Message& m) {
+  return shm_data_from<ShmPush>(m, "length", &ShmPush::length);
+}
+template <>
+transport::Message to_message(const ShmPull& m) {
+  return shm_data(m, m.offset, m.capacity);
+}
+template <>
+ShmPull from_message(const transport::Message& m) {
+  return shm_data_from<ShmPull>(m, "capacity", &ShmPull::capacity);
 }
 
 template <>

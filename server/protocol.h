@@ -7,7 +7,8 @@
 //   type  MsgType;
 //   aux   the job uid on job-scoped messages (0 on cluster-level ones and on
 //         kRegister / kJobSetup, whose record carries the job);
-//   key   a partition key, data messages only (kPush, kPull, kBroadcast);
+//   key   a partition key, data messages only (kPush, kPull, kBroadcast,
+//         kShmPush, kShmPull);
 //   arg   an iteration, data messages only;
 //   flags kBroadcastRoot on kBroadcast, 0 elsewhere.
 // Every other field of a control message travels in payload 0, written with
@@ -73,6 +74,10 @@ enum MsgType : uint16_t {
   kMetrics = 0x5143,      // req: MetricsRequest; reply payload: Prometheus text
   kProbe = 0x5144,        // req: Probe; reply: answer_bytes zero bytes
   kBroadcast = 0x5145,    // req: Broadcast
+  // node -> the server on its own host (server/local_shm.h)
+  kShmAttach = 0x5146,    // req: ShmAttach
+  kShmPush = 0x5147,      // req: ShmPush
+  kShmPull = 0x5148,      // req: ShmPull; reply: ShmAnswer (+ the bytes when not in the segment)
   // replies
   kOkReply = 0x51F0,
   kErrorReply = 0x51F1,
@@ -179,6 +184,8 @@ transport::Message probe_answer(const transport::Message& request);
 // The typed messages. `uid` fields travel in header.aux; data messages' `key`
 // and `iteration` in header.key and header.arg; everything else in payload 0.
 //
+// (Data messages, kShmPush and kShmPull included, carry uid, key and
+// iteration in the header.)
 // A control message lists its payload fields once, in wire order, with the
 // names its refusals use (`fields(m)`); one codec writes and reads every such
 // list (u64, bool as a 0/1 byte, double as its IEEE bits, string as u32
@@ -356,6 +363,51 @@ struct Probe {  // a link probe: `upload_bytes` sent, `answer_bytes` asked back
   uint64_t upload_bytes = 0;  // payload 1 (zero bytes)
 };
 
+// The node's colocated server maps the job's segment (server/local_shm.h):
+// `host` is the node's host_identity() (the server refuses another host's),
+// `segment` its shm_segment_name() for this job and node, `bytes` its size.
+struct ShmAttach {
+  static constexpr MsgType kType = kShmAttach;
+  uint32_t uid = 0;
+  std::string host, segment;
+  uint64_t bytes = 0;
+  template <class Self>
+  static auto fields(Self& m) {
+    return std::tuple{field("host", m.host), field("segment", m.segment), field("bytes", m.bytes)};
+  }
+};
+// A push whose bytes are [offset, offset + length) of the node's attached
+// segment (payload 0: offset, length). The node leaves them untouched until
+// the round is complete (its pull answered).
+struct ShmPush {
+  static constexpr MsgType kType = kShmPush;
+  uint32_t uid = 0;
+  uint64_t key = 0;
+  uint64_t iteration = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+// A pull whose answer goes to [offset, offset + capacity) of the segment
+// (payload 0: offset, capacity); the reply's ShmAnswer says where it is.
+struct ShmPull {
+  static constexpr MsgType kType = kShmPull;
+  uint32_t uid = 0;
+  uint64_t key = 0;
+  uint64_t iteration = 0;
+  uint64_t offset = 0;
+  uint64_t capacity = 0;
+};
+// kShmPull's ok reply, payload 0: the answer's length; `in_segment`: written
+// at the pull's offset, else (longer than its capacity) carried in payload 1.
+struct ShmAnswer {
+  uint64_t length = 0;
+  bool in_segment = false;
+  bool operator==(const ShmAnswer&) const = default;
+};
+transport::Buffer encode(const ShmAnswer& a);
+// Throws Error(kMalformed) naming the field.
+ShmAnswer decode_shm_answer(std::string_view bytes);
+
 // One pair per message. from_message() throws Error(kMalformed) naming the
 // message and what was wrong (wrong type, an unused header field set, a
 // wrong payload count, a truncated or over-long field, trailing bytes).
@@ -371,7 +423,7 @@ using AllMessages =
     MessageList<Register, Barrier, SetStrategy, Leave, AutoProfile, AutoReplan, ServerHello,
                 AbortRequest, JobSetup, JobEnd, StrategyPrepare, StrategyUpdate, JobAborted,
                 AutoProfileRequest, AutoDecision, Push, Pull, Broadcast, StatsRequest,
-                MetricsRequest, Probe>;
+                MetricsRequest, Probe, ShmAttach, ShmPush, ShmPull>;
 
 // Concatenates all payloads of a control message (usually one).
 std::string joined(const transport::Message& m);

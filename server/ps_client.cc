@@ -1,8 +1,10 @@
 #include "server/ps_client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <future>
 #include <map>
 #include <mutex>
@@ -11,7 +13,10 @@
 #include <thread>
 #include <unordered_map>
 
+#include <unistd.h>
+
 #include "common/log.h"
+#include "server/local_shm.h"
 #include "server/protocol.h"
 
 namespace bytecomp::server {
@@ -48,6 +53,8 @@ struct Core {
   uint32_t leaves_in_flight = 0;
   std::chrono::steady_clock::time_point leaves_deadline{};  // latest answer due
   std::condition_variable leaves_done;
+  bool local_shm = true;  // PsClientOptions
+  std::set<NodeId> shm_told;  // servers whose shm refusal was logged (guarded by mu)
 
   Millis or_default(Millis t) const { return t.count() > 0 ? t : cluster.request_timeout; }
 };
@@ -90,6 +97,33 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
   void push(uint64_t key, uint64_t iteration, Buffer data, DoneCallback done,
             Millis timeout) override {
+    if (ShmSlot* slot = shm_slot(key)) {
+      bool use = false;
+      {
+        std::lock_guard lk(shm_mu_);
+        if (!slot->push_pending && !slot->pull_pending && !slot->answer_held->load() &&
+            data.size() <= slot->capacity) {
+          slot->push_pending = true;
+          slot->push_iteration = iteration;
+          use = true;
+        }
+      }
+      if (use) {
+        if (!data.empty()) std::memcpy(slot->seg->data() + slot->offset, data.data(), data.size());
+        proto::ShmPush m{info_.uid, key, iteration, slot->offset, data.size()};
+        start(server_of(key), proto::to_message(m), timeout,
+              [this, slot, done = std::move(done)](const Status& s, Buffer) {
+                // A refused push left nothing with the server; anything else
+                // (ok, timeout) may still hold the slot until the round ends.
+                if (s.code() == ErrorCode::kInvalidArgument || s.code() == ErrorCode::kMalformed) {
+                  std::lock_guard lk(shm_mu_);
+                  slot->push_pending = false;
+                }
+                if (done) done(s);
+              });
+        return;
+      }
+    }
     start(server_of(key), proto::to_message(proto::Push{info_.uid, key, iteration, std::move(data)}),
           timeout,
           [done = std::move(done)](const Status& s, Buffer) {
@@ -98,8 +132,48 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
   }
 
   void pull(uint64_t key, uint64_t iteration, PullCallback done, Millis timeout) override {
-    start(server_of(key), proto::to_message(proto::Pull{info_.uid, key, iteration}), timeout,
-          std::move(done));
+    ShmSlot* slot = shm_slot(key);
+    bool use = false;
+    if (slot) {
+      std::lock_guard lk(shm_mu_);
+      // The server writes the answer over the slot: only when nothing else
+      // lives there (an answer still held, a push of another round).
+      if (!slot->pull_pending && !slot->answer_held->load() &&
+          (!slot->push_pending || slot->push_iteration == iteration)) {
+        slot->pull_pending = true;
+        use = true;
+      }
+    }
+    if (!use) {
+      if (slot) {
+        done = [this, slot, iteration, done = std::move(done)](const Status& s, Buffer b) {
+          round_over(*slot, s, iteration);
+          if (done) done(s, std::move(b));
+        };
+      }
+      start(server_of(key), proto::to_message(proto::Pull{info_.uid, key, iteration}), timeout,
+            std::move(done));
+      return;
+    }
+    proto::ShmPull m{info_.uid, key, iteration, slot->offset, slot->capacity};
+    start(server_of(key), proto::to_message(m), timeout, nullptr,
+          [this, slot, iteration, done = std::move(done)](const Status& s, Message reply) {
+            Status st = s;
+            Buffer result;
+            if (st.ok()) {
+              try {
+                result = shm_result(*slot, reply);
+              } catch (const Error& e) {
+                st = Status(ErrorCode::kMalformed, "job '" + info_.name + "': " + e.what());
+              }
+            }
+            {
+              std::lock_guard lk(shm_mu_);
+              slot->pull_pending = false;
+            }
+            round_over(*slot, st, iteration);
+            if (done) done(st, std::move(result));
+          });
   }
 
   void broadcast(uint64_t key, uint64_t iteration, uint32_t root, uint64_t nbytes, uint64_t tag,
@@ -326,6 +400,67 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     for (auto& cb : cbs) cb(c);
   }
 
+  // Offers each server of the job a segment for the partitions it owns
+  // (server/local_shm.h); those on this host that accept get this node's
+  // pushes and pulls of them through it. Runs once, in join(), before the
+  // job is handed out.
+  void attach_local() {
+    const NodeId self = core_->tp->self();
+    for (const ServerInfo& srv : info_.servers) {
+      std::vector<const Partition*> mine;
+      uint64_t total = 0;
+      std::vector<uint64_t> caps;
+      for (const Partition& p : info_.assignment.partitions) {
+        // A fused tensor's own partitions carry broadcasts only.
+        if (p.server != srv.id || info_.units.fused(p.tensor)) continue;
+        const TensorPlan& plan = info_.plans.at(p.tensor);
+        uint64_t cap = std::max({p.count * 4, push_bytes_bound(plan, p.count),
+                                 pull_bytes_bound(plan, p.count)});
+        cap = (cap + 63) / 64 * 64;  // each slot cache-line aligned
+        mine.push_back(&p);
+        caps.push_back(cap);
+        total += cap;
+      }
+      if (mine.empty()) continue;
+      const std::string name = shm_segment_name(info_.uid, self, srv.id, static_cast<long>(::getpid()));
+      Status st;
+      std::shared_ptr<LocalShm> seg;
+      try {
+        seg = LocalShm::create(name, total);
+        proto::ShmAttach m{info_.uid, host_identity(), name, total};
+        Response r = core_->tp->call(srv.id, proto::to_message(m), core_->or_default(Millis{0}));
+        st = to_status(r);
+      } catch (const Error& e) {
+        st = Status::FromError(e);
+      }
+      // Attached or not, the name goes: the mappings hold the memory.
+      if (seg) seg->unlink();
+      if (!st.ok()) {
+        bool tell = false;
+        {
+          std::lock_guard lk(core_->mu);
+          tell = core_->shm_told.insert(srv.id).second;
+        }
+        if (tell)
+          BC_LOG(LogPsClient(), kInfo) << "node " << self << ": server " << srv.id
+                                       << " is reached over the network, not shared memory: "
+                                       << st.message();
+        continue;
+      }
+      uint64_t offset = 0;
+      for (size_t i = 0; i < mine.size(); ++i) {
+        ShmSlot& slot = slots_[mine[i]->key];
+        slot.seg = seg;
+        slot.offset = offset;
+        slot.capacity = caps[i];
+        offset += caps[i];
+      }
+      BC_LOG(LogPsClient(), kInfo) << "node " << self << ": job '" << info_.name << "': "
+                                   << mine.size() << " partitions of server " << srv.id
+                                   << " go through shared memory (" << total << " bytes)";
+    }
+  }
+
   // Whether any of this job's servers (or the coordinator) is `id`.
   bool uses(NodeId id) const {
     if (id == core_->cluster.coordinator) return true;
@@ -336,13 +471,73 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
  private:
   using OpCallback = std::function<void(const Status&, Buffer)>;
+  // Gets the whole reply (kShmPull: its ShmAnswer and maybe the bytes).
+  using RawCallback = std::function<void(const Status&, Message)>;
+  struct Op {
+    OpCallback cb;
+    RawCallback raw;
+  };
+
+  // A partition's part of a segment shared with its server. The slot holds
+  // one thing at a time: this node's push until its round is over (the
+  // server sums from it), or the round's answer while a pulled Buffer
+  // refers to it; whatever would overlap goes over the network instead.
+  struct ShmSlot {
+    std::shared_ptr<LocalShm> seg;
+    uint64_t offset = 0;
+    uint64_t capacity = 0;
+    // Guarded by shm_mu_.
+    bool push_pending = false;
+    uint64_t push_iteration = 0;
+    bool pull_pending = false;
+    // Cleared by the answer Buffer's release (any thread).
+    std::shared_ptr<std::atomic<bool>> answer_held = std::make_shared<std::atomic<bool>>(false);
+  };
+  // slots_ is filled before the job is handed out and never changes.
+  ShmSlot* shm_slot(uint64_t key) {
+    if (slots_.empty()) return nullptr;
+    auto it = slots_.find(key);
+    return it == slots_.end() ? nullptr : &it->second;
+  }
+  // A pull of `iteration` answered: its round is over, so a push of this
+  // node up to that round no longer lives in the slot.
+  void round_over(ShmSlot& slot, const Status& s, uint64_t iteration) {
+    if (!s.ok()) return;
+    std::lock_guard lk(shm_mu_);
+    if (slot.push_pending && slot.push_iteration <= iteration) slot.push_pending = false;
+  }
+  // The answer of a kShmPull reply: in the slot, or carried in payload 1.
+  Buffer shm_result(ShmSlot& slot, const Message& reply) {
+    if (reply.payloads.empty() || reply.payloads.size() > 2)
+      throw Error(ErrorCode::kMalformed, "shm pull reply with " +
+                                             std::to_string(reply.payloads.size()) +
+                                             " payloads (expected 1..2)");
+    const proto::ShmAnswer a = proto::decode_shm_answer(reply.payloads[0].view());
+    if (!a.in_segment) {
+      if (reply.payloads.size() != 2 || reply.payloads[1].size() != a.length)
+        throw Error(ErrorCode::kMalformed, "shm pull reply: answer of " +
+                                               std::to_string(a.length) +
+                                               " bytes not carried in payload 1");
+      return reply.payloads[1];
+    }
+    if (reply.payloads.size() != 1 || a.length > slot.capacity)
+      throw Error(ErrorCode::kMalformed, "shm pull reply: answer of " + std::to_string(a.length) +
+                                             " bytes in a slot of " +
+                                             std::to_string(slot.capacity));
+    {
+      std::lock_guard lk(shm_mu_);
+      slot.answer_held->store(true);
+    }
+    return Buffer::wrap(slot.seg->data() + slot.offset, a.length,
+                        [held = slot.answer_held, seg = slot.seg] { held->store(false); });
+  }
 
   NodeId server_of(uint64_t key) const {
     const Partition* p = info_.assignment.find(key);
     return p ? p->server : core_->cluster.coordinator;
   }
 
-  void start(NodeId to, Message m, Millis timeout, OpCallback cb) {
+  void start(NodeId to, Message m, Millis timeout, OpCallback cb, RawCallback raw = nullptr) {
     uint64_t op = 0;
     Status refused;
     {
@@ -351,11 +546,12 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
       else if (closed_) refused = Status(ErrorCode::kUnavailable, "job '" + info_.name + "' is closed");
       else {
         op = next_op_++;
-        ops_.emplace(op, std::move(cb));
+        ops_.emplace(op, Op{std::move(cb), std::move(raw)});
       }
     }
     if (!refused.ok()) {
       if (cb) cb(refused, {});
+      if (raw) raw(refused, {});
       return;
     }
     std::weak_ptr<JobImpl> weak = weak_from_this();
@@ -370,17 +566,18 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
   // `to`: the server the request went to.
   void complete(uint64_t op, NodeId to, Response r) {
-    OpCallback cb;
+    Op o;
     {
       std::lock_guard lk(mu_);
       auto it = ops_.find(op);
       if (it == ops_.end()) return;  // already failed by an abort
-      cb = std::move(it->second);
+      o = std::move(it->second);
       ops_.erase(it);
     }
+    OpCallback& cb = o.cb;
     Status st = to_status(r);
     Buffer result;
-    if (st.ok() && !r.response.payloads.empty()) {
+    if (st.ok() && !o.raw && !r.response.payloads.empty()) {
       if (r.response.payloads.size() == 1) result = r.response.payloads[0];
       else result = Buffer::take(proto::joined(r.response));
     }
@@ -391,11 +588,12 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     // raced on_lost's "server 1 lost: ..." (issue 28: seen under load).
     if (st.code() == ErrorCode::kPeerLost) st = Status(ErrorCode::kPeerLost, lost_reason(*core_, to, st));
     if (st.code() == ErrorCode::kAborted || st.code() == ErrorCode::kPeerLost) fail(st);
+    if (o.raw) o.raw(st, std::move(r.response));
     if (cb) cb(st, std::move(result));
   }
 
   void close(const Status& why, bool is_failure) {
-    std::unordered_map<uint64_t, OpCallback> ops;
+    std::unordered_map<uint64_t, Op> ops;
     std::vector<FailureCallback> cbs;
     {
       std::lock_guard lk(mu_);
@@ -409,8 +607,10 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     }
     if (is_failure)
       BC_LOG(LogPsClient(), kWarn) << "job '" << info_.name << "' failed: " << why.message();
-    for (auto& [op, cb] : ops)
-      if (cb) cb(why, {});
+    for (auto& [op, o] : ops) {
+      if (o.cb) o.cb(why, {});
+      if (o.raw) o.raw(why, {});
+    }
     for (auto& cb : cbs) cb(why);
   }
 
@@ -422,7 +622,9 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
   bool closed_ = false;
   uint64_t next_op_ = 1;
   uint64_t barrier_seq_ = 0;
-  std::unordered_map<uint64_t, OpCallback> ops_;
+  std::unordered_map<uint64_t, Op> ops_;
+  std::mutex shm_mu_;  // the slots' state; taken alone
+  std::unordered_map<uint64_t, ShmSlot> slots_;
   strategy::Timeline timeline_;
   std::vector<StrategyCallback> strategy_cbs_;
   std::vector<FailureCallback> failure_cbs_;
@@ -431,9 +633,11 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
 
 class ClientImpl final : public PsClient {
  public:
-  ClientImpl(const ClusterConfig& cluster, const transport::TransportConfig& tc)
+  ClientImpl(const ClusterConfig& cluster, const transport::TransportConfig& tc,
+             const PsClientOptions& options)
       : core_(std::make_shared<Core>()) {
     core_->cluster = cluster;
+    core_->local_shm = options.local_shm;
     core_->tp = transport::make_transport(tc);
     std::weak_ptr<Core> weak = core_;
     core_->tp->set_handler(proto::kJobAborted, [weak](Incoming in) {
@@ -539,6 +743,7 @@ class ClientImpl final : public PsClient {
     for (const ServerInfo& s : info.servers)
       if (s.id != core_->cluster.coordinator) core_->tp->add_peer(s.id, s.address);
     auto job = std::make_shared<JobImpl>(core_, std::move(info));
+    if (core_->local_shm) job->attach_local();
     Status early;
     {
       std::lock_guard lk(core_->mu);
@@ -721,8 +926,9 @@ Status PsJob::set_strategy(std::string yaml, uint64_t iteration, Millis timeout)
 }
 
 std::unique_ptr<PsClient> PsClient::create(const ClusterConfig& cluster,
-                                           const transport::TransportConfig& transport_config) {
-  return std::make_unique<ClientImpl>(cluster, transport_config);
+                                           const transport::TransportConfig& transport_config,
+                                           const PsClientOptions& options) {
+  return std::make_unique<ClientImpl>(cluster, transport_config, options);
 }
 
 }  // namespace bytecomp::server

@@ -76,7 +76,11 @@
 //     callbacks can hold one). leave() or the client's destruction closes it.
 //   * push() shares the Buffer with the transport until the bytes are sent
 //     (see transport::Buffer); do not modify the memory before its release
-//     function ran. A pulled Buffer owns its bytes.
+//     function ran (a push to a server on this host is copied into shared
+//     memory at once: docs/server.md "Local shared memory"). A pulled Buffer
+//     owns its bytes, or refers to this node's shared memory, which stays
+//     reserved for it (later operations on its partition use the socket)
+//     until the Buffer goes.
 #pragma once
 
 #include <chrono>
@@ -251,13 +255,22 @@ class PsJob {
   PsJob() = default;
 };
 
+struct PsClientOptions {
+  // At join(), offer each of the job's servers a shared-memory segment for
+  // its partitions (server/local_shm.h); a server on this host that accepts
+  // gets this node's pushes and pulls of them through it, every other one
+  // over the transport (the refusal's reason is logged once per server).
+  bool local_shm = true;
+};
+
 class PsClient {
  public:
   // Makes the client's transport from `transport_config` (its node_id is
   // this node's id; listen may be empty) and connects to every server of the
   // cluster. Throws Error (kConfig / kInvalidArgument / kUnavailable).
   static std::unique_ptr<PsClient> create(const ClusterConfig& cluster,
-                                          const transport::TransportConfig& transport_config);
+                                          const transport::TransportConfig& transport_config,
+                                          const PsClientOptions& options = {});
   virtual ~PsClient() = default;
   PsClient(const PsClient&) = delete;
   PsClient& operator=(const PsClient&) = delete;

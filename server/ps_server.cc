@@ -43,6 +43,10 @@ void ParameterServer::Impl::start() {
   tp->set_inline_handler(proto::kPush, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_inline_handler(proto::kPull, [this](Incoming in) { on_data(std::move(in)); });
   tp->set_inline_handler(proto::kBroadcast, [this](Incoming in) { on_data(std::move(in)); });
+  tp->set_inline_handler(proto::kShmPush, [this](Incoming in) { on_data(std::move(in)); });
+  tp->set_inline_handler(proto::kShmPull, [this](Incoming in) { on_data(std::move(in)); });
+  // Opens and maps a segment: not for the I/O loop.
+  tp->set_handler(proto::kShmAttach, [this](Incoming in) { on_shm_attach(in); });
   tp->set_handler(proto::kStats, [this](Incoming in) { on_stats(in); });
   tp->set_handler(proto::kProbe, [this](Incoming in) {
     if (in.expects_reply) reply(in, proto::probe_answer(in.message));
@@ -263,6 +267,11 @@ void ParameterServer::Impl::end_job(uint32_t uid, ErrorCode code, const std::str
     ended.push_back({uid, why.code(), why.message()});
     if (ended.size() > kEndedKept) ended.pop_front();
   }
+  {
+    // The rounds' held pushes keep their segment mapped until released.
+    std::lock_guard lk(job->shm_mu);
+    job->shm.clear();
+  }
   BC_LOG(LogServer(), kInfo) << (reason.empty() ? "job ended: " : "job aborted: ")
                              << job->name << " (uid " << uid << ")"
                              << (reason.empty() ? "" : ": " + reason);
@@ -379,13 +388,26 @@ void ParameterServer::Impl::on_stats(const Incoming& in) {
 
 void ParameterServer::Impl::on_data(Incoming in) {
   const auto& h = in.message.header;
-  const char* what = h.type == proto::kPush ? "push" : h.type == proto::kPull ? "pull" : "broadcast";
+  const char* what = h.type == proto::kPush      ? "push"
+                     : h.type == proto::kPull    ? "pull"
+                     : h.type == proto::kShmPush ? "shm push"
+                     : h.type == proto::kShmPull ? "shm pull"
+                                                 : "broadcast";
   // The message's shape (payloads, header fields) before anything reads it;
   // the rounds read its fields from the header, which data messages define.
+  uint64_t shm_offset = 0, shm_length = 0;
   try {
     if (h.type == proto::kPush) (void)proto::from_message<proto::Push>(in.message);
     else if (h.type == proto::kPull) (void)proto::from_message<proto::Pull>(in.message);
-    else (void)proto::from_message<proto::Broadcast>(in.message);
+    else if (h.type == proto::kShmPush) {
+      const auto m = proto::from_message<proto::ShmPush>(in.message);
+      shm_offset = m.offset;
+      shm_length = m.length;
+    } else if (h.type == proto::kShmPull) {
+      const auto m = proto::from_message<proto::ShmPull>(in.message);
+      shm_offset = m.offset;
+      shm_length = m.capacity;
+    } else (void)proto::from_message<proto::Broadcast>(in.message);
   } catch (const Error& e) {
     frames_refused.fetch_add(1);
     return refuse(in, e.code(), e.what());
@@ -412,6 +434,29 @@ void ParameterServer::Impl::on_data(Incoming in) {
     return refuse(in, ErrorCode::kInvalidArgument,
                   std::string(what) + " refused: node " + std::to_string(in.from) +
                       " is not part of job '" + job->name + "'");
+  if (h.type == proto::kShmPush || h.type == proto::kShmPull) {
+    std::shared_ptr<LocalShm> seg = job->shm_of(in.from);
+    if (!seg)
+      return refuse(in, ErrorCode::kInvalidArgument,
+                    std::string(what) + " refused: node " + std::to_string(in.from) +
+                        " attached no shared memory to server " + std::to_string(cfg.node_id) +
+                        " for job '" + job->name + "'");
+    if (shm_offset > seg->size() || shm_length > seg->size() - shm_offset)
+      return refuse(in, ErrorCode::kInvalidArgument,
+                    std::string(what) + " refused: bytes [" + std::to_string(shm_offset) + ", " +
+                        std::to_string(shm_offset) + "+" + std::to_string(shm_length) +
+                        ") lie outside node " + std::to_string(in.from) + "'s segment of " +
+                        std::to_string(seg->size()) + " bytes (job '" + job->name + "', key " +
+                        hex(h.key) + ")");
+    if (h.type == proto::kShmPush) {
+      // From here on an ordinary push whose bytes are the node's: the
+      // rounds hold them (the Buffer keeps the segment mapped) and the node
+      // does not rewrite them before the round's pull is answered.
+      metrics.shm(shm_length);
+      in.message.header.type = proto::kPush;
+      in.message.payloads = {Buffer::wrap(seg->data() + shm_offset, shm_length, [seg] {})};
+    }
+  }
   if (h.type == proto::kBroadcast) {
     // Every partition has a broadcast round, also a fused tensor's own
     // (which has no sum round: its gradient travels in its bucket).
@@ -470,7 +515,7 @@ void ParameterServer::Impl::on_push(const std::shared_ptr<ServerJob>& job, Parti
     rounds.fetch_add(1, std::memory_order_relaxed);
     metrics.round_done(out.started_ns);
   }
-  answer(out.answers);
+  answer(out.answers, job.get());
 }
 
 void ParameterServer::Impl::on_pull(const std::shared_ptr<ServerJob>& job, PartitionRound& round,
@@ -482,7 +527,7 @@ void ParameterServer::Impl::on_pull(const std::shared_ptr<ServerJob>& job, Parti
   std::optional<RoundAnswer> a = round.pull(std::move(in));
   if (!a) return;  // waits for the round
   if (!a->status.ok()) return refuse(a->to, a->status.code(), a->status.message());
-  answer(*a);
+  answer(*a, job.get());
 }
 
 void ParameterServer::Impl::on_broadcast(const std::shared_ptr<ServerJob>& job,
@@ -502,15 +547,101 @@ void ParameterServer::Impl::on_broadcast(const std::shared_ptr<ServerJob>& job,
   answer(out.answers);
 }
 
-void ParameterServer::Impl::answer(RoundAnswer& a) {
+void ParameterServer::Impl::answer(RoundAnswer& a, ServerJob* job) {
   if (a.status.ok()) metrics.answered(a.payload.size());
+  if (a.status.ok() && a.to.message.header.type == proto::kShmPull)
+    return reply(a.to, shm_answer(a, job));
   reply(a.to, a.status.ok() ? proto::ok_reply(std::move(a.payload))
                             : proto::error_reply(a.status.code(), a.status.message()));
 }
 
-void ParameterServer::Impl::answer(std::vector<RoundAnswer>& answers) {
-  for (RoundAnswer& a : answers) answer(a);
+void ParameterServer::Impl::answer(std::vector<RoundAnswer>& answers, ServerJob* job) {
+  for (RoundAnswer& a : answers) answer(a, job);
   answers.clear();
+}
+
+transport::Message ParameterServer::Impl::shm_answer(RoundAnswer& a, ServerJob* job) {
+  // Checked against the segment when it arrived (on_data).
+  const proto::ShmPull p = proto::from_message<proto::ShmPull>(a.to.message);
+  std::shared_ptr<LocalShm> seg = job ? job->shm_of(a.to.from) : nullptr;
+  if (!seg)
+    return proto::error_reply(ErrorCode::kUnavailable,
+                              "shm pull of node " + std::to_string(a.to.from) + ": its segment on " +
+                                  "server " + std::to_string(cfg.node_id) + " is gone (job ended)");
+  const uint64_t n = a.payload.size();
+  if (n > p.capacity || p.offset > seg->size() || n > seg->size() - p.offset) {
+    // A strategy whose answer outgrew the node's slot: carried in the reply.
+    transport::Message m = proto::ok_reply(proto::encode(proto::ShmAnswer{n, false}));
+    m.payloads.push_back(std::move(a.payload));
+    return m;
+  }
+  if (n > 0) std::memcpy(seg->data() + p.offset, a.payload.data(), n);
+  metrics.shm(n);
+  return proto::ok_reply(proto::encode(proto::ShmAnswer{n, true}));
+}
+
+void ParameterServer::Impl::on_shm_attach(const Incoming& in) {
+  auto answer_with = [&](const Status& st) {
+    if (!st.ok())
+      BC_LOG(LogServer(), kDebug) << "shm attach of node " << in.from << ": " << st.message();
+    if (in.expects_reply)
+      reply(in, st.ok() ? proto::ok_reply() : proto::error_reply(st.code(), st.message()));
+  };
+  proto::ShmAttach m;
+  try {
+    m = proto::from_message<proto::ShmAttach>(in.message);
+  } catch (const Error& e) {
+    frames_refused.fetch_add(1);
+    return answer_with(Status::FromError(e));
+  }
+  const std::string me = "server " + std::to_string(cfg.node_id);
+  if (!cfg.local_shm)
+    return answer_with(Status(ErrorCode::kUnavailable, me + " has server.local_shm off"));
+  if (m.host != host_identity())
+    return answer_with(Status(ErrorCode::kUnavailable,
+                              me + " runs on another host or network namespace (" +
+                                  host_identity() + ", node " + std::to_string(in.from) +
+                                  ": " + m.host.substr(0, 200) + ")"));
+  std::shared_ptr<ServerJob> job;
+  {
+    std::shared_lock lk(jobs_mu);
+    auto it = jobs.find(m.uid);
+    if (it != jobs.end()) job = it->second;
+  }
+  if (!job)
+    return answer_with(Status(ErrorCode::kInvalidArgument,
+                              "shm attach: unknown job uid " + std::to_string(m.uid) + " on " + me));
+  if (!job->rank.count(in.from))
+    return answer_with(Status(ErrorCode::kInvalidArgument,
+                              "shm attach: node " + std::to_string(in.from) +
+                                  " is not part of job '" + job->name + "'"));
+  if (!shm_name_matches(m.segment, m.uid, in.from))
+    return answer_with(Status(ErrorCode::kInvalidArgument,
+                              "shm attach: segment name '" + m.segment.substr(0, 200) +
+                                  "' is not " + kShmPrefix + std::to_string(m.uid) + "." +
+                                  std::to_string(in.from) + ".<server>.<pid>"));
+  if (m.bytes == 0 || m.bytes > (uint64_t{1} << 44))
+    return answer_with(Status(ErrorCode::kInvalidArgument,
+                              "shm attach: segment size " + std::to_string(m.bytes) +
+                                  " (accepted: 1 B .. 16 TiB)"));
+  const std::string again = "shm attach: node " + std::to_string(in.from) +
+                            " already attached a segment for job '" + job->name + "'";
+  if (job->shm_of(in.from)) return answer_with(Status(ErrorCode::kInvalidArgument, again));
+  std::shared_ptr<LocalShm> seg;
+  try {
+    seg = LocalShm::open(m.segment, m.bytes);
+  } catch (const Error& e) {
+    return answer_with(Status(e.code(), me + ": " + e.what()));
+  }
+  {
+    std::lock_guard lk(job->shm_mu);
+    if (job->ended.load()) return answer_with(job->end_status());
+    if (!job->shm.emplace(in.from, seg).second)
+      return answer_with(Status(ErrorCode::kInvalidArgument, again));
+  }
+  BC_LOG(LogServer(), kInfo) << "job '" << job->name << "': node " << in.from << " attached "
+                             << m.segment << " (" << m.bytes << " bytes)";
+  answer_with(Status::Ok());
 }
 
 

@@ -43,6 +43,9 @@ struct ServerConfig {
   uint64_t max_job_bytes = 4ull << 30;     // reservation per job
   uint64_t max_total_bytes = 16ull << 30;  // reservation over all jobs
   uint32_t max_jobs = 64;
+  // Serve the nodes on this host through shared memory (kShmAttach) instead
+  // of loopback sockets. Key server.local_shm.
+  bool local_shm = true;
   ClusterConfig cluster;
   transport::TransportConfig transport;  // listen defaults to this server's cluster address
   MetricsConfig metrics;

@@ -19,6 +19,7 @@
 #include "server/coordinator.h"
 #include "server/engine_thread.h"
 #include "server/job.h"
+#include "server/local_shm.h"
 #include "server/metrics.h"
 #include "server/protocol.h"
 #include "server/ps_server.h"
@@ -51,6 +52,17 @@ struct ServerJob {
   std::atomic<bool> ended{false};
   ErrorCode end_code = ErrorCode::kOk;
   std::string end_reason;
+
+  // The segments of the job's nodes on this host (kShmAttach), by node.
+  // Unmapped when the job goes; rounds still holding a push from one keep
+  // its mapping through the push's Buffer.
+  std::mutex shm_mu;
+  std::unordered_map<NodeId, std::shared_ptr<LocalShm>> shm;
+  std::shared_ptr<LocalShm> shm_of(NodeId node) {
+    std::lock_guard lk(shm_mu);
+    auto it = shm.find(node);
+    return it == shm.end() ? nullptr : it->second;
+  }
 
   Status end_status() {
     std::lock_guard lk(mu);
@@ -109,8 +121,12 @@ struct ParameterServer::Impl {
     if (in.expects_reply) reply(in, proto::error_reply(code, why));
   }
   // Sends what a round hands back.
-  void answer(std::vector<RoundAnswer>& answers);
-  void answer(RoundAnswer& a);
+  // `job`: the pulls' job, for answers to kShmPull (written to its segment).
+  void answer(std::vector<RoundAnswer>& answers, ServerJob* job = nullptr);
+  void answer(RoundAnswer& a, ServerJob* job = nullptr);
+  // A kShmPull's ok answer: into the node's segment when it fits.
+  transport::Message shm_answer(RoundAnswer& a, ServerJob* job);
+  void on_shm_attach(const transport::Incoming& in);
 
   // Job lifecycle (also called by the coordinator for itself).
   Status setup_job(const proto::Admission& a);

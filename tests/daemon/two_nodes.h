@@ -68,7 +68,7 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
       nodes_[n] = std::make_unique<DaemonEnv>("node" + std::to_string(n));
       nodes_[n]->write_config("internode:\n  cluster_file: " + (dir_ / "cluster.yaml").string() +
                               "\n  node_id: " + std::to_string(100 + n) +
-                              "\n  nodes: [100, 101]\n" +
+                              "\n  nodes: [100, 101]\n" + internode_extra_ +
                               (peer_listen_ && (n == 0 || peer_listen_node1_)
                                    ? "  peer_listen: " + endpoint() + "\n" : "") +
                                   (n == 1 && !strategy_section_node1_.empty()
@@ -162,6 +162,7 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
   bool peer_listen_ = true;  // give the daemons a peer endpoint
   bool peer_listen_node1_ = true;  // and node 1 too (when peer_listen_)
   std::string scheduler_node1_;  // node 1's scheduler lines, when they must differ
+  std::string internode_extra_;  // more lines of both daemons' internode section
   // The daemons' strategy section (e.g. mode: auto), when no strategy file.
   std::string strategy_section_;
   std::string strategy_section_node1_;  // node 1's, when it must differ

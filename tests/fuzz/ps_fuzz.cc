@@ -7,6 +7,7 @@
 //   3 a reply: u16 header type, u32 aux, then the payload: reply_status
 //   0xB0 (only that value, so the other inputs keep their meaning):
 //     kBroadcast's BroadcastMeta: decode_broadcast_meta
+//   0xB1 (likewise): kShmPull's reply, ShmAnswer: decode_shm_answer
 //   0x40 + i (i < the number of typed messages, proto::AllMessages): the
 //     i-th typed message's from_message(), the rest of the input being a
 //     whole transport message (typed_message() below: header fields, then
@@ -124,6 +125,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!(proto::decode_broadcast_meta(once) == m)) bcfuzz::broken("ps", "broadcast meta not stable");
     } catch (const Error& e) {
       bcfuzz::broken("ps", std::string("re-encoded broadcast meta does not decode: ") + e.what());
+    }
+    return 0;
+  }
+  if (data[0] == 0xB1) {
+    proto::ShmAnswer a;
+    try {
+      a = proto::decode_shm_answer(payload);
+    } catch (const Error& e) {
+      check_code(e);
+      return 0;
+    }
+    try {
+      if (!(proto::decode_shm_answer(proto::encode(a).view()) == a))
+        bcfuzz::broken("ps", "shm answer not stable");
+    } catch (const Error& e) {
+      bcfuzz::broken("ps", std::string("re-encoded shm answer does not decode: ") + e.what());
     }
     return 0;
   }

@@ -204,4 +204,48 @@ TEST(ProtocolTest, ProbeBoundsAreCheckedBeforeAnythingIsAllocated) {
 }
 
 }  // namespace
+
+TEST(ProtocolTest, ShmMessagesCarryTheirByteRangesAndRefuseBadOnes) {
+  expect_round_trip(proto::ShmAttach{9, "boot/4026531840", "bytecomp-ps.9.100.0.77", 4096});
+  expect_round_trip(proto::ShmPush{9, (uint64_t{1} << 32) | 2, 4, 128, 4000});
+  expect_round_trip(proto::ShmPull{9, 3, 4, 256, 4096});
+  const auto a = proto::from_message<proto::ShmAttach>(
+      proto::to_message(proto::ShmAttach{9, "h", "bytecomp-ps.9.100.0.77", 4096}));
+  EXPECT_EQ(a.uid, 9u);
+  EXPECT_EQ(a.host, "h");
+  EXPECT_EQ(a.segment, "bytecomp-ps.9.100.0.77");
+  EXPECT_EQ(a.bytes, 4096u);
+  const auto p = proto::from_message<proto::ShmPush>(
+      proto::to_message(proto::ShmPush{9, 77, 12, 128, 4000}));
+  EXPECT_EQ(p.key, 77u);
+  EXPECT_EQ(p.iteration, 12u);
+  EXPECT_EQ(p.offset, 128u);
+  EXPECT_EQ(p.length, 4000u);
+  const auto q = proto::from_message<proto::ShmPull>(
+      proto::to_message(proto::ShmPull{9, 77, 12, 256, 8192}));
+  EXPECT_EQ(q.offset, 256u);
+  EXPECT_EQ(q.capacity, 8192u);
+  // A range past the end of the address space, a missing range, a wrong
+  // type, a short range.
+  expect_malformed([&] {
+    (void)proto::from_message<proto::ShmPush>(
+        proto::to_message(proto::ShmPush{9, 77, 12, UINT64_MAX - 10, 4000}));
+  }, "shm push: offset 18446744073709551605 + length 4000 overflows");
+  Message bare = proto::to_message(proto::ShmPull{9, 77, 12, 0, 8});
+  bare.payloads.clear();
+  expect_malformed([&] { (void)proto::from_message<proto::ShmPull>(bare); },
+                   "shm pull: 0 payloads");
+  Message other = proto::to_message(proto::ShmPull{9, 77, 12, 0, 8});
+  expect_malformed([&] { (void)proto::from_message<proto::ShmPush>(other); }, "shm push: message type");
+  Message shortm = proto::to_message(proto::ShmPush{9, 77, 12, 0, 8});
+  shortm.payloads[0] = shortm.payloads[0].slice(0, 12);
+  expect_malformed([&] { (void)proto::from_message<proto::ShmPush>(shortm); }, "length");
+  // The pull's reply.
+  const proto::ShmAnswer ans{4000, true};
+  EXPECT_EQ(proto::decode_shm_answer(proto::encode(ans).view()), ans);
+  std::string bad(proto::encode(ans).view());
+  bad.back() = 7;
+  expect_malformed([&] { (void)proto::decode_shm_answer(bad); }, "in_segment 7");
+}
+
 }  // namespace bytecomp::server

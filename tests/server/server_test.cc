@@ -20,6 +20,7 @@
 
 #include "compress/compressor.h"
 #include "compress/reduce.h"
+#include "server/local_shm.h"
 #include "server/protocol.h"
 #include "server/ps_client.h"
 #include "tests/server/proc.h"
@@ -556,6 +557,236 @@ TEST_P(ServerTest, AStaleAbortDoesNotFailALaterJobAndNoUidIsReusedAfterACoordina
     ja->leave();
     jb->leave();
   }
+}
+
+namespace {
+
+// The names of shared memory this test's processes created in /dev/shm.
+std::vector<std::string> shm_names(uint32_t uid) {
+  std::vector<std::string> out;
+  const std::string prefix = std::string(kShmPrefix) + std::to_string(uid) + ".";
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().string());
+  return out;
+}
+
+// Lines of /proc/PID/maps naming a segment of job `uid` (mapped, even when
+// its name is gone).
+std::string shm_mappings(pid_t pid, uint32_t uid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/maps");
+  const std::string prefix = std::string(kShmPrefix) + std::to_string(uid) + ".";
+  std::string line, out;
+  while (std::getline(f, line))
+    if (line.find(prefix) != std::string::npos) out += line + "\n";
+  return out;
+}
+
+uint64_t shm_bytes_metric(const std::string& text) {
+  const std::string name = "bytecomp_server_shm_bytes_total ";
+  const auto at = text.find("\n" + name);
+  if (at == std::string::npos) return UINT64_MAX;
+  return std::stoull(text.substr(at + 1 + name.size()));
+}
+
+// Pushes and pulls every partition of `job` for `iterations` iterations
+// (node value: rank + 1 + element index % 7, scaled by the iteration) and
+// checks every sum.
+// `kept`: node a's answers of the last iteration, as pulled (Buffers).
+void run_iterations(PsJob& a, PsJob& b, uint64_t first, uint64_t end,
+                    std::vector<transport::Buffer>* kept = nullptr) {
+  for (uint64_t it = first; it < end; ++it) {
+    std::vector<std::future<Status>> pushes;
+    std::vector<std::pair<const Partition*, std::future<std::pair<Status, std::string>>>> pulls;
+    for (int node = 0; node < 2; ++node) {
+      PsJob& j = node == 0 ? a : b;
+      for (const Partition& p : j.info().assignment.partitions) {
+        std::vector<float> v(p.count);
+        for (uint64_t i = 0; i < p.count; ++i)
+          v[i] = static_cast<float>((node + 1 + (p.offset + i) % 7) * (it + 1));
+        auto pp = std::make_shared<std::promise<Status>>();
+        pushes.push_back(pp->get_future());
+        j.push(p.key, it, transport::Buffer::copy_of(v.data(), v.size() * 4),
+               [pp](const Status& s) { pp->set_value(s); });
+        auto pl = std::make_shared<std::promise<std::pair<Status, std::string>>>();
+        pulls.emplace_back(&p, pl->get_future());
+        std::vector<transport::Buffer>* keep = node == 0 && it + 1 == end ? kept : nullptr;
+        j.pull(p.key, it, [pl, keep](const Status& s, transport::Buffer r) {
+          if (keep) keep->push_back(r);  // completions run on one thread
+          pl->set_value({s, std::string(r.view())});
+        });
+      }
+    }
+    for (auto& f : pushes) {
+      ASSERT_EQ(f.wait_for(10s), std::future_status::ready);
+      EXPECT_TRUE(f.get().ok());
+    }
+    for (auto& [p, f] : pulls) {
+      ASSERT_EQ(f.wait_for(10s), std::future_status::ready);
+      auto [st, bytes] = f.get();
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      ASSERT_EQ(bytes.size(), p->count * 4);
+      std::vector<float> got(p->count);
+      std::memcpy(got.data(), bytes.data(), bytes.size());
+      for (uint64_t i = 0; i < p->count; ++i)
+        ASSERT_EQ(got[i], static_cast<float>((3 + 2 * ((p->offset + i) % 7)) * (it + 1)))
+            << "iteration " << it << " key " << p->key << " element " << i;
+    }
+  }
+}
+
+}  // namespace
+
+TEST_P(ServerTest, LocalShmCarriesThisHostsPartitionsAndLeavesNothingBehind) {
+  if (GetParam() != "zmq") GTEST_SKIP() << "one backend is enough for the shared memory path";
+  start_server();
+  constexpr uint64_t kCount = 20000, kIterations = 3;
+  JobSpec spec;
+  spec.name = "shm";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"x", kCount, compress::DType::kFloat32}};
+  auto a = client(100), b = client(101);
+  auto [ja, jb] = join_both(*a, *b, spec);
+  // Attached and already unlinked: the mappings hold the memory.
+  EXPECT_TRUE(shm_names(ja->info().uid).empty());
+  EXPECT_NE(shm_mappings(server_->pid(), ja->info().uid), "");
+  run_iterations(*ja, *jb, 0, kIterations);
+  // Both nodes' pushes and answers, every byte, went through shared memory.
+  EXPECT_EQ(shm_bytes_metric(a->metrics(0)), kIterations * 2 * 2 * kCount * 4);
+  // A pulled answer still held stays intact while the next rounds run: its
+  // slot is not reused (those rounds go over the socket for node a).
+  std::vector<transport::Buffer> kept;
+  run_iterations(*ja, *jb, kIterations, kIterations + 1, &kept);
+  ASSERT_EQ(kept.size(), ja->info().assignment.partitions.size());
+  std::vector<std::string> copies;
+  for (const auto& k : kept) copies.emplace_back(k.view());
+  run_iterations(*ja, *jb, kIterations + 1, kIterations + 3);
+  for (size_t i = 0; i < kept.size(); ++i)
+    EXPECT_TRUE(kept[i].view() == copies[i]) << "held answer " << i << " was overwritten";
+  kept.clear();
+  // Released, the slots carry the next rounds again.
+  const uint64_t held_end = shm_bytes_metric(a->metrics(0));
+  run_iterations(*ja, *jb, kIterations + 3, kIterations + 4);
+  EXPECT_EQ(shm_bytes_metric(a->metrics(0)) - held_end, 2 * 2 * kCount * 4);
+  const uint32_t uid = ja->info().uid;
+  EXPECT_TRUE(ja->leave().ok());
+  EXPECT_TRUE(jb->leave().ok());
+  expect_released();
+  EXPECT_EQ(shm_mappings(server_->pid(), uid), "") << "the server still maps the job's segments";
+  ja.reset();
+  jb.reset();
+  EXPECT_EQ(shm_mappings(getpid(), uid), "") << "the clients still map the job's segments";
+
+  // A node with local_shm off: only the other node's bytes go through it.
+  transport::TransportConfig tc = cluster_.transport;
+  tc.node_id = 102;
+  tc.listen = {};
+  PsClientOptions off;
+  off.local_shm = false;
+  auto c = PsClient::create(cluster_, tc, off);
+  spec.name = "shm-one-node";
+  spec.nodes = {100, 102};
+  auto [ka, kc] = join_both(*a, *c, spec);
+  const uint64_t before = shm_bytes_metric(a->metrics(0));
+  run_iterations(*ka, *kc, 0, kIterations);
+  EXPECT_EQ(shm_bytes_metric(a->metrics(0)) - before, kIterations * 2 * kCount * 4);
+  // A node that aborts: the server ends the job and unmaps its segment.
+  const uint32_t uid2 = ka->info().uid;
+  EXPECT_TRUE(kc->abort("test").ok());
+  expect_released();
+  EXPECT_EQ(shm_mappings(server_->pid(), uid2), "");
+  EXPECT_TRUE(shm_names(uid2).empty());
+}
+
+TEST_P(ServerTest, BadShmControlMessagesGetClearErrorsAndTheServerSurvives) {
+  if (GetParam() != "zmq") GTEST_SKIP() << "one backend is enough for the shared memory path";
+  start_server();
+  transport::TransportConfig tc = cluster_.transport;
+  tc.node_id = 150;
+  tc.listen = {};
+  auto tp = transport::make_transport(tc);
+  tp->start();
+  tp->add_peer(0, address_);
+  auto call = [&](const transport::Message& m) {
+    transport::Response r = tp->call(0, m, 5000ms);
+    EXPECT_TRUE(r.status.ok()) << r.status.to_string();
+    return r;
+  };
+  JobSpec spec;
+  spec.name = "raw-shm";
+  spec.nodes = {150};
+  spec.tensors = {{"x", 100, compress::DType::kFloat32}};
+  transport::Response r = call(proto::to_message(proto::Register{spec}));
+  ASSERT_TRUE(proto::reply_status(r.response).ok()) << proto::reply_status(r.response).to_string();
+  const proto::Admission adm = proto::decode_admission(proto::joined(r.response));
+  const uint32_t uid = adm.uid;
+  std::vector<TensorPlan> plans(adm.tensors.size());
+  const Assignment as = assign_partitions(adm.tensors, plans, adm.servers, adm.partition_bytes);
+  ASSERT_EQ(as.partitions.size(), 1u);
+  const uint64_t key = as.partitions[0].key;
+  auto status_of = [&](const transport::Message& m) { return proto::reply_status(call(m).response); };
+
+  Status s = status_of(proto::to_message(proto::ShmPush{uid, key, 0, 0, 400}));
+  EXPECT_NE(s.message().find("node 150 attached no shared memory to server 0"), std::string::npos)
+      << s.to_string();
+  s = status_of(proto::to_message(proto::ShmAttach{uid, "elsewhere/1", "bytecomp-ps.1.150.0.1", 4096}));
+  EXPECT_EQ(s.code(), ErrorCode::kUnavailable);
+  EXPECT_NE(s.message().find("another host or network namespace"), std::string::npos) << s.to_string();
+  s = status_of(proto::to_message(proto::ShmAttach{uid, host_identity(), "bytecomp.dae.1.1", 4096}));
+  EXPECT_NE(s.message().find("segment name 'bytecomp.dae.1.1' is not bytecomp-ps."), std::string::npos)
+      << s.to_string();
+  const std::string name = shm_segment_name(uid, 150, 0, getpid());
+  s = status_of(proto::to_message(proto::ShmAttach{uid, host_identity(), name, 4096}));
+  EXPECT_NE(s.message().find("cannot open shared memory " + name), std::string::npos) << s.to_string();
+  auto seg = LocalShm::create(name, 4096);
+  s = status_of(proto::to_message(proto::ShmAttach{uid, host_identity(), name, 8192}));
+  EXPECT_NE(s.message().find("holds 4096 bytes, not the 8192 announced"), std::string::npos)
+      << s.to_string();
+  s = status_of(proto::to_message(proto::ShmAttach{uid, host_identity(), name, 4096}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  seg->unlink();
+  s = status_of(proto::to_message(proto::ShmAttach{uid, host_identity(), name, 4096}));
+  EXPECT_NE(s.message().find("already attached"), std::string::npos) << s.to_string();
+  // Ranges outside the segment, the edge included.
+  s = status_of(proto::to_message(proto::ShmPush{uid, key, 0, 4000, 400}));
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("bytes [4000, 4000+400) lie outside node 150's segment of 4096 bytes"),
+            std::string::npos) << s.to_string();
+  s = status_of(proto::to_message(proto::ShmPull{uid, key, 0, 5000, 1}));
+  EXPECT_NE(s.message().find("lie outside"), std::string::npos) << s.to_string();
+  s = status_of(proto::to_message(proto::ShmPush{uid, key, 0, 4096, 1}));
+  EXPECT_NE(s.message().find("lie outside"), std::string::npos) << s.to_string();
+  // The round's rules hold as for a socket push: a wrong length is refused.
+  s = status_of(proto::to_message(proto::ShmPush{uid, key, 0, 0, 396}));
+  EXPECT_NE(s.message().find("wrong length 396 bytes"), std::string::npos) << s.to_string();
+  // A good round: the push is read from the segment, the answer written to it.
+  std::vector<float> v(100);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i) * 0.5f;
+  std::memcpy(seg->data(), v.data(), 400);
+  s = status_of(proto::to_message(proto::ShmPush{uid, key, 0, 0, 400}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  r = call(proto::to_message(proto::ShmPull{uid, key, 0, 512, 512}));
+  ASSERT_TRUE(proto::reply_status(r.response).ok());
+  ASSERT_EQ(r.response.payloads.size(), 1u);
+  EXPECT_EQ(proto::decode_shm_answer(r.response.payloads[0].view()), (proto::ShmAnswer{400, true}));
+  EXPECT_EQ(std::memcmp(seg->data() + 512, v.data(), 400), 0);
+  // An answer longer than the pull's capacity travels in the reply.
+  r = call(proto::to_message(proto::ShmPull{uid, key, 0, 1024, 100}));
+  ASSERT_TRUE(proto::reply_status(r.response).ok());
+  ASSERT_EQ(r.response.payloads.size(), 2u);
+  EXPECT_EQ(proto::decode_shm_answer(r.response.payloads[0].view()), (proto::ShmAnswer{400, false}));
+  EXPECT_EQ(std::memcmp(r.response.payloads[1].data(), v.data(), 400), 0);
+  // Garbage in the control payload.
+  transport::Message junk = proto::to_message(proto::ShmPush{uid, key, 1, 0, 400});
+  junk.payloads[0] = transport::Buffer::copy_of("\x02\x00zz");
+  s = status_of(junk);
+  EXPECT_EQ(s.code(), ErrorCode::kMalformed);
+  EXPECT_NE(s.message().find("shm push"), std::string::npos) << s.to_string();
+  EXPECT_NE(shm_mappings(server_->pid(), uid), "");
+  s = proto::reply_status(call(proto::to_message(proto::Leave{uid, false, ""})).response);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  tp->shutdown();
+  expect_released();
+  EXPECT_EQ(shm_mappings(server_->pid(), uid), "") << "the server still maps the segment";
 }
 
 TEST_P(ServerTest, GarbageFramesAndUnknownJobsAreRefusedAndTheServerSurvives) {
