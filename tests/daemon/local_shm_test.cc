@@ -50,6 +50,7 @@ class LocalShm : public TwoNodes {
 };
 
 TEST_P(LocalShm, PartitionsOfServersOnThisHostGoThroughSharedMemoryAndSumsStayExact) {
+  internode_extra_ = "  local_shm: true\n";  // the fixture's default is off
   start(2);
   auto w = workers("shm2", 20, "f32:1,f32:1000,f32:65537,f32:1048576");
   for (auto& p : w) expect_ok(*p);

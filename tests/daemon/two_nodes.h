@@ -162,7 +162,11 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
   bool peer_listen_ = true;  // give the daemons a peer endpoint
   bool peer_listen_node1_ = true;  // and node 1 too (when peer_listen_)
   std::string scheduler_node1_;  // node 1's scheduler lines, when they must differ
-  std::string internode_extra_;  // more lines of both daemons' internode section
+  // More lines of both daemons' internode section. Off by default: every
+  // emulated node shares this host, so with local_shm on each daemon would
+  // reach every server through shared memory and the suites would no longer
+  // cover the network path a remote server takes (LocalShm turns it on).
+  std::string internode_extra_ = "  local_shm: false\n";
   // The daemons' strategy section (e.g. mode: auto), when no strategy file.
   std::string strategy_section_;
   std::string strategy_section_node1_;  // node 1's, when it must differ
