@@ -42,11 +42,12 @@ std::unique_ptr<RingPath> RingPath::open(const PathContext& ctx,
   // decision uses the admission only, so every node takes the same one
   // (and the same barriers).
   const bool switchable =
-      info.nodes.size() > 1 && info.peer_addresses.size() == info.nodes.size() &&
+      info.peer_addresses.size() == info.nodes.size() &&
       std::none_of(info.peer_addresses.begin(), info.peer_addresses.end(),
                    [](const std::string& a) { return a.empty(); });
   if (ring_tensor.empty() && !switchable) return nullptr;
-  const size_t starts_on_ring = static_cast<size_t>(std::count(ring_tensor.begin(), ring_tensor.end(), true));
+  const auto starts_on_ring =
+      static_cast<size_t>(std::count(ring_tensor.begin(), ring_tensor.end(), true));
   if (switchable) {
     const uint64_t first = info.start_iteration;
     ring_tensor.assign(tensors.size(), false);
@@ -113,7 +114,6 @@ std::unique_ptr<RingPath> RingPath::open(const PathContext& ctx,
   BC_LOG(LogEngineRing(), kInfo) << "job " << ctx.job << ": ring allreduce over "
                                  << info.nodes.size() << " daemons (rank " << info.rank << ", "
                                  << starts_on_ring << " tensor(s) start on it)";
-
   return path;
 }
 
