@@ -375,9 +375,13 @@ void Engine::begin_round(uint32_t tensor) {
     if (++br.ready == fusion_->buckets[b].members.size()) begin_bucket(unit, br.iteration);
     return;
   }
-  // The round's plan, fixed once for all its partitions.
+  // The round's plan, fixed once for all its partitions, and its path.
   const strategy::Timeline::Entry in_force = timeline_->at(round.iteration);
   if (local_) local_->follow(tensor, in_force);
+  if (ps_) {
+    path_of_[tensor] = path_for(tensor, (*in_force.plans)[tensor], round.iteration);
+    if (path_of_[tensor] == nullptr) return;
+  }
   if (round.compressed) {
     // The client's CPU share (leading dense partitions) must be the plan's.
     const uint64_t parts = strategy::partition_count(tensors_[tensor].bytes(), tensor_pb_[tensor]);
@@ -409,6 +413,8 @@ void Engine::begin_bucket(uint32_t unit, uint64_t iteration) {
   // servers' and the other nodes' layout says) partition by partition, in
   // run_batch(), and unpacked in process_arrivals().
   const strategy::Timeline::Entry in_force = timeline_->at(iteration);
+  path_of_[unit] = path_for(unit, (*in_force.plans)[unit], iteration);
+  if (path_of_[unit] == nullptr) return;
   br.partitions_left = sched_.add(
       unit, iteration, units_[unit].bytes(), unit_partition_bytes(unit), 4,
       std::shared_ptr<const TensorPlan>(in_force.plans, &(*in_force.plans)[unit]), false, 0,
@@ -557,21 +563,30 @@ bool Engine::open_paths() {
     fail(e.code(), e.what());
     return false;
   }
-  // A tensor's placement is fixed for the job (the coordinator refuses a
-  // change of it), so its path is too.
+  // The start plans' paths; each round sets its own (begin_round).
   path_of_.resize(units_.size());
+  const strategy::Timeline::Entry first = timeline_->at(ps_->info().start_iteration);
   for (uint32_t t = 0; t < units_.size(); ++t) {
-    if (peer_path_ && peer_path_->runs(t)) {
-      path_of_[t] = peer_path_.get();
-    } else if (ring_path_ && ring_path_->runs(t)) {
-      path_of_[t] = ring_path_.get();
-    } else {
-      path_of_[t] = ps_path_.get();
-    }
+    path_of_[t] = path_for(t, (*first.plans)[t], ps_->info().start_iteration);
+    if (path_of_[t] == nullptr) return false;
   }
   collectives_->joined(ps_, tensor_pb_, peer_opts_);
   if (on_joined_) on_joined_(*this, ps_, partition_bytes_);
   return true;
+}
+
+ExecutionPath* Engine::path_for(uint32_t unit, const TensorPlan& plan, uint64_t iteration) {
+  // An allgather tensor keeps its placement for the job (the coordinator
+  // refuses moving it); ring <-> ps moves at the plan's iteration.
+  if (peer_path_ && peer_path_->runs(unit)) return peer_path_.get();
+  if (plan.placement != strategy::Placement::kRing) return ps_path_.get();
+  if (ring_path_ && ring_path_->may_run(unit)) return ring_path_.get();
+  fail(ErrorCode::kInternal,
+       "tensor '" + unit_name(unit) + "' goes round the daemons' ring from iteration " +
+           std::to_string(iteration) +
+           ", but this job's ring was not opened for it (the coordinator admits a move onto "
+           "the ring only where every node has a peer endpoint)");
+  return nullptr;
 }
 
 void Engine::loop() {

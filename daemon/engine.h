@@ -9,7 +9,9 @@
 //                    the bytes-in-flight count, pending strategy changes,
 //                    the abort, the PS job membership (join, leave/abort),
 //                    the Inbox and the engine thread. It chooses a path per
-//                    tensor once the job's placement is known.
+//                    round of a tensor from the plan in force at the round's
+//                    iteration (path_for: a ring <-> ps switch applies at
+//                    the coordinator's iteration).
 //   ExecutionPath    per-partition state of its tensors (error feedback,
 //                    scratch, plans in force) and what running a partition
 //                    means. Owned by the core (unique_ptr), destroyed with it.
@@ -190,6 +192,9 @@ class Engine {
   void loop();
   // Multi-node: the join and the ps/peer paths; false after failing the job.
   bool open_paths();
+  // Multi-node: the path a round of `unit` under `plan` runs on; null after
+  // failing the job (a ring round without a ring).
+  ExecutionPath* path_for(uint32_t unit, const TensorPlan& plan, uint64_t iteration);
   void adopt_pending();
   // Returns false (after failing the job) on a protocol violation.
   bool drain();
@@ -303,7 +308,10 @@ class Engine {
   std::unique_ptr<RingPath> ring_path_;
   // Broadcast and barrier, beside the paths.
   std::unique_ptr<Collectives> collectives_;
-  std::vector<ExecutionPath*> path_of_;  // per unit
+  // Per unit: the path of its current round (set when the round begins;
+  // one round of a unit runs at a time, so its tasks and arrivals all use
+  // the one it began with).
+  std::vector<ExecutionPath*> path_of_;
   // Multi-node: the job's units (declared tensors, then fused buckets) as
   // the servers and paths see them; single-node: the declared tensors.
   std::vector<TensorSpec> units_;

@@ -34,7 +34,27 @@ std::unique_ptr<RingPath> RingPath::open(const PathContext& ctx,
   const server::JobInfo& info = ps->info();
   const std::vector<TensorSpec>& tensors = *ctx.tensors;
   std::vector<bool> ring_tensor = tensors_placed(*ps, tensors.size(), strategy::Placement::kRing);
-  if (ring_tensor.empty()) return nullptr;
+  // A strategy change may move a tensor onto the ring at one iteration
+  // (strategy::placement_switchable): where every node has a peer endpoint
+  // the ring is opened at the join, with a place for every tensor that may
+  // go round it, so no node has to stop at the switch to open it. The
+  // coordinator refuses a move onto the ring where one has none. The
+  // decision uses the admission only, so every node takes the same one
+  // (and the same barriers).
+  const bool switchable =
+      info.peer_addresses.size() == info.nodes.size() &&
+      std::none_of(info.peer_addresses.begin(), info.peer_addresses.end(),
+                   [](const std::string& a) { return a.empty(); });
+  if (ring_tensor.empty() && !switchable) return nullptr;
+  const auto starts_on_ring =
+      static_cast<size_t>(std::count(ring_tensor.begin(), ring_tensor.end(), true));
+  if (switchable) {
+    const uint64_t first = info.start_iteration;
+    ring_tensor.assign(tensors.size(), false);
+    for (uint32_t t = 0; t < tensors.size(); ++t)
+      ring_tensor[t] = strategy::placement_switchable(ps->timeline().plan(t, first).placement,
+                                                      strategy::Placement::kRing);
+  }
   if (opts.hub == nullptr) {
     throw Error(ErrorCode::kUnavailable,
                 "the job uses inter: allreduce (a ring between daemons), but this bytecompd has "
@@ -92,7 +112,8 @@ std::unique_ptr<RingPath> RingPath::open(const PathContext& ctx,
                 "ring allreduce: waiting for every node to open the job failed: " + s.message());
   }
   BC_LOG(LogEngineRing(), kInfo) << "job " << ctx.job << ": ring allreduce over "
-                                 << info.nodes.size() << " daemons (rank " << info.rank << ")";
+                                 << info.nodes.size() << " daemons (rank " << info.rank << ", "
+                                 << starts_on_ring << " tensor(s) start on it)";
   return path;
 }
 

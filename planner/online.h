@@ -17,9 +17,10 @@
 // Options are only those the CPU runtime executes: per tensor none, fp16
 // or one of the accepted compressors on the CPU over the PS sharded scheme,
 // or none / fp16 on the daemons' ring (inter: allreduce, Placement::kRing).
-// A running job cannot move a tensor between the servers and the ring (the
-// coordinator refuses placement changes mid-job, docs/auto.md), so with
-// AutoConfig::fixed_placement (the coordinator's case) every tensor keeps
+// A running job may move a tensor between the servers and the ring at one
+// iteration (docs/daemon.md "Ring allreduce"), but the coordinator's online
+// decisions do not yet: with AutoConfig::fixed_placement (the default, the
+// coordinator's case, docs/auto.md "Placement") every tensor keeps
 // the placement the window ran it with; without it (a plan before the
 // job's first round, `bytecomp-plan decide --placement free`) each tensor
 // may take either.

@@ -685,13 +685,24 @@ void Coordinator::on_set_strategy(Incoming in, proto::SetStrategy m) {
   std::vector<TensorPlan> plans;
   try {
     plans = plan_job(adm.tensors, yaml);
-    for (size_t t = 0; t < plans.size(); ++t)
-      if (plans[t].placement != current[t].placement)
-        throw Error(ErrorCode::kInvalidArgument,
-                    "tensor '" + adm.tensors[t].name + "' would move from " +
-                        std::string(to_string(current[t].placement)) + " to " +
-                        std::string(to_string(plans[t].placement)) +
-                        " (a placement change needs a new job)");
+    // Ring <-> ps moves apply at the iteration like any change: every server
+    // holds the ring tensors' partitions (assign_partitions) and the nodes
+    // pick the path per round.
+    if (std::string why = strategy::placement_change(adm.tensors, current, plans); !why.empty())
+      throw Error(ErrorCode::kInvalidArgument, why);
+    for (size_t t = 0; t < plans.size(); ++t) {
+      if (plans[t].placement != Placement::kRing || current[t].placement == Placement::kRing)
+        continue;
+      // The nodes opened their ring at the join only when every one of
+      // them has a peer endpoint.
+      for (size_t r = 0; r < adm.peer_addresses.size(); ++r)
+        if (adm.peer_addresses[r].empty())
+          throw Error(ErrorCode::kInvalidArgument,
+                      "tensor '" + adm.tensors[t].name + "' would move from " +
+                          std::string(to_string(current[t].placement)) +
+                          " to the daemons' ring, but " + node_name(adm.nodes.at(r)) +
+                          " has no peer endpoint (internode.peer_listen)");
+    }
     // Every party cut the tensors at admission by their pieces
     // (assign_partitions, the nodes' paths, the clients' shared memory).
     if (std::string why = strategy::layout_change(adm.tensors, current, plans); !why.empty())

@@ -47,7 +47,7 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
   Assignment a;
   a.by_tensor.resize(tensors.size());
   for (uint32_t t = 0; t < tensors.size(); ++t) {
-    if (strategy::between_daemons(plans[t].placement)) continue;
+    if (plans[t].placement == Placement::kPeer) continue;
     // The unit's partition size as the nodes cut it: a fused bucket's equal
     // shards, else the tensor's option's pieces (server/fusion.h).
     const uint64_t tper =
@@ -80,6 +80,11 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
     std::vector<size_t> parts;
   };
   std::vector<Unit> units;
+  // Ring tensors' partitions (server rounds for a later switch to ps): placed
+  // after every other unit, on servers and engines, so the push/pull
+  // tensors' places are those of a job without them and the ring ones take
+  // what is least loaded after them.
+  std::vector<Unit> ring_units;
   std::vector<uint64_t> server_load(servers.size(), 0);
   std::vector<std::vector<size_t>> on_server(servers.size());
   // Equal shards first: shard i of a bucket on server (s0 + i) mod S, s0 the
@@ -87,7 +92,8 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
   // bucket (the greedy placement below balances whole partitions only).
   std::vector<bool> sharded(tensors.size(), false);
   for (uint32_t t = 0; t < tensors.size() && t < shard_elems.size(); ++t)
-    sharded[t] = shard_elems[t] > 0 && !strategy::between_daemons(plans[t].placement) &&
+    sharded[t] = shard_elems[t] > 0 && plans[t].placement != Placement::kPeer &&
+                 plans[t].placement != Placement::kRing &&
                  plans[t].placement != Placement::kSingle;
   {
     size_t i = 0;
@@ -111,7 +117,9 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
     for (size_t i = 0; i < a.partitions.size(); ++i) {
       const Partition& p = a.partitions[i];
       if (sharded[p.tensor]) continue;
-      if (plans[p.tensor].placement == Placement::kSingle) {
+      if (plans[p.tensor].placement == Placement::kRing) {
+        ring_units.push_back({p.count * 4, p.key, {i}});
+      } else if (plans[p.tensor].placement == Placement::kSingle) {
         if (single_unit[p.tensor] < 0) {
           single_unit[p.tensor] = static_cast<int64_t>(units.size());
           units.push_back({0, p.key, {}});
@@ -124,30 +132,39 @@ Assignment assign_partitions(const std::vector<TensorSpec>& tensors,
       }
     }
   }
-  std::stable_sort(units.begin(), units.end(), [](const Unit& x, const Unit& y) {
+  auto by_size = [](const Unit& x, const Unit& y) {
     return x.bytes != y.bytes ? x.bytes > y.bytes : x.first_key < y.first_key;
-  });
-  for (const Unit& u : units) {
-    size_t s = least_loaded(server_load);
-    server_load[s] += u.bytes;
-    for (size_t i : u.parts) {
-      a.partitions[i].server = servers[s].id;
-      on_server[s].push_back(i);
+  };
+  std::stable_sort(units.begin(), units.end(), by_size);
+  std::stable_sort(ring_units.begin(), ring_units.end(), by_size);
+  std::vector<std::vector<size_t>> ring_on_server(servers.size());
+  auto place = [&](const std::vector<Unit>& list, std::vector<std::vector<size_t>>& where) {
+    for (const Unit& u : list) {
+      size_t s = least_loaded(server_load);
+      server_load[s] += u.bytes;
+      for (size_t i : u.parts) {
+        a.partitions[i].server = servers[s].id;
+        where[s].push_back(i);
+      }
     }
-  }
-  // Engines: largest partition first within each server.
+  };
+  place(units, on_server);
+  place(ring_units, ring_on_server);
+  // Engines: largest partition first within each server, the ring tensors'
+  // after the others (on the load those left).
   for (size_t s = 0; s < servers.size(); ++s) {
-    std::vector<size_t>& idx = on_server[s];
-    std::stable_sort(idx.begin(), idx.end(), [&](size_t x, size_t y) {
-      const Partition& px = a.partitions[x];
-      const Partition& py = a.partitions[y];
-      return px.count != py.count ? px.count > py.count : px.key < py.key;
-    });
     std::vector<uint64_t> engine_load(std::max<uint32_t>(1, servers[s].engine_threads), 0);
-    for (size_t i : idx) {
-      size_t e = least_loaded(engine_load);
-      engine_load[e] += a.partitions[i].count * 4;
-      a.partitions[i].engine = static_cast<uint32_t>(e);
+    for (std::vector<size_t>* idx : {&on_server[s], &ring_on_server[s]}) {
+      std::stable_sort(idx->begin(), idx->end(), [&](size_t x, size_t y) {
+        const Partition& px = a.partitions[x];
+        const Partition& py = a.partitions[y];
+        return px.count != py.count ? px.count > py.count : px.key < py.key;
+      });
+      for (size_t i : *idx) {
+        size_t e = least_loaded(engine_load);
+        engine_load[e] += a.partitions[i].count * 4;
+        a.partitions[i].engine = static_cast<uint32_t>(e);
+      }
     }
   }
   // FNV-1a over the fields, so every party can compare assignments cheaply.

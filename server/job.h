@@ -108,11 +108,17 @@ struct Assignment {
 // unit_partition_bytes(plan, shard_elems[t], partition_bytes) (server/fusion.h;
 // fp32 bytes: a fused bucket's equal shards, else the job's partition size
 // cut into the option's `pieces`; the last one may be shorter), so the digest
-// covers every tensor's pieces and every bucket's shards. Placement
-// kPeer and kRing tensors (between daemons) get none. Balancing (greedy, largest first, ties by key):
-// each kSharded partition goes to the server with the fewest assigned bytes,
-// each kSingle tensor as a whole to the least-loaded server; then within a
-// server each partition goes to its least-loaded engine thread. Servers are
+// covers every tensor's pieces and every bucket's shards. Placement kPeer
+// tensors (allgather between daemons) get none. Balancing (greedy, largest
+// first, ties by key): each kSharded partition goes to the server with the
+// fewest assigned bytes, each kSingle tensor as a whole to the least-loaded
+// server; then within a server each partition goes to its least-loaded
+// engine thread. kRing tensors (the daemons' ring) get partitions too, as
+// kSharded ones, so that a strategy change may move them to ps at one
+// iteration (strategy::placement_switchable): they are placed after every
+// other partition, on servers and then on engines, so the other tensors'
+// places are exactly those of the same job without them (a tensor moving
+// between ring and ps moves nobody else). Servers are
 // taken in the given order; ties go to the earlier one. Throws
 // Error(kInvalidArgument) for an empty server list (when any partition
 // exists), partition_bytes < 4, or plans.size() != tensors.size().

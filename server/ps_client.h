@@ -197,8 +197,9 @@ class PsJob {
   // Asks the coordinator to switch to `strategy_yaml` from `iteration` on.
   // Refused (kInvalidArgument) when some server already collects pushes at
   // or past `iteration` (request it at least one iteration ahead), when the
-  // YAML is invalid, or when it would move a tensor between placements
-  // (ps / ps_single / allgather need a new job). On success every party,
+  // YAML is invalid, or when it would move a tensor to or from ps_single or
+  // allgather (a new job's; ring <-> ps moves apply at `iteration`,
+  // strategy::placement_change). On success every party,
   // this one included, gets on_strategy_change before done runs.
   virtual void set_strategy(std::string strategy_yaml, uint64_t iteration,
                             DoneCallback done) = 0;

@@ -60,6 +60,8 @@ Status rounds_admit_change(uint64_t iteration, const std::vector<const Partition
 
 uint64_t round_reservation(const TensorPlan& plan, uint64_t count, size_t nodes,
                            bool deterministic) {
+  // A ring tensor's round holds nothing (its blocks come with its first push).
+  if (strategy::between_daemons(plan.placement)) return 0;
   uint64_t r = 4 * count * 4;  // sum + answer in flight + spare block + held first push
   if (plan.sum == SumMode::kCompressed || deterministic)
     r += nodes * push_bytes_bound(plan, count);
@@ -75,7 +77,8 @@ PartitionRound::PartitionRound(RoundSetup setup, const Timeline& plans)
     : setup_(std::move(setup)), plans_(plans), collecting_(setup_.start_iteration) {
   if (setup_.nodes == 0) throw Error(ErrorCode::kInvalidArgument, setup_.label + ": a job without nodes");
   pool_ = std::make_shared<BlockPool>(setup_.part.count);
-  sum_ = pool_->get();
+  // The sum block comes with the first push: a ring tensor's partition may
+  // never see one.
   pending_.resize(setup_.nodes);
   pushed_.assign(setup_.nodes, 0);
 }
@@ -95,7 +98,8 @@ void PartitionRound::fix_plan() {
   if (plan_ready_ && plan == plan_) return;
   plan_ = std::move(plan);
   plan_ready_ = true;
-  if (plan_.compressed_push()) {
+  // A ring plan's pushes are refused (push()): nothing to decode them with.
+  if (plan_.compressed_push() && !strategy::between_daemons(plan_.placement)) {
     // It decodes the pushes and, under a gathering collective, recompresses
     // their sum: with the server's own error feedback, and never with the
     // nodes' momentum (they applied it; again on the sum it compounds).
@@ -126,6 +130,7 @@ PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t
     return refuse(ErrorCode::kInvalidArgument,
                   "push refused: stale iteration " + std::to_string(it) + " from " + who + ": " +
                       label + " is collecting iteration " + std::to_string(collecting_));
+  skip_to(it);
   if (it > collecting_)
     return refuse(ErrorCode::kInvalidArgument,
                   "push refused: future iteration " + std::to_string(it) + " from " + who + ": " +
@@ -140,6 +145,11 @@ PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t
                       label + " (accepted: exactly 1)");
   if (n_pushed_ == 0) {
     fix_plan();
+    if (strategy::between_daemons(plan_.placement))
+      return refuse(ErrorCode::kInvalidArgument,
+                    "push refused: " + label + " goes round the daemons' ring at iteration " +
+                        std::to_string(it) + " (its plan: " + plan_.describe() + ")");
+    if (!sum_) sum_ = pool_->get();
     started_ns_ = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                             std::chrono::steady_clock::now().time_since_epoch())
                                             .count());
@@ -201,6 +211,15 @@ PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t
   }
   if (n_pushed_ == pushed_.size()) return complete();
   return out;
+}
+
+void PartitionRound::skip_to(uint64_t iteration) {
+  // Only an idle round skips, and only iterations no server ran: the
+  // tensor's plan put them on the daemons' ring (every server prepared a
+  // change before any node ran it, so the timeline here knows them).
+  if (iteration <= collecting_ || n_pushed_ > 0 || !waiting_.empty()) return;
+  if (!plans_.off_servers(setup_.part.tensor, collecting_, iteration)) return;
+  collecting_ = iteration;
 }
 
 void PartitionRound::accumulate(const Buffer& b) {
@@ -308,7 +327,16 @@ std::optional<RoundAnswer> PartitionRound::pull(Incoming in) {
   if (released_) return refuse(ErrorCode::kUnavailable, "pull refused: " + label + " is released");
   const uint64_t it = in.message.header.arg;
   if (has_result_ && it == result_iteration_) return RoundAnswer{std::move(in), Status::Ok(), result_};
+  skip_to(it);
   if (it == collecting_) {
+    // No push would ever finish a round the daemons' ring runs.
+    if (n_pushed_ == 0) {
+      const TensorPlan plan = plans_.plan(setup_.part.tensor, it);
+      if (strategy::between_daemons(plan.placement))
+        return refuse(ErrorCode::kInvalidArgument,
+                      "pull refused: " + label + " goes round the daemons' ring at iteration " +
+                          std::to_string(it) + " (its plan: " + plan.describe() + ")");
+    }
     for (const Incoming& w : waiting_)
       if (w.from == in.from)
         return refuse(ErrorCode::kInvalidArgument,

@@ -92,6 +92,10 @@ class PartitionRound {
   PartitionRound& operator=(const PartitionRound&) = delete;
 
   // A push of `iteration` from rank `rank` (node `from`, named in refusals).
+  // An idle round whose tensor was on the daemons' ring for every iteration
+  // from the collecting one up to `iteration` (Timeline::off_servers) first
+  // moves to `iteration` (a pull does the same); its sum block is allocated
+  // with its first push.
   // Refused: not the collecting iteration, a second push of the rank, not
   // exactly one payload, a wrong length or (compressed) a buffer of another
   // algorithm / element count / malformed (kMalformed). The first push of a
@@ -119,6 +123,10 @@ class PartitionRound {
 
  private:
   void fix_plan();
+  // Moves an idle round forward to `iteration` when Timeline::off_servers
+  // says every iteration from collecting_ up to it went round the daemons'
+  // ring (a ring -> ps switch joins at the switch iteration).
+  void skip_to(uint64_t iteration);
   void accumulate(const transport::Buffer& b);
   PushOutcome complete();
   compress::CompressContext ctx() const;

@@ -196,6 +196,26 @@ std::string layout_change(std::span<const PlanTensor> tensors, const std::vector
   return {};
 }
 
+bool placement_switchable(Placement from, Placement to) {
+  auto movable = [](Placement p) { return p == Placement::kRing || p == Placement::kSharded; };
+  return from == to || (movable(from) && movable(to));
+}
+
+std::string placement_change(std::span<const PlanTensor> tensors,
+                             const std::vector<TensorPlan>& from,
+                             const std::vector<TensorPlan>& to) {
+  for (size_t t = 0; t < std::min({tensors.size(), from.size(), to.size()}); ++t) {
+    const Placement a = from[t].placement;
+    const Placement b = to[t].placement;
+    if (placement_switchable(a, b)) continue;
+    return "tensor '" + tensors[t].name + "' would move from " + std::string(to_string(a)) +
+           " to " + std::string(to_string(b)) +
+           " (only moves between ring and ps apply mid-job: a placement change to or from "
+           "ps_single or allgather needs a new job)";
+  }
+  return {};
+}
+
 std::vector<TensorPlan> uncompressed_plans(size_t n) { return std::vector<TensorPlan>(n); }
 
 uint64_t push_bytes_bound(const TensorPlan& plan, uint64_t count) {

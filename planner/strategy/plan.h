@@ -148,7 +148,7 @@ std::vector<TensorPlan> uncompressed_plans(size_t n);
 // and scheduler, and the shared-memory header clients read (TensorSlot).
 // Because it depends on the plan, a strategy change that changes a tensor's
 // pieces changes its layout: refused (the coordinator, and the daemon for a
-// one-node job), like a placement change.
+// one-node job), like a move to or from ps_single or allgather.
 inline constexpr uint64_t kSliceAlignBytes = 64;
 int plan_pieces(const TensorPlan& plan);
 uint64_t tensor_partition_bytes(const TensorPlan& plan, uint64_t partition_bytes);
@@ -161,6 +161,21 @@ inline uint64_t partition_count(uint64_t bytes, uint64_t part) {
 // pieces); else "tensor '<name>' would change pieces from a to b (...)".
 std::string layout_change(std::span<const PlanTensor> tensors, const std::vector<TensorPlan>& from,
                           const std::vector<TensorPlan>& to);
+
+// Placements a running job may move a tensor between at one iteration: the
+// daemons' ring (kRing) and sharded push/pull (kSharded). Every server holds
+// partitions for both (assign_partitions gives ring tensors theirs, after
+// every other tensor's), and the daemons pick the path per round from the
+// plan in force, so the move needs no new layout. ps_single (one server for
+// the whole tensor) and allgather (between daemons, no server state) keep
+// their placement for the job.
+bool placement_switchable(Placement from, Placement to);
+// Empty when `to` keeps every tensor's placement of `from` or moves it only
+// as placement_switchable allows; else "tensor '<name>' would move from a to
+// b (...: a placement change needs a new job)".
+std::string placement_change(std::span<const PlanTensor> tensors,
+                             const std::vector<TensorPlan>& from,
+                             const std::vector<TensorPlan>& to);
 
 // Bytes a push / a pull answer of `count` elements may have under `plan`
 // (exact for raw formats, an upper bound for compressed ones).

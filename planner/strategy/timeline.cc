@@ -51,6 +51,18 @@ Timeline::Entry Timeline::latest() const {
   return std::prev(by_first_.end())->second;
 }
 
+bool Timeline::off_servers(uint32_t tensor, uint64_t from, uint64_t to) const {
+  if (tensor >= tensors_) return false;
+  if (from >= to) return true;
+  std::lock_guard lk(mu_);
+  // The entry in force at `from`, then every entry starting before `to`.
+  auto it = by_first_.upper_bound(from);
+  if (it != by_first_.begin()) --it;
+  for (; it != by_first_.end() && (it == by_first_.begin() || it->first < to); ++it)
+    if (!between_daemons((*it->second.plans)[tensor].placement)) return false;
+  return true;
+}
+
 Status Timeline::add(uint64_t iteration, std::vector<TensorPlan> plans, std::string yaml,
                      const std::function<Status()>& admissible, bool* added) {
   if (added != nullptr) *added = false;

@@ -66,6 +66,11 @@ class Timeline {
                   std::atomic<int64_t>* frozen = nullptr) const;
   // The newest entry (the strategy last announced).
   Entry latest() const;
+  // True when no parameter server handles `tensor` at any iteration in
+  // [from, to) (its plan is between_daemons there; true for an empty range):
+  // a server's round of it may then skip those iterations, which went round
+  // the daemons' ring. False for a bad index.
+  bool off_servers(uint32_t tensor, uint64_t from, uint64_t to) const;
 
   // Records `plans` from `iteration` on. `admissible` (may be empty) runs
   // under the lock, atomically with the insertion, and may refuse (its

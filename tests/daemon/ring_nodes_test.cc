@@ -75,14 +75,44 @@ class RingNodes : public PeerNodes {
     return sv::PsClient::create(c, tc)->stats(0).rounds_completed;
   }
 
-  std::string strategy_yaml_;
+  // Writes `yaml` as the strategy file, SIGHUPs node 0 and waits for its
+  // `nth` announced change ("applies on every node from iteration N"):
+  // returns N, or -1 (a failure is added) when it did not come.
+  int64_t switch_strategy(const std::string& yaml, size_t nth) {
+    write("strategy.yaml", yaml);
+    nodes_[0]->daemon().signal(SIGHUP);
+    const std::regex re("applies on every node from iteration ([0-9]+)");
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (std::chrono::steady_clock::now() < deadline) {
+      const std::string log = nodes_[0]->daemon().output();
+      size_t k = 0;
+      for (auto m = std::sregex_iterator(log.begin(), log.end(), re); m != std::sregex_iterator();
+           ++m)
+        if (++k == nth) return std::stoll((*m)[1]);
+      std::this_thread::sleep_for(20ms);
+    }
+    ADD_FAILURE() << "strategy change " << nth << " not announced: " << nodes_[0]->daemon().output();
+    return -1;
+  }
 
+  std::string strategy_yaml_;
 };
 
 float grad(uint32_t grank, uint64_t it, uint64_t i) {
   return static_cast<float>(std::sin(0.11 * static_cast<double>(i) + 0.7 * static_cast<double>(it) +
                                      1.9 * grank)) *
          static_cast<float>(1 + i % 9);
+}
+
+// Push/pull values: small integers, so the server's fp32 sum of them is
+// exact whatever the order the nodes' pushes arrive in.
+float ints(uint32_t grank, uint64_t it, uint64_t i) {
+  return static_cast<float>(static_cast<int>((i * 7 + it * 5 + grank * 13) % 61) - 30);
+}
+float ints_sum(uint32_t nodes, uint64_t it, uint64_t i) {
+  float s = 0;
+  for (uint32_t g = 0; g < 2 * nodes; ++g) s += ints(g, it, i);
+  return s;
 }
 
 float wire(bd::RingFormat f, float v) {
@@ -211,23 +241,20 @@ TEST_P(RingNodes, MixedRingAndPushPullJobOnTwoThreeAndFourNodes) {
   }
 }
 
-// SIGHUP on node 0 switches the ring tensor from fp32 to fp16 at one
-// iteration on every node (the coordinator's announcement, as for any
-// strategy change); a switch that would move it to push/pull is refused by
-// the coordinator (a placement change needs a new job) and the job carries on.
+// SIGHUP on node 0 switches the one tensor of a 3-node job from the ring
+// (fp32) to push/pull through the server, then back onto the ring (fp16):
+// each switch applies at the coordinator's iteration on every node, like
+// any strategy change. Every iteration is exact: the ring's against its
+// reference order, the server's (small integers, exact in any order)
+// against the plain sum, and the server ran exactly the push/pull
+// iterations' rounds.
 TEST_P(RingNodes, StrategySwitchOnTheRingAppliesAtOneIteration) {
   start(3, "version: 1\ndefault: {compressor: none, inter: allreduce}\n");
   constexpr uint64_t kN = 70001;  // two partitions
   constexpr int kIters = 12;
   std::vector<std::vector<float>> got[3];
   std::barrier sync(6);
-  int64_t switch_at = -1;
-  bool ps_refused = false;
-  auto switch_to = [&](const std::string& yaml, const std::string& needle) {
-    write("strategy.yaml", yaml);
-    nodes_[0]->daemon().signal(SIGHUP);
-    return nodes_[0]->daemon().wait_output(needle, 10s);
-  };
+  int64_t to_ps = -1, to_ring = -1;
   auto run = [&](uint32_t node, uint32_t rank) {
     bytecomp_client* c = connect_client(node, rank, "switch");
     ASSERT_NE(c, nullptr);
@@ -239,25 +266,17 @@ TEST_P(RingNodes, StrategySwitchOnTheRingAppliesAtOneIteration) {
     for (uint64_t it = 0; it < kIters; ++it) {
       if (it == 3 || it == 7) {
         sync.arrive_and_wait();
-        if (grank == 0 && it == 3) {
-          ps_refused = switch_to("version: 1\ndefault: {compressor: none}\n",
-                                 "a placement change needs a new job");
-        }
-        if (grank == 0 && it == 7) {
-          EXPECT_TRUE(switch_to("version: 1\ndefault: {compressor: fp16, inter: allreduce}\n",
-                                "applies on every node from iteration"))
-              << nodes_[0]->daemon().output();
-          std::smatch mt;
-          const std::string log = nodes_[0]->daemon().output();
-          if (std::regex_search(log, mt, std::regex("from iteration ([0-9]+)")))
-            switch_at = std::stoll(mt[1]);
-        }
+        if (grank == 0 && it == 3) to_ps = switch_strategy("version: 1\ndefault: {compressor: none}\n", 1);
+        if (grank == 0 && it == 7)
+          to_ring = switch_strategy("version: 1\ndefault: {compressor: fp16, inter: allreduce}\n", 2);
         sync.arrive_and_wait();
       }
+      const bool ps = to_ps >= 0 && static_cast<int64_t>(it) >= to_ps &&
+                      (to_ring < 0 || static_cast<int64_t>(it) < to_ring);
       float* p = nullptr;
       uint64_t bytes = 0;
       ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
-      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = ps ? ints(grank, it, i) : grad(grank, it, i);
       bytecomp_handle hd = 0;
       ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
       ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
@@ -267,24 +286,130 @@ TEST_P(RingNodes, StrategySwitchOnTheRingAppliesAtOneIteration) {
   };
   on_every_rank(run);
   ASSERT_FALSE(HasFailure());
-  EXPECT_TRUE(ps_refused) << nodes_[0]->daemon().output();
-  ASSERT_GE(switch_at, 7);
-  ASSERT_LT(switch_at, kIters);
+  ASSERT_GE(to_ps, 3) << nodes_[0]->daemon().output();
+  ASSERT_GE(to_ring, 7) << nodes_[0]->daemon().output();
+  ASSERT_LT(to_ring, kIters);
   for (uint32_t node = 0; node < 3; ++node) {
     ASSERT_EQ(got[node].size(), static_cast<size_t>(kIters));
     for (uint64_t it = 0; it < kIters; ++it) {
-      const auto f = static_cast<int64_t>(it) >= switch_at ? bd::RingFormat::kFp16
-                                                            : bd::RingFormat::kFp32;
+      const auto i64 = static_cast<int64_t>(it);
+      const bool ps = i64 >= to_ps && i64 < to_ring;
+      const auto f = i64 >= to_ring ? bd::RingFormat::kFp16 : bd::RingFormat::kFp32;
       size_t mismatches = 0;
       for (uint64_t i = 0; i < kN; ++i) {
-        const float expect = ring_expect(3, kN, it, i, f);
+        const float expect = ps ? ints_sum(3, it, i) : ring_expect(3, kN, it, i, f);
         mismatches += std::memcmp(&got[node][it][i], &expect, 4) != 0;
       }
-      EXPECT_EQ(mismatches, 0u) << "node " << node << " iteration " << it << " (switch at "
-                                << switch_at << ")";
+      EXPECT_EQ(mismatches, 0u) << "node " << node << " iteration " << it << " ("
+                                << (ps ? "ps" : "ring") << "; ps from " << to_ps
+                                << ", ring again from " << to_ring << ")";
     }
   }
-  EXPECT_EQ(rounds_completed(), 0u) << "a ring tensor reached the server";
+  EXPECT_EQ(rounds_completed(), 2u * static_cast<uint64_t>(to_ring - to_ps))
+      << "the server ran other rounds than the push/pull iterations'";
+  for (auto& n : nodes_)
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+}
+
+// One 2-node job with a ring tensor and a push/pull tensor, switched both
+// ways at one iteration (they swap places, then swap back), then a move to
+// ps_single refused naming the tensor (that placement change needs a new
+// job) while the job carries on. Every iteration of both tensors is exact
+// on every node, and the server's round counter holds exactly the rounds of
+// the iterations each tensor spent on push/pull.
+TEST_P(RingNodes, MixedJobSwitchesTensorsBetweenRingAndServers) {
+  const std::string a_ring_b_ps =
+      "version: 1\ndefault: {compressor: none}\nentries:\n"
+      "  - {tensor: a, option: {compressor: none, inter: allreduce}}\n";
+  const std::string a_ps_b_ring =
+      "version: 1\ndefault: {compressor: none}\nentries:\n"
+      "  - {tensor: b, option: {compressor: bf16, inter: allreduce}}\n";
+  start(2, a_ring_b_ps);
+  struct T {
+    const char* name;
+    uint64_t count;
+  };
+  const T tensors[] = {{"a", 2 * kPartitionElements + 99}, {"b", 1001}};  // 3 and 1 partitions
+  constexpr int kIters = 13;
+  std::vector<std::vector<float>> got[2][2];  // [node][tensor][iteration]
+  std::barrier sync(4);
+  int64_t swap = -1, back = -1;
+  bool single_refused = false;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "mixedswitch");
+    ASSERT_NE(c, nullptr);
+    uint32_t ids[2];
+    for (int k = 0; k < 2; ++k)
+      ASSERT_EQ(bytecomp_declare_tensor(c, tensors[k].name, tensors[k].count, BYTECOMP_FLOAT32,
+                                        BYTECOMP_DEVICE_CPU, 0, &ids[k]),
+                BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 3 || it == 6 || it == 9) {
+        sync.arrive_and_wait();
+        if (grank == 0 && it == 3) swap = switch_strategy(a_ps_b_ring, 1);
+        if (grank == 0 && it == 6) back = switch_strategy(a_ring_b_ps, 2);
+        if (grank == 0 && it == 9) {
+          write("strategy.yaml", "version: 1\ndefault: {compressor: none, inter: reduce_broadcast}\n");
+          nodes_[0]->daemon().signal(SIGHUP);
+          single_refused = nodes_[0]->daemon().wait_output(
+              "tensor 'a' would move from ring to ps_single", 10s);
+        }
+        sync.arrive_and_wait();
+      }
+      const auto i64 = static_cast<int64_t>(it);
+      const bool swapped = swap >= 0 && i64 >= swap && (back < 0 || i64 < back);
+      bytecomp_handle hs[2];
+      float* p[2];
+      for (int j = 0; j < 2; ++j) {
+        const int k = (j + static_cast<int>(node)) % 2;  // each node in another order
+        uint64_t bytes = 0;
+        ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p[k]), &bytes),
+                  BYTECOMP_OK);
+        const bool ps = (k == 0) == swapped;
+        for (uint64_t i = 0; i < tensors[k].count; ++i)
+          p[k][i] = ps ? ints(grank, it, i) : grad(grank, it, i);
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hs[k]), BYTECOMP_OK);
+      }
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK) << bytecomp_last_error();
+        if (rank == 0) got[node][k].emplace_back(p[k], p[k] + tensors[k].count);
+      }
+    }
+    bytecomp_close(c);
+  };
+  on_every_rank(run);
+  ASSERT_FALSE(HasFailure());
+  ASSERT_GE(swap, 3) << nodes_[0]->daemon().output();
+  ASSERT_GE(back, 6) << nodes_[0]->daemon().output();
+  ASSERT_LT(back, 9);
+  EXPECT_TRUE(single_refused) << nodes_[0]->daemon().output();
+  uint64_t ps_rounds = 0;
+  for (int k = 0; k < 2; ++k) {
+    const T& t = tensors[k];
+    for (uint64_t it = 0; it < kIters; ++it) {
+      const auto i64 = static_cast<int64_t>(it);
+      const bool swapped = i64 >= swap && i64 < back;
+      const bool ps = (k == 0) == swapped;
+      if (ps) ps_rounds += (t.count + kPartitionElements - 1) / kPartitionElements;
+      const auto f = k == 0 ? bd::RingFormat::kFp32 : bd::RingFormat::kBf16;
+      for (uint32_t node = 0; node < 2; ++node) {
+        ASSERT_EQ(got[node][k].size(), static_cast<size_t>(kIters));
+        size_t mismatches = 0;
+        for (uint64_t i = 0; i < t.count; ++i) {
+          const float expect = ps ? ints_sum(2, it, i) : ring_expect(2, t.count, it, i, f);
+          mismatches += std::memcmp(&got[node][k][it][i], &expect, 4) != 0;
+        }
+        EXPECT_EQ(mismatches, 0u) << t.name << " node " << node << " iteration " << it << " ("
+                                  << (ps ? "ps" : "ring") << "; swapped from " << swap
+                                  << " to " << back << ")";
+      }
+    }
+  }
+  EXPECT_EQ(rounds_completed(), ps_rounds);
+  for (auto& n : nodes_)
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
 }
 
 // A daemon killed mid-ring: every rank of the other nodes gets an error

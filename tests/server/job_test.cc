@@ -148,6 +148,83 @@ TEST(AssignmentTest, PlacementsSingleAndPeer) {
   EXPECT_THROW(assign_partitions(t, plans, servers(1, 1), 2), Error);
 }
 
+// Ring tensors (the daemons' allreduce) get server partitions, so a strategy
+// change may move them to ps at one iteration, placed after every other
+// partition: the other tensors sit exactly where they sit in the same job
+// whose ring tensors have none (here: the allgather placement, which gets
+// none), on servers and on engines.
+TEST(AssignmentTest, RingTensorsGetPartitionsAfterEveryOtherTensor) {
+  const uint64_t pb = 4096;
+  std::vector<TensorSpec> t = {{"big", 100000}, {"ring_a", 30001}, {"single", 9000},
+                               {"small", 700},  {"ring_b", 5000}};
+  std::vector<TensorPlan> plans(t.size());
+  plans[1].placement = Placement::kRing;
+  plans[2].placement = Placement::kSingle;
+  plans[4].placement = Placement::kRing;
+  std::vector<TensorPlan> without = plans;
+  without[1].placement = Placement::kPeer;
+  without[4].placement = Placement::kPeer;
+  for (int nservers : {1, 2, 3}) {
+    SCOPED_TRACE("servers " + std::to_string(nservers));
+    const Assignment a = assign_partitions(t, plans, servers(nservers, 3), pb);
+    const Assignment b = assign_partitions(t, without, servers(nservers, 3), pb);
+    for (uint32_t r : {1u, 4u}) {
+      ASSERT_EQ(a.by_tensor[r].size(), (t[r].count * 4 + pb - 1) / pb) << t[r].name;
+      uint64_t next = 0;
+      for (uint32_t idx : a.by_tensor[r]) {
+        EXPECT_EQ(a.partitions[idx].offset, next);
+        next += a.partitions[idx].count;
+      }
+      EXPECT_EQ(next, t[r].count);
+      EXPECT_TRUE(b.by_tensor[r].empty());
+    }
+    for (uint32_t k : {0u, 2u, 3u}) {
+      ASSERT_EQ(a.by_tensor[k].size(), b.by_tensor[k].size()) << t[k].name;
+      for (size_t j = 0; j < a.by_tensor[k].size(); ++j)
+        EXPECT_EQ(a.partitions[a.by_tensor[k][j]], b.partitions[b.by_tensor[k][j]])
+            << t[k].name << " partition " << j;
+    }
+    EXPECT_NE(a.digest, b.digest);
+  }
+  // With two servers the ring partitions still spread over both.
+  const Assignment two = assign_partitions(t, plans, servers(2, 1), pb);
+  std::set<NodeId> ring_servers;
+  for (uint32_t idx : two.by_tensor[1]) ring_servers.insert(two.partitions[idx].server);
+  EXPECT_EQ(ring_servers.size(), 2u);
+}
+
+// Which strategy changes may move a tensor mid-job: between ring and ps
+// only, named otherwise.
+TEST(AssignmentTest, PlacementChangesBetweenRingAndPsOnly) {
+  std::vector<TensorSpec> t = {{"w", 1000}, {"b", 10}};
+  const auto ps = plan_job(t, "");
+  const auto ring = plan_job(t, "version: 1\ndefault: {compressor: none, inter: allreduce}\n");
+  const auto ring_fp16 = plan_job(t, "version: 1\ndefault: {compressor: fp16, inter: allreduce}\n");
+  const auto single = plan_job(t, "version: 1\ndefault: {compressor: none, inter: reduce_broadcast}\n");
+  const auto peer = plan_job(t, "version: 1\ndefault: {compressor: fp16, inter: allgather}\n");
+  ASSERT_EQ(ring[0].placement, Placement::kRing);
+  ASSERT_EQ(single[0].placement, Placement::kSingle);
+  ASSERT_EQ(peer[0].placement, Placement::kPeer);
+  EXPECT_EQ(strategy::placement_change(t, ps, ring), "");
+  EXPECT_EQ(strategy::placement_change(t, ring, ps), "");
+  EXPECT_EQ(strategy::placement_change(t, ring_fp16, ps), "");
+  EXPECT_EQ(strategy::placement_change(t, peer, peer), "");
+  for (const auto* to : {&single, &peer}) {
+    const std::string why = strategy::placement_change(t, ring, *to);
+    EXPECT_NE(why.find("tensor 'w' would move from ring to " +
+                       std::string(strategy::to_string((*to)[0].placement))),
+              std::string::npos)
+        << why;
+    EXPECT_NE(why.find("a placement change to or from ps_single or allgather needs a new job"),
+              std::string::npos)
+        << why;
+  }
+  EXPECT_NE(strategy::placement_change(t, single, ps).find("from ps_single to ps"),
+            std::string::npos);
+  EXPECT_NE(strategy::placement_change(t, peer, ring).find("from allgather to ring"),
+            std::string::npos);
+}
+
 // Option::pieces executed: a tensor whose option has pieces q is cut at
 // partition_bytes / q (whole 64-byte multiples), so it has q times the
 // partitions of the same tensor without pieces (a length that is a

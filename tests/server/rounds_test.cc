@@ -395,6 +395,63 @@ TEST(RoundsTest, ReservationCoversWhatARoundHolds) {
             16000u + 4 * push_bytes_bound(fp16, 1000) + 2 * pull_bytes_bound(fp16, 1000));
 }
 
+// A ring tensor's round (assign_partitions gives it one for a switch to
+// ps): it reserves nothing, refuses pushes of iterations on the ring, and
+// joins at the switch iteration by skipping those the ring ran; back on the
+// ring and on ps again, it skips again. An iteration that was on the
+// servers is never skipped.
+TEST(RoundsTest, ARingTensorsRoundSkipsTheRingIterationsAndJoinsAtTheSwitch) {
+  constexpr size_t kCount = 333;
+  const std::string ring = strategy_text("  - {tensor: g, option: {compressor: none, inter: allreduce}}\n");
+  Fixture f(2, kCount, ring);
+  ASSERT_EQ(f.plans.plan(0, 0).placement, Placement::kRing);
+  EXPECT_EQ(round_reservation(f.plans.plan(0, 0), kCount, 2, false), 0u);
+  EXPECT_EQ(round_reservation(f.plans.plan(0, 0), kCount, 2, true), 0u);
+  PushOutcome o = f.push(0, 0, ints(0, 0, kCount));
+  EXPECT_EQ(o.status.code(), ErrorCode::kInvalidArgument);
+  expect_contains(o.status.message(), "goes round the daemons' ring at iteration 0");
+  std::optional<RoundAnswer> ring_pull = f.pull(1, 2);
+  ASSERT_TRUE(ring_pull.has_value());
+  expect_contains(ring_pull->status.message(), "pull refused: " + f.round.label() +
+                                                   " goes round the daemons' ring at iteration 2");
+  // ps from 4, ring from 7, ps from 9.
+  ASSERT_TRUE(prepare(f.plans, 4, plan_job(f.tensors, ""), {&f.round}).ok());
+  ASSERT_TRUE(prepare(f.plans, 7, plan_job(f.tensors, ring), {&f.round}).ok());
+  ASSERT_TRUE(prepare(f.plans, 9, plan_job(f.tensors, ""), {&f.round}).ok());
+  auto run = [&](uint64_t it) {
+    SCOPED_TRACE("iteration " + std::to_string(it));
+    std::vector<std::vector<float>> in = {ints(0, it, kCount), ints(1, it, kCount)};
+    PushOutcome a = f.push(1, it, in[1]);
+    ASSERT_TRUE(a.status.ok()) << a.status.message();
+    // The other node pulls first: it waits for the round.
+    EXPECT_FALSE(f.pull(0, it).has_value());
+    PushOutcome b = f.push(0, it, in[0]);
+    ASSERT_TRUE(b.status.ok()) << b.status.message();
+    ASSERT_TRUE(b.completed);
+    ASSERT_EQ(b.answers.size(), 1u);
+    EXPECT_EQ(floats_of(b.answers[0].payload), sum_of(in));
+    EXPECT_EQ(f.round.collecting(), it + 1);
+  };
+  run(4);
+  run(5);
+  run(6);
+  // 7 and 8 went round the ring; a pull of 9 (before any push) joins too.
+  EXPECT_FALSE(f.pull(1, 9).has_value());
+  EXPECT_EQ(f.round.collecting(), 9u);
+  PushOutcome late = f.push(0, 8, ints(0, 8, kCount));
+  expect_contains(late.status.message(), "stale iteration 8");
+  std::vector<std::vector<float>> in = {ints(0, 9, kCount), ints(1, 9, kCount)};
+  ASSERT_TRUE(f.push(0, 9, in[0]).status.ok());
+  PushOutcome done = f.push(1, 9, in[1]);
+  ASSERT_TRUE(done.completed);
+  ASSERT_EQ(done.answers.size(), 1u);
+  EXPECT_EQ(floats_of(done.answers[0].payload), sum_of(in));
+  // 10 was on the servers: a push of 11 is a future one, not a skip.
+  PushOutcome ahead = f.push(0, 11, ints(0, 11, kCount));
+  expect_contains(ahead.status.message(), "future iteration 11");
+  EXPECT_EQ(f.round.collecting(), 10u);
+}
+
 // ---------------------------------------------------------------------------
 // BroadcastRound: the root's bytes to every node once all nodes sent their
 // part; disagreements fail everyone who sent.

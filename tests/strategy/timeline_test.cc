@@ -86,6 +86,27 @@ TEST(Timeline, AFrozenReaderRefusesALateChangeAtomically) {
   EXPECT_EQ(tl.plan(0, 7).spec().name, "fp16");
 }
 
+// A server's round may skip the iterations its tensor spent on the
+// daemons' ring: off_servers says which spans those are.
+TEST(Timeline, OffServersIsTrueOnlyForSpansWhollyOnTheRing) {
+  const std::string ring =
+      "version: 1\nentries:\n  - {tensor: g, option: {compressor: none, inter: allreduce}}\n";
+  st::Timeline tl(2, cluster(ring));  // g ring from 2 (and before), h ps
+  ASSERT_TRUE(tl.add(6, cluster(""), "").ok());  // g ps from 6
+  ASSERT_TRUE(tl.add(9, cluster(ring), ring).ok());  // g ring again from 9
+  EXPECT_TRUE(tl.off_servers(0, 0, 6));
+  EXPECT_TRUE(tl.off_servers(0, 3, 5));
+  EXPECT_TRUE(tl.off_servers(0, 4, 4));  // empty span
+  EXPECT_FALSE(tl.off_servers(0, 0, 7));
+  EXPECT_FALSE(tl.off_servers(0, 5, 7));
+  EXPECT_FALSE(tl.off_servers(0, 6, 9));
+  EXPECT_FALSE(tl.off_servers(0, 8, 10));
+  EXPECT_TRUE(tl.off_servers(0, 9, 100));
+  EXPECT_FALSE(tl.off_servers(1, 0, 1));  // h always on the servers
+  EXPECT_TRUE(tl.off_servers(1, 3, 3));
+  EXPECT_FALSE(tl.off_servers(2, 0, 1));  // no such tensor
+}
+
 TEST(Timeline, AChangeWithTheWrongTensorCountIsRefused) {
   st::Timeline tl(0, cluster(""));
   std::vector<st::TensorPlan> one(1);
