@@ -32,9 +32,6 @@ constexpr double kProbeFactor = 4.0;
 // The compute stretch of a shared host is a correction of the window's
 // contention, not a new measurement: bounded.
 constexpr double kMinStretch = 0.25, kMaxStretch = 4.0;
-// The least share of a core a training process is taken to have had in the
-// window (host_share: 1/20 already means twenty runnable threads a core).
-constexpr double kMinRate = 0.05;
 constexpr double kCalibrationTolerance = 1e-4;
 
 std::string canonical_spec(std::string_view text) {
@@ -257,35 +254,36 @@ HostShare host_share(const NodeProfile& prof, bool colocated_servers) {
   const double procs = nodes * std::max(1u, prof.local_ranks);
   double last = 0;
   for (const TensorMeasure& t : prof.tensors) last = std::max(last, t.ready_us);
-  // Other work on the host: what the whole host ran during the window less
-  // the job's own processes there (its ranks, daemons, and colocated
-  // servers, counted at their daemon's CPU: the model's own assumption for
+  // The job's comm stack on the host: its daemons, and its colocated
+  // servers counted at their daemon's CPU (the model's own assumption for
   // the comm stack, below).
-  if (prof.host_cpu_us > 0 && prof.iteration_us > 0 && prof.train_cpu_us > 0 && last > 0) {
-    const double own = nodes * (std::max(1u, prof.local_ranks) * prof.train_cpu_us +
-                                prof.daemon_cpu_us * (colocated_servers ? 2.0 : 1.0));
+  const double comm_us = nodes * prof.daemon_cpu_us * (colocated_servers ? 2.0 : 1.0);
+  // Other work: what the whole host ran during the window less the job's
+  // own processes there.
+  if (prof.host_cpu_us > 0 && prof.iteration_us > 0 && prof.train_cpu_us > 0) {
+    const double own = procs * prof.train_cpu_us + comm_us;
     s.other_cores = std::clamp((prof.host_cpu_us - own) / prof.iteration_us, 0.0, cores);
-    // The scheduler gives every runnable thread the same share of the
-    // cores; a training process got train_cpu_us over its compute span
-    // (the last ready time: the optimizer step, forward and backward of an
-    // iteration). The other work took other_cores at that rate, so that
-    // many more threads were runnable on average: on a host that other
-    // work saturates, what it took (the cores the job left) is less than
-    // what it asks, and the job's processes computing at once will get
-    // only their share of it.
-    const double rate = std::clamp(prof.train_cpu_us / last, kMinRate, 1.0);
-    s.other_threads = s.other_cores / rate;
   }
-  // The job's processes keep procs / (procs + other threads) of the cores
+  // The scheduler shares the cores among what is runnable: the other work
+  // counts as at least as many runnable threads as the cores it took, and
+  // the job's processes keep procs / (procs + other_cores) of the cores
   // when they and the other work do not all fit.
   const double job_cores =
-      procs + s.other_threads > cores ? cores * procs / (procs + s.other_threads) : cores;
-  s.pool_shares_compute =
-      (prof.local_ranks + prof.pool_threads) * nodes + s.other_threads > cores;
+      procs + s.other_cores > cores ? cores * procs / (procs + s.other_cores) : cores;
+  s.pool_shares_compute = (prof.local_ranks + prof.pool_threads) * nodes + s.other_cores > cores;
   s.pool_cost_scale = nodes / job_cores;
   if (prof.train_cpu_us > 0 && procs >= cores && last > 0) {
     s.compute_bound_us = prof.train_cpu_us * procs / job_cores;
-    s.compute_stretch = std::clamp(s.compute_bound_us / last, kMinStretch, kMaxStretch);
+    // The window's ready times ran beside two kinds of contention: the
+    // job's own comm stack, which another strategy changes, and the other
+    // work, which it does not (where the job computes less, the other work
+    // takes the cores it leaves). They shrink towards the bound only by the
+    // comm stack's part of the two.
+    double floor = 0;
+    if (s.other_cores > 0)
+      floor = s.other_cores / (s.other_cores + comm_us / prof.iteration_us);
+    s.compute_floor = floor;
+    s.compute_stretch = std::clamp(std::max(s.compute_bound_us / last, floor), kMinStretch, kMaxStretch);
   }
   return s;
 }
@@ -788,7 +786,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   meta["nodes_on_host"] = std::to_string(prof.nodes_on_host);
   meta["compute_stretch"] = fmt(share.compute_stretch, 4);
   meta["other_cores"] = fmt(share.other_cores, 4);
-  meta["other_threads"] = fmt(share.other_threads, 4);
+  meta["compute_floor"] = fmt(share.compute_floor, 4);
   meta["comm_cpu_ns_per_byte"] = fmt(m.cluster.comm_cpu_us_per_byte * 1e3, 4);
   meta["predicted_us"] = fmt(d.predicted_us, 9);
   meta["measured_us"] = fmt(d.measured_us, 9);

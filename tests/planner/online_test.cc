@@ -220,9 +220,10 @@ TEST(OnlineHostShare, ComputeIsStretchedToTheHostsCpuDemand) {
 
 // Other work on the host (the lead's builds beside an emulated cluster, or
 // any other tenant) takes cores from the job: the host's CPU time in the
-// window less the job's own processes' is the other work, in cores; at the
-// share of a core a training process got in the window, that many more
-// threads competed for the cores.
+// window less the job's own processes' is the other work, in cores, and it
+// competes for the cores as that many more processes. Where it ran, the
+// window's ready times shrink towards the job's CPU bound only by the
+// part of their contention that was the job's own comm stack.
 TEST(OnlineHostShare, OtherWorkOnTheHostTakesItsShareOfTheCores) {
   NodeProfile p = resnet18();
   double last = 0;
@@ -243,16 +244,15 @@ TEST(OnlineHostShare, OtherWorkOnTheHostTakesItsShareOfTheCores) {
   p.host_cpu_us = own();
   HostShare s = host_share(p, true);
   EXPECT_EQ(s.other_cores, 0.0);
-  EXPECT_EQ(s.other_threads, 0.0);
+  EXPECT_EQ(s.compute_floor, 0.0);
   EXPECT_NEAR(s.compute_stretch, 2.0, 1e-12);
   EXPECT_NEAR(s.pool_cost_scale, 2.0, 1e-12);
-  // One core's worth of other work, one thread: the 4 ranks keep 4/5 of
-  // the 2 cores, so the compute-bound backward pass takes 4 / 1.6 = 2.5 of
-  // the window's, and a pool microsecond holds it 4 / 1.6 = 2.5.
+  // One core's worth of other work: the 4 ranks keep 4/5 of the 2 cores,
+  // so the compute-bound backward pass takes 4 / 1.6 = 2.5 of the
+  // window's, and a pool microsecond holds it 4 / 1.6 = 2.5.
   p.host_cpu_us = own() + 1.0 * T;
   s = host_share(p, true);
   EXPECT_NEAR(s.other_cores, 1.0, 1e-9);
-  EXPECT_NEAR(s.other_threads, 1.0, 1e-9);
   EXPECT_NEAR(s.compute_stretch, 2.5, 1e-9);
   EXPECT_NEAR(s.compute_bound_us, 2.5 * last, 1e-3);
   EXPECT_NEAR(s.pool_cost_scale, 2.5, 1e-9);
@@ -260,22 +260,26 @@ TEST(OnlineHostShare, OtherWorkOnTheHostTakesItsShareOfTheCores) {
   // Dedicated servers: the daemons' CPU is the job's only comm stack, so
   // more of the host's time is other work.
   EXPECT_NEAR(host_share(p, false).other_cores, 1.0 + 4 * p.daemon_cpu_us / T, 1e-9);
-  // A host the other work saturates: a rank got a quarter of a core while
-  // it computed, and the other work took 1.5 cores at that rate: 6
-  // threads. The window's compute span (4 x its CPU time) is then no
-  // longer shrunk to the job's CPU over 2 cores (x0.5, what the model
-  // predicted without the host's time) but stretched: 4 ranks beside 6
-  // threads keep 0.8 cores, 4 x 0.25 / 0.8 = 1.25 of the span.
+  // A host the other work saturates (1.5 cores of it) beside the job's
+  // comm stack (half a core: 4 daemons and 4 servers): a rank's CPU time
+  // is a quarter of its compute span. The CPU bound is 4 x 0.25 / (2 x 4
+  // / 5.5) = 0.6875 of the span, but only the comm stack's part of the
+  // contention goes with another strategy: the span shrinks no further
+  // than 1.5 / (1.5 + 0.5) = 0.75 (without the host's time it shrank to
+  // 4 x 0.25 / 2 = 0.5).
   p.train_cpu_us = 0.25 * last;
+  p.daemon_cpu_us = 0.5 * T / 8;
   p.host_cpu_us = own() + 1.5 * T;
   s = host_share(p, true);
   EXPECT_NEAR(s.other_cores, 1.5, 1e-9);
-  EXPECT_NEAR(s.other_threads, 6.0, 1e-9);
-  EXPECT_NEAR(s.compute_stretch, 1.25, 1e-9);
-  EXPECT_NEAR(s.pool_cost_scale, 5.0, 1e-9);
+  EXPECT_NEAR(s.compute_floor, 0.75, 1e-9);
+  EXPECT_NEAR(s.compute_bound_us, 0.6875 * last, 1e-3);
+  EXPECT_NEAR(s.compute_stretch, 0.75, 1e-9);
+  EXPECT_NEAR(s.pool_cost_scale, 2.75, 1e-9);
   p.host_cpu_us = 0;
   EXPECT_NEAR(host_share(p, true).compute_stretch, 0.5, 1e-12);
   p.train_cpu_us = last;
+  p.daemon_cpu_us = 0.1 * last;
   // Ticks round: a host time below the job's own is no other work; and
   // other work never exceeds the host's cores.
   p.host_cpu_us = 0.9 * own();
@@ -312,6 +316,7 @@ TEST(OnlineHostShare, OtherWorkOnTheHostTakesItsShareOfTheCores) {
   const Decision shared = decide(q, two_nodes({"efsignsgd"}));
   EXPECT_EQ(alone.strategy.meta.at("other_cores"), "0");
   EXPECT_EQ(shared.strategy.meta.at("other_cores"), "1");
+  EXPECT_NE(shared.strategy.meta.at("compute_floor"), "0");
   EXPECT_NEAR(alternative(shared, "fp32").predicted_us, alternative(alone, "fp32").predicted_us,
               1e-3 * alternative(alone, "fp32").predicted_us);
   EXPECT_GT(alternative(shared, "all:efsignsgd").predicted_us,
