@@ -115,6 +115,44 @@ std::optional<double> process_cpu_us(int pid) {
   return std::nullopt;
 }
 
+std::optional<double> host_busy_cpu_us(std::string_view stat_text) {
+  // The aggregate line: "cpu  user nice system idle iowait irq softirq
+  // steal guest guest_nice" in clock ticks. Busy is everything but idle and
+  // iowait; steal is CPU the hypervisor gave to someone else, as lost to
+  // this host's work as another process's; guest time is already in user
+  // and nice.
+  const size_t eol = stat_text.find('\n');
+  const std::string line(stat_text.substr(0, eol));
+  std::istringstream in(line);
+  std::string tag;
+  if (!(in >> tag) || tag != "cpu") return std::nullopt;
+  unsigned long long v[8] = {};
+  for (int k = 0; k < 8; ++k) {
+    std::string field;
+    if (!(in >> field)) {
+      if (k < 4) return std::nullopt;  // older kernels stop after iowait/irq/...
+      break;
+    }
+    try {
+      size_t used = 0;
+      v[k] = std::stoull(field, &used);
+      if (used != field.size()) return std::nullopt;
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  }
+  const unsigned long long busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+  const long hz = ::sysconf(_SC_CLK_TCK);
+  return static_cast<double>(busy) * 1e6 / static_cast<double>(hz > 0 ? hz : 100);
+}
+
+std::optional<double> host_busy_cpu_us() {
+  std::ifstream f("/proc/stat");
+  std::string line;
+  if (!f || !std::getline(f, line)) return std::nullopt;
+  return host_busy_cpu_us(line);
+}
+
 std::string host_id() {
   std::ifstream f("/proc/sys/kernel/random/boot_id");
   std::string id;

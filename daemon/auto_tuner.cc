@@ -312,6 +312,7 @@ void AutoTuner::send_profile() {
   if (!o_.pids.empty())
     p.train_cpu_us = per_iteration(cpu_marks_) / static_cast<double>(o_.pids.size());
   p.daemon_cpu_us = per_iteration(self_marks_);
+  p.host_cpu_us = per_iteration(host_marks_);
   write_file("profile-node" + std::to_string(p.node_rank) + ".yaml", p.to_yaml());
   BC_LOG(LogAuto(), kInfo) << "job " << o_.job << ": profile of iterations " << p.first_iteration
                            << ".. (" << p.iterations << "): " << p.iteration_us / 1000.0
@@ -463,6 +464,8 @@ void AutoTuner::run() {
       }
       if (fresh)
         if (const std::optional<double> me = process_cpu_us(::getpid())) self_marks_[it] = *me;
+      if (fresh)
+        if (const std::optional<double> host = host_busy_cpu_us()) host_marks_[it] = *host;
       if (fresh && state_ == State::kApplied && have_switch_ && it > switch_iteration_ &&
           ps_->info().rank == 0) {
         const std::string before = trigger_.held_back();
@@ -502,6 +505,7 @@ void AutoTuner::run() {
     while (samples_.size() > 512) samples_.erase(samples_.begin());
     while (cpu_marks_.size() > 512) cpu_marks_.erase(cpu_marks_.begin());
     while (self_marks_.size() > 512) self_marks_.erase(self_marks_.begin());
+    while (host_marks_.size() > 512) host_marks_.erase(host_marks_.begin());
     if (state_ == State::kApplied && have_switch_) write_measured();
     if (state_ == State::kProfiling) {
       size_t n = 0;

@@ -38,6 +38,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -94,6 +95,15 @@ bool endpoint_is_local(const std::string& endpoint);
 // User + system CPU time of process `pid` in microseconds (/proc/PID/stat);
 // nullopt when it cannot be read (the process is gone).
 std::optional<double> process_cpu_us(int pid);
+
+// CPU time (user, nice, system, irq, softirq and steal, all cores) the
+// whole host has spent since boot, in microseconds: from /proc/stat, or
+// from the text of one (its first, aggregate "cpu" line); nullopt when it
+// cannot be read. Every process counts, the job's and everyone else's: the
+// planner subtracts the job's own to see what other work takes of the
+// cores (docs/planner.md "CPU training on a shared host").
+std::optional<double> host_busy_cpu_us(std::string_view stat_text);
+std::optional<double> host_busy_cpu_us();
 
 // This host's identity: its boot id (the same in every network namespace
 // and container of the host); "" when unreadable.
@@ -321,6 +331,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
   // Per sampled iteration: the local ranks' CPU time (us) when it was seen.
   std::map<uint64_t, double> cpu_marks_;
   std::map<uint64_t, double> self_marks_;  // the daemon's own CPU time
+  std::map<uint64_t, double> host_marks_;  // the whole host's busy CPU time
   std::vector<strategy::CompressorMeasure> measures_;
   double link_gbps_ = 0, link_latency_us_ = 0;
   std::string current_yaml_;

@@ -104,6 +104,7 @@ NodeProfile merge(const std::vector<NodeProfile>& nodes) {
     m.link_latency_us = std::max(m.link_latency_us, n.link_latency_us);
     m.train_cpu_us = std::max(m.train_cpu_us, n.train_cpu_us);
     m.daemon_cpu_us = std::max(m.daemon_cpu_us, n.daemon_cpu_us);
+    m.host_cpu_us = std::max(m.host_cpu_us, n.host_cpu_us);
   }
   std::map<std::string, uint32_t> per_host;
   m.nodes_on_host = 1;
@@ -246,18 +247,43 @@ Calibration calibrate(const Model& m, const NodeProfile& prof, const Assignment&
 
 }  // namespace
 
-HostShare host_share(const NodeProfile& prof) {
+HostShare host_share(const NodeProfile& prof, bool colocated_servers) {
   HostShare s;
   const double cores = std::max(1u, prof.cpu_cores);
   const double nodes = std::max(1u, prof.nodes_on_host);
   const double procs = nodes * std::max(1u, prof.local_ranks);
-  s.pool_shares_compute = (prof.local_ranks + prof.pool_threads) * nodes > cores;
-  s.pool_cost_scale = nodes / cores;
   double last = 0;
   for (const TensorMeasure& t : prof.tensors) last = std::max(last, t.ready_us);
+  // The job's comm stack on the host: its daemons, and its colocated
+  // servers counted at their daemon's CPU (the model's own assumption for
+  // the comm stack, below).
+  const double comm_us = nodes * prof.daemon_cpu_us * (colocated_servers ? 2.0 : 1.0);
+  // Other work: what the whole host ran during the window less the job's
+  // own processes there.
+  if (prof.host_cpu_us > 0 && prof.iteration_us > 0 && prof.train_cpu_us > 0) {
+    const double own = procs * prof.train_cpu_us + comm_us;
+    s.other_cores = std::clamp((prof.host_cpu_us - own) / prof.iteration_us, 0.0, cores);
+  }
+  // The scheduler shares the cores among what is runnable: the other work
+  // counts as at least as many runnable threads as the cores it took, and
+  // the job's processes keep procs / (procs + other_cores) of the cores
+  // when they and the other work do not all fit.
+  const double job_cores =
+      procs + s.other_cores > cores ? cores * procs / (procs + s.other_cores) : cores;
+  s.pool_shares_compute = (prof.local_ranks + prof.pool_threads) * nodes + s.other_cores > cores;
+  s.pool_cost_scale = nodes / job_cores;
   if (prof.train_cpu_us > 0 && procs >= cores && last > 0) {
-    s.compute_bound_us = prof.train_cpu_us * procs / cores;
-    s.compute_stretch = std::clamp(s.compute_bound_us / last, kMinStretch, kMaxStretch);
+    s.compute_bound_us = prof.train_cpu_us * procs / job_cores;
+    // The window's ready times ran beside two kinds of contention: the
+    // job's own comm stack, which another strategy changes, and the other
+    // work, which it does not (where the job computes less, the other work
+    // takes the cores it leaves). They shrink towards the bound only by the
+    // comm stack's part of the two.
+    double floor = 0;
+    if (s.other_cores > 0)
+      floor = s.other_cores / (s.other_cores + comm_us / prof.iteration_us);
+    s.compute_floor = floor;
+    s.compute_stretch = std::clamp(std::max(s.compute_bound_us / last, floor), kMinStretch, kMaxStretch);
   }
   return s;
 }
@@ -427,7 +453,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   m.decl_of = order;
   m.prob_of.assign(n, 0);
   m.profile.model = "online";
-  const HostShare share = host_share(prof);
+  const HostShare share = host_share(prof, cfg.colocated_servers);
   double prev = prof.tensors[order[0]].ready_us;
   m.profile.forward_us = prev * share.compute_stretch;
   for (int k = 0; k < n; ++k) {
@@ -759,6 +785,8 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
           : "no (spare cores)";
   meta["nodes_on_host"] = std::to_string(prof.nodes_on_host);
   meta["compute_stretch"] = fmt(share.compute_stretch, 4);
+  meta["other_cores"] = fmt(share.other_cores, 4);
+  meta["compute_floor"] = fmt(share.compute_floor, 4);
   meta["comm_cpu_ns_per_byte"] = fmt(m.cluster.comm_cpu_us_per_byte * 1e3, 4);
   meta["predicted_us"] = fmt(d.predicted_us, 9);
   meta["measured_us"] = fmt(d.measured_us, 9);

@@ -64,25 +64,37 @@ using strategy::TensorMeasure;
 NodeProfile merge(const std::vector<NodeProfile>& nodes);
 
 // How a (merged) profile's nodes share their host's cores with training
-// (docs/planner.md, "CPU training on a shared host").
+// and with other work (docs/planner.md, "CPU training on a shared host").
+//   other work: the host's CPU time in the window (host_cpu_us) less the
+//     job's own processes on it (nodes on the host x (local ranks x
+//     train_cpu_us + daemon_cpu_us), and daemon_cpu_us again per colocated
+//     server), in cores (other_cores; 0 where host_cpu_us or train_cpu_us
+//     is unknown). It counts as that many more runnable processes: the
+//     job's keep procs / (procs + other_cores) of the cores (job cores)
+//     when they and the other work do not all fit.
 //   compute: a window's ready times carry the contention of the strategy
 //     that ran: uncompressed on a slow link the nodes' iterations drift
 //     apart and each computes nearly alone; compressed, every training
 //     process of the host computes at once. Where the host's training
 //     processes are at least its cores, the backward pass of a
 //     compute-bound iteration takes their CPU time (train_cpu_us x
-//     processes on the host / cores): the ready times are stretched (or
-//     shrunk: the window's comm stack also took cores) to that bound.
-//   pool: (local ranks + pool threads) x nodes on the host > cores puts the
-//     daemon's and colocated server's CPU work on the compute resource, at
-//     nodes on the host / cores per microsecond.
+//     processes on the host / job cores): the ready times are stretched
+//     (or shrunk: the window's comm stack also took cores) to that bound.
+//     With other work on the host they shrink only by the comm stack's
+//     part of the contention (compute_floor = other / (other + the comm
+//     stack's cores)): what the job leaves, the other work takes.
+//   pool: (local ranks + pool threads) x nodes on the host + other_cores >
+//     cores puts the daemon's and colocated server's CPU work on the
+//     compute resource, at nodes on the host / job cores per microsecond.
 struct HostShare {
   bool pool_shares_compute = false;
   double pool_cost_scale = 1.0;
   double compute_stretch = 1.0;
   double compute_bound_us = 0;  // 0: not applied (CPU time unknown, or spare cores)
+  double other_cores = 0;       // other work on the host, in cores (0: none or unknown)
+  double compute_floor = 0;     // the least compute_stretch (0: no other work)
 };
-HostShare host_share(const NodeProfile& prof);
+HostShare host_share(const NodeProfile& prof, bool colocated_servers);
 
 struct AutoConfig {
   std::vector<std::string> compressors;  // accepted by the user; empty = fp16 only

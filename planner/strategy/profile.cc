@@ -143,6 +143,7 @@ std::string NodeProfile::to_yaml() const {
   emit_text(out, "current_strategy", current_strategy_yaml);
   out << YAML::Key << "train_cpu_us" << YAML::Value << train_cpu_us;
   out << YAML::Key << "daemon_cpu_us" << YAML::Value << daemon_cpu_us;
+  out << YAML::Key << "host_cpu_us" << YAML::Value << host_cpu_us;
   out << YAML::Key << "host" << YAML::Value << YAML::DoubleQuoted << host;
   out << YAML::Key << "nodes_on_host" << YAML::Value << nodes_on_host;
   if (!gpu_note.empty() || !gpu_compressors.empty()) {
@@ -172,6 +173,7 @@ NodeProfile NodeProfile::parse(std::string_view text, std::string name) {
       .get("current_strategy", p.current_strategy_yaml)
       .get("train_cpu_us", p.train_cpu_us, Range<double>{0, 1e12})
       .get("daemon_cpu_us", p.daemon_cpu_us, Range<double>{0, 1e12})
+      .get("host_cpu_us", p.host_cpu_us, Range<double>{0, 1e12})
       .get("host", p.host)
       .get("nodes_on_host", p.nodes_on_host, Range<uint32_t>{1, 65536});
   if (!(p.iteration_us > 0)) root.fail("iteration_us", "must be positive", "> 0");

@@ -67,6 +67,12 @@ struct NodeProfile {
   // CPU time the daemon's process spent per iteration of the window (its
   // engine, pool and transport threads); 0 = unknown.
   double daemon_cpu_us = 0;
+  // CPU time the whole host spent per iteration of the window, all cores
+  // and every process (/proc/stat: user, nice, system, irq, softirq,
+  // steal): the job's training processes, daemons and servers on this host
+  // and whatever else runs there; 0 = unknown (profiles before it was
+  // measured read as unknown).
+  double host_cpu_us = 0;
   // The host's identity (its boot id): nodes with the same one share its
   // cores (an emulated cluster, or several daemons on one machine); "" =
   // unknown, counted as a host of its own.

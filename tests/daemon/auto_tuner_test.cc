@@ -335,6 +335,43 @@ TEST(AutoTuner, ProcessCpuTimeCountsWorkNotWaiting) {
   EXPECT_EQ(host_id(), host_id());
 }
 
+// The whole host's busy CPU time (docs/planner.md "CPU training on a
+// shared host"): the first /proc/stat line's user, nice, system, irq,
+// softirq and steal ticks, never idle or iowait; other work on the host
+// counts, this process's included.
+TEST(AutoTuner, HostCpuTimeIsTheHostsBusyTicks) {
+  const double tick_us = 1e6 / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  // user 100, nice 20, system 30, idle 5000, iowait 70, irq 1, softirq 2,
+  // steal 7, guest 40 (already in user), guest_nice 0.
+  std::optional<double> v =
+      host_busy_cpu_us("cpu  100 20 30 5000 70 1 2 7 40 0\ncpu0 50 10 15 2500 35 1 1 3 20 0\n");
+  ASSERT_TRUE(v.has_value());
+  EXPECT_DOUBLE_EQ(*v, 160 * tick_us);
+  // Old kernels end the line after iowait.
+  v = host_busy_cpu_us("cpu 100 20 30 5000 70\n");
+  ASSERT_TRUE(v.has_value());
+  EXPECT_DOUBLE_EQ(*v, 150 * tick_us);
+  EXPECT_FALSE(host_busy_cpu_us("cpu0 1 2 3 4 5 6 7 8\n").has_value());  // not the aggregate
+  EXPECT_FALSE(host_busy_cpu_us("cpu  1 2 x 4 5\n").has_value());
+  EXPECT_FALSE(host_busy_cpu_us("cpu  1 2 3\n").has_value());
+  EXPECT_FALSE(host_busy_cpu_us("").has_value());
+
+  // The live host: busy for at least the CPU this thread spins for.
+  const std::optional<double> before = host_busy_cpu_us();
+  ASSERT_TRUE(before.has_value());
+  auto thread_cpu = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
+  };
+  volatile double x = 0;
+  const double c0 = thread_cpu();
+  while (thread_cpu() - c0 < 60e3) x = x + 1;
+  const std::optional<double> after = host_busy_cpu_us();
+  ASSERT_TRUE(after.has_value());
+  EXPECT_GE(*after - *before, 40e3);
+}
+
 TEST(AutoTuner, CompressorCostsAndWireSizeComeFromRealCalls) {
   auto m = measure_compressor("fp16", {1 << 12, 1 << 16, 1 << 18}, 3);
   EXPECT_EQ(m.spec, "fp16");

@@ -163,9 +163,12 @@ TEST(OnlineMerge, NodesOnOneHostAreCounted) {
   c.host = "boot-2";
   a.train_cpu_us = 300e3;
   b.train_cpu_us = 350e3;
+  a.host_cpu_us = 2.1e6;
+  b.host_cpu_us = 1.9e6;
   const NodeProfile m = merge({a, b, c});
   EXPECT_EQ(m.nodes_on_host, 2u);
   EXPECT_EQ(m.train_cpu_us, 350e3);
+  EXPECT_EQ(m.host_cpu_us, 2.1e6);  // the busiest host
   // Unknown hosts are hosts of their own.
   a.host = b.host = c.host = "";
   EXPECT_EQ(merge({a, b, c}).nodes_on_host, 1u);
@@ -179,12 +182,12 @@ TEST(OnlineHostShare, ComputeIsStretchedToTheHostsCpuDemand) {
   p.local_ranks = 1;
   p.pool_threads = 1;
   // Unknown CPU time: nothing changes.
-  EXPECT_EQ(host_share(p).compute_stretch, 1.0);
+  EXPECT_EQ(host_share(p, true).compute_stretch, 1.0);
   // Four nodes on two cores, each rank busy for 0.8 of the window's
   // compute: a compute-bound iteration takes 4 x 0.8 / 2 = 1.6 of it.
   p.nodes_on_host = 4;
   p.train_cpu_us = 0.8 * last;
-  HostShare s = host_share(p);
+  HostShare s = host_share(p, true);
   EXPECT_NEAR(s.compute_stretch, 1.6, 1e-12);
   EXPECT_NEAR(s.compute_bound_us, 1.6 * last, 1e-6);
   EXPECT_TRUE(s.pool_shares_compute);
@@ -192,13 +195,13 @@ TEST(OnlineHostShare, ComputeIsStretchedToTheHostsCpuDemand) {
   // One node on 8 cores: spare cores, no stretch, the pool runs beside.
   p.nodes_on_host = 1;
   p.cpu_cores = 8;
-  s = host_share(p);
+  s = host_share(p, true);
   EXPECT_EQ(s.compute_stretch, 1.0);
   EXPECT_FALSE(s.pool_shares_compute);
   // The stretch is bounded.
   p.nodes_on_host = 64;
   p.cpu_cores = 2;
-  EXPECT_EQ(host_share(p).compute_stretch, 4.0);
+  EXPECT_EQ(host_share(p, true).compute_stretch, 4.0);
   // And the model uses it: the same window on a shared host predicts a
   // slower compute-bound (compressed) iteration, not a slower fp32 one
   // (calibrated to the window).
@@ -215,11 +218,141 @@ TEST(OnlineHostShare, ComputeIsStretchedToTheHostsCpuDemand) {
   EXPECT_EQ(shared.strategy.meta.at("nodes_on_host"), "2");
 }
 
+// Other work on the host (the lead's builds beside an emulated cluster, or
+// any other tenant) takes cores from the job: the host's CPU time in the
+// window less the job's own processes' is the other work, in cores, and it
+// competes for the cores as that many more processes. Where it ran, the
+// window's ready times shrink towards the job's CPU bound only by the
+// part of their contention that was the job's own comm stack.
+TEST(OnlineHostShare, OtherWorkOnTheHostTakesItsShareOfTheCores) {
+  NodeProfile p = resnet18();
+  double last = 0;
+  for (const TensorMeasure& t : p.tensors) last = std::max(last, t.ready_us);
+  const double T = p.iteration_us;
+  p.cpu_cores = 2;
+  p.local_ranks = 1;
+  p.pool_threads = 1;
+  p.nodes_on_host = 4;
+  // Each rank computed on a core of its own in the window (its CPU time
+  // is its compute span).
+  p.train_cpu_us = last;
+  p.daemon_cpu_us = 0.1 * last;
+  // The job's own CPU on the host: 4 x (rank + daemon + colocated server,
+  // counted at the daemon's).
+  auto own = [&] { return 4 * (p.train_cpu_us + 2 * p.daemon_cpu_us); };
+  // Nothing else ran: as without the host's time (4 x 1 / 2).
+  p.host_cpu_us = own();
+  HostShare s = host_share(p, true);
+  EXPECT_EQ(s.other_cores, 0.0);
+  EXPECT_EQ(s.compute_floor, 0.0);
+  EXPECT_NEAR(s.compute_stretch, 2.0, 1e-12);
+  EXPECT_NEAR(s.pool_cost_scale, 2.0, 1e-12);
+  // One core's worth of other work: the 4 ranks keep 4/5 of the 2 cores,
+  // so the compute-bound backward pass takes 4 / 1.6 = 2.5 of the
+  // window's, and a pool microsecond holds it 4 / 1.6 = 2.5.
+  p.host_cpu_us = own() + 1.0 * T;
+  s = host_share(p, true);
+  EXPECT_NEAR(s.other_cores, 1.0, 1e-9);
+  EXPECT_NEAR(s.compute_stretch, 2.5, 1e-9);
+  EXPECT_NEAR(s.compute_bound_us, 2.5 * last, 1e-3);
+  EXPECT_NEAR(s.pool_cost_scale, 2.5, 1e-9);
+  EXPECT_TRUE(s.pool_shares_compute);
+  // Dedicated servers: the daemons' CPU is the job's only comm stack, so
+  // more of the host's time is other work.
+  EXPECT_NEAR(host_share(p, false).other_cores, 1.0 + 4 * p.daemon_cpu_us / T, 1e-9);
+  // A host the other work saturates (1.5 cores of it) beside the job's
+  // comm stack (half a core: 4 daemons and 4 servers): a rank's CPU time
+  // is a quarter of its compute span. The CPU bound is 4 x 0.25 / (2 x 4
+  // / 5.5) = 0.6875 of the span, but only the comm stack's part of the
+  // contention goes with another strategy: the span shrinks no further
+  // than 1.5 / (1.5 + 0.5) = 0.75 (without the host's time it shrank to
+  // 4 x 0.25 / 2 = 0.5).
+  p.train_cpu_us = 0.25 * last;
+  p.daemon_cpu_us = 0.5 * T / 8;
+  p.host_cpu_us = own() + 1.5 * T;
+  s = host_share(p, true);
+  EXPECT_NEAR(s.other_cores, 1.5, 1e-9);
+  EXPECT_NEAR(s.compute_floor, 0.75, 1e-9);
+  EXPECT_NEAR(s.compute_bound_us, 0.6875 * last, 1e-3);
+  EXPECT_NEAR(s.compute_stretch, 0.75, 1e-9);
+  EXPECT_NEAR(s.pool_cost_scale, 2.75, 1e-9);
+  p.host_cpu_us = 0;
+  EXPECT_NEAR(host_share(p, true).compute_stretch, 0.5, 1e-12);
+  p.train_cpu_us = last;
+  p.daemon_cpu_us = 0.1 * last;
+  // Ticks round: a host time below the job's own is no other work; and
+  // other work never exceeds the host's cores.
+  p.host_cpu_us = 0.9 * own();
+  EXPECT_EQ(host_share(p, true).other_cores, 0.0);
+  p.host_cpu_us = own() + 10 * T;
+  EXPECT_EQ(host_share(p, true).other_cores, 2.0);
+  // Unknown training CPU: the job's own share is unknown, nothing is
+  // derived.
+  p.train_cpu_us = 0;
+  EXPECT_EQ(host_share(p, true).other_cores, 0.0);
+  // One node on 8 cores beside 2 cores of other work: cores to spare,
+  // nothing changes.
+  p.train_cpu_us = last;
+  p.nodes_on_host = 1;
+  p.cpu_cores = 8;
+  p.host_cpu_us = (p.train_cpu_us + 2 * p.daemon_cpu_us) + 2.0 * T;
+  s = host_share(p, true);
+  EXPECT_NEAR(s.other_cores, 2.0, 1e-9);
+  EXPECT_EQ(s.compute_stretch, 1.0);
+  EXPECT_FALSE(s.pool_shares_compute);
+
+  // The model: the same window with other work on the host predicts a
+  // slower compute-bound (compressed) iteration, the window's own strategy
+  // unchanged (calibrated to it).
+  NodeProfile q = resnet18();
+  q.cpu_cores = 2;
+  q.local_ranks = 1;
+  q.nodes_on_host = 2;
+  q.train_cpu_us = 1.5 * last;
+  q.daemon_cpu_us = 0.05 * last;
+  q.host_cpu_us = 2 * (q.train_cpu_us + 2 * q.daemon_cpu_us);
+  const Decision alone = decide(q, two_nodes({"efsignsgd"}));
+  q.host_cpu_us += 1.0 * q.iteration_us;
+  const Decision shared = decide(q, two_nodes({"efsignsgd"}));
+  EXPECT_EQ(alone.strategy.meta.at("other_cores"), "0");
+  EXPECT_EQ(shared.strategy.meta.at("other_cores"), "1");
+  EXPECT_NE(shared.strategy.meta.at("compute_floor"), "0");
+  EXPECT_NEAR(alternative(shared, "fp32").predicted_us, alternative(alone, "fp32").predicted_us,
+              1e-3 * alternative(alone, "fp32").predicted_us);
+  EXPECT_GT(alternative(shared, "all:efsignsgd").predicted_us,
+            1.2 * alternative(alone, "all:efsignsgd").predicted_us);
+}
+
+// Profiles written before the host's CPU time was measured read as
+// unknown: no other work, the prediction they always gave.
+TEST(OnlineYaml, ProfilesWithoutHostCpuTimeStillParse) {
+  NodeProfile p = resnet18();
+  p.cpu_cores = 2;
+  p.nodes_on_host = 2;
+  p.train_cpu_us = 400e3;
+  p.daemon_cpu_us = 30e3;
+  p.host = "boot-1";
+  std::string text = p.to_yaml();
+  const size_t at = text.find("host_cpu_us:");
+  ASSERT_NE(at, std::string::npos);
+  text.erase(at, text.find('\n', at) + 1 - at);
+  ASSERT_EQ(text.find("host_cpu_us"), std::string::npos);
+  const NodeProfile old = NodeProfile::parse(text, "old.yaml");
+  EXPECT_EQ(old.host_cpu_us, 0.0);
+  EXPECT_EQ(old.train_cpu_us, 400e3);
+  EXPECT_EQ(host_share(old, true).other_cores, 0.0);
+  EXPECT_EQ(decide(old, two_nodes({"efsignsgd"})).predicted_us,
+            decide(p, two_nodes({"efsignsgd"})).predicted_us);
+  // The checked-in example profile predates every CPU field.
+  EXPECT_EQ(resnet18().host_cpu_us, 0.0);
+}
+
 TEST(OnlineYaml, ProfileRoundTrip) {
   NodeProfile p = resnet18();
   p.link_gbps = 0.123456789;
   p.current_strategy_yaml = "version: 1\ndefault: {compressor: none}\n";
   p.train_cpu_us = 123456.5;
+  p.host_cpu_us = 987654.25;
   p.host = "8d0c3f5e-boot";
   p.nodes_on_host = 3;
   const std::string text = p.to_yaml();
@@ -228,6 +361,7 @@ TEST(OnlineYaml, ProfileRoundTrip) {
   EXPECT_EQ(q.link_gbps, p.link_gbps);
   EXPECT_EQ(q.current_strategy_yaml, p.current_strategy_yaml);
   EXPECT_EQ(q.train_cpu_us, p.train_cpu_us);
+  EXPECT_EQ(q.host_cpu_us, p.host_cpu_us);
   EXPECT_EQ(q.host, p.host);
   EXPECT_EQ(q.nodes_on_host, 3u);
   ASSERT_EQ(q.tensors.size(), 62u);

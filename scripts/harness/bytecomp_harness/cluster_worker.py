@@ -388,7 +388,11 @@ def auto_record(opt, wait_s=0.0):
                                          for a in plan.get("alternatives") or []}
         rec["meta"] = (yaml.safe_load(plan.get("strategy") or "") or {}).get("meta") or {}
         with open(os.path.join(d, "profile-node%d.yaml" % node)) as f:
-            prof = yaml.safe_load(f)
+            text = f.read()
+        prof = yaml.safe_load(text)
+        # Whole, so that a bench's decisions can be replayed offline
+        # (bytecomp-plan decide on the merged nodes' profiles).
+        rec["profile_yaml"] = text
         rec["profile"] = {k: prof.get(k) for k in ("iteration_us", "link_gbps", "link_latency_us",
                                                    "reduce")}
         rec["profile"]["ready_us"] = {t["name"]: t["ready_us"] for t in prof.get("tensors") or []}
