@@ -147,6 +147,7 @@ void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
     // bytecompctl shows the start placement (ring tensors) before any switch.
     std::lock_guard lk(mu_);
     view_.strategy_yaml = current_yaml_;
+    view_.joined = true;
   }
   profile_from_ = ps->info().start_iteration + o_.spec.skip_iterations;
   std::weak_ptr<AutoTuner> weak = weak_from_this();

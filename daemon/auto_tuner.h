@@ -276,6 +276,7 @@ class AutoTuner : public std::enable_shared_from_this<AutoTuner> {
     std::string last_message;
     std::string run_dir;
     std::string strategy_yaml;  // in force since the last switch ("" = uncompressed)
+    bool joined = false;        // attach() ran: strategy_yaml is the job's, not a default
   };
   View view() const;
 

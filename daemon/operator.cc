@@ -288,10 +288,15 @@ JobView Daemon::job_view(Job& j, bool with_tensors) {
   v.compress_input_bytes = j.bytes->input_bytes.load();
   v.compress_output_bytes = j.bytes->output_bytes.load();
   std::shared_ptr<const strategy::Strategy> in_force = j.active_strategy;
+  // An auto job has no strategy in force until it joined (the coordinator
+  // sends its start placement then): listing the configured one meanwhile
+  // showed every tensor on the servers, ring tensors included.
+  bool placement_known = true;
   if (j.tuner) {
     const AutoTuner::View t = j.tuner->view();
     v.auto_view = AutoView{t.state, t.epoch, t.predicted_us / 1e6, t.link_gbps,
                            t.link_latency_us, t.decisions, t.replans, t.last_message, t.run_dir};
+    placement_known = t.joined;
     if (!t.strategy_yaml.empty()) {
       try {
         in_force = std::make_shared<const strategy::Strategy>(
@@ -302,7 +307,7 @@ JobView Daemon::job_view(Job& j, bool with_tensors) {
       }
     }
   }
-  if (with_tensors) {
+  if (with_tensors && placement_known) {
     const strategy::Option none;
     for (const auto& d : j.reference) {
       const uint64_t bytes = d.count * ipc::dtype_size(d.dtype);
