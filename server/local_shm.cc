@@ -1,9 +1,12 @@
 #include "server/local_shm.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/interprocess/shared_memory_object.hpp>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 
 #include "common/error.h"
@@ -50,6 +53,18 @@ std::shared_ptr<LocalShm> LocalShm::create(const std::string& name, uint64_t byt
     perm.set_permissions(0600);  // the server runs as the daemon's user, or falls back
     bi::shared_memory_object obj(bi::create_only, name.c_str(), bi::read_write, perm);
     obj.truncate(static_cast<bi::offset_t>(bytes));
+    // Reserve the tmpfs pages now, as daemon/shm_segment.cc does: a full
+    // /dev/shm (a container's 64 MiB default) is then an error here, and the
+    // partitions take the socket, instead of a SIGBUS in whichever process
+    // first writes an unbacked page.
+    const int fd = obj.get_mapping_handle().handle;
+    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+      s->unlink();
+      throw Error(err == ENOSPC ? ErrorCode::kResourceExhausted : ErrorCode::kUnavailable,
+                  "cannot reserve shared memory " + name + " of " + std::to_string(bytes) +
+                      " bytes: " + std::strerror(err) +
+                      (err == ENOSPC ? " (/dev/shm is full or too small)" : ""));
+    }
     s->region_ = bi::mapped_region(obj, bi::read_write);
     s->size_ = bytes;
   } catch (const bi::interprocess_exception& e) {

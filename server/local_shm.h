@@ -39,10 +39,11 @@ bool shm_name_matches(const std::string& name, uint32_t uid, uint32_t node);
 
 class LocalShm {
  public:
-  // Client side: creates (exclusively) and sizes `name`; pages are
-  // allocated as they are first written (no populate: most of a segment is
-  // written once per iteration anyway). Throws Error(kUnavailable) naming
-  // the segment and the cause.
+  // Client side: creates (exclusively) and sizes `name`, reserving its
+  // tmpfs pages (posix_fallocate: a full /dev/shm is an error here, not a
+  // SIGBUS later); they are mapped as first touched (no populate). Throws
+  // Error(kResourceExhausted) when /dev/shm has no room, else
+  // Error(kUnavailable), naming the segment and the cause.
   static std::shared_ptr<LocalShm> create(const std::string& name, uint64_t bytes);
   // Server side: maps an existing segment read-write; throws
   // Error(kUnavailable) naming it and the cause (absent, permission,
