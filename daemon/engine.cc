@@ -518,6 +518,8 @@ bool Engine::open_paths() {
     shard_elems_ = server::shard_elements(*fusion_, ps_->info().servers.size(), pb);
     staging_ = std::make_shared<std::vector<std::unique_ptr<char[]>>>();
     buckets_.resize(fusion_->buckets.size());
+    rank_iteration_.assign(layout_.local_size, -1);
+    rank_since_.assign(layout_.local_size, {});
     uint64_t fused = 0;
     for (size_t b = 0; b < fusion_->buckets.size(); ++b) {
       const uint64_t bytes = fusion_->buckets[b].count * 4;
@@ -742,6 +744,10 @@ bool Engine::track_buckets(uint32_t rank, const ipc::RingEntry& e) {
   // A rank pushes an iteration's tensors before any of the next (DDP's rule,
   // which fusion relies on: a bucket's members all come in one iteration),
   // so a rank that moved on will never push what it left out.
+  if (static_cast<int64_t>(e.iteration) > rank_iteration_[rank]) {
+    rank_iteration_[rank] = static_cast<int64_t>(e.iteration);
+    rank_since_[rank] = std::chrono::steady_clock::now();
+  }
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     const BucketRound& br = buckets_[b];
     if (!br.collecting || e.iteration <= br.iteration ||
@@ -780,12 +786,21 @@ bool Engine::check_buckets(std::chrono::steady_clock::time_point now) {
   const uint32_t ms = tunables_.fusion_member_timeout_ms.load();
   for (uint32_t b = 0; b < buckets_.size(); ++b) {
     const BucketRound& br = buckets_[b];
-    if (!br.collecting || now - br.since < std::chrono::milliseconds(ms)) continue;
-    // Every rank pushed every member: the bucket waits for a strategy
-    // change's confirmation (held_), which has its own bound.
+    if (!br.collecting) continue;
+    // Late: a rank that pushed every member (the bucket then waits for the
+    // other ranks, or for a strategy change's confirmation, which has its
+    // own bound), or one that has not begun the bucket's iteration (e.g.
+    // checkpointing while its siblings went on; it is caught when it moves
+    // past the iteration without the member). Missing: a rank inside the
+    // iteration for longer than the bound without the member.
     const size_t members = fusion_->buckets[b].members.size();
-    if (std::all_of(br.pushed.begin(), br.pushed.end(), [&](uint32_t n) { return n == members; }))
-      continue;
+    bool missing = false;
+    for (uint32_t r = 0; r < br.pushed.size() && !missing; ++r) {
+      if (br.pushed[r] == members || rank_iteration_[r] < static_cast<int64_t>(br.iteration))
+        continue;
+      missing = now - std::max(br.since, rank_since_[r]) >= std::chrono::milliseconds(ms);
+    }
+    if (!missing) continue;
     fail(ErrorCode::kAborted, missing_members(b, {}) + " within fusion.member_timeout_ms (" +
                                   std::to_string(ms) + " ms) of its bucket's first push" +
                                   kMemberRule);

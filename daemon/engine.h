@@ -334,6 +334,11 @@ class Engine {
     std::chrono::steady_clock::time_point since;
   };
   std::vector<BucketRound> buckets_;
+  // Per local rank: the latest iteration it pushed anything of, and when
+  // that began. A rank that has not begun a bucket's iteration is late, not
+  // missing a member (fusion.member_timeout_ms counts only from its start).
+  std::vector<int64_t> rank_iteration_;
+  std::vector<std::chrono::steady_clock::time_point> rank_since_;
   // The staging memory, shared with the PS path's zero-copy pushes (the
   // transport may still send from it after the job ended).
   std::shared_ptr<std::vector<std::unique_ptr<char[]>>> staging_;

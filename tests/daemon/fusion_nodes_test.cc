@@ -739,5 +739,30 @@ TEST_P(FusionNodes, MemberTimeoutCountsFromEachIterationsFirstPush) {
     EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
 }
 
+// A local rank that has not begun the bucket's iteration (checkpointing,
+// say, while its sibling went on) is late, not missing a member: the bound
+// counts from its own first push of the iteration. The old clock ran from
+// the sibling's first push and failed the job after 1000 ms.
+TEST_P(FusionNodes, ALocalRankThatHasNotBegunTheIterationIsLateNotMissing) {
+  start("version: 1\ndefault: {compressor: none}\n", member_fusion(1000));
+  if (HasFatalFailure()) return;
+  auto run = [&](uint32_t node, uint32_t rank) {
+    MemberJob j;
+    ASSERT_TRUE(j.open(*this, node, rank, "lagging")) << bytecomp_last_error();
+    for (uint64_t it = 0; it < 2; ++it) {
+      if (rank == 1) std::this_thread::sleep_for(2500ms);
+      bytecomp_handle h[6];
+      for (uint32_t k = 6; k-- > 0;) ASSERT_TRUE(j.push(k, it, 2.0f, h[k])) << j.error;
+      for (uint32_t k = 0; k < 6; ++k) {
+        ASSERT_TRUE(j.ok(bytecomp_wait(j.c, h[k], 30000))) << j.error;
+        EXPECT_EQ(j.p[k][kMemberCount - 1], 8.0f) << k;
+      }
+    }
+  };
+  on_every_rank(run);
+  for (auto& n : nodes_)
+    EXPECT_EQ(n->daemon().output().find("aborted"), std::string::npos) << n->daemon().output();
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, FusionNodes, ::testing::Values("zmq"),
                          [](const auto& info) { return info.param; });
