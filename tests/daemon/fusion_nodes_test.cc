@@ -114,6 +114,7 @@ class FusionNodes : public ::testing::TestWithParam<std::string> {
     }
     return c;
   }
+  const std::vector<std::unique_ptr<DaemonEnv>>& nodes() const { return nodes_; }
   template <class Fn>
   void on_every_rank(const Fn& fn) {
     std::vector<std::future<void>> others;
@@ -538,6 +539,20 @@ void expect_member_job_runs(FusionNodes& f, const char* job) {
   f.on_every_rank(run);
 }
 
+// Every rank's job failed with BYTECOMP_ERR_ABORTED naming `needle`; the
+// jobs are closed and nothing of them is left in /dev/shm.
+void expect_every_rank_aborted(FusionNodes& f, MemberJob (&jobs)[4], const std::string& needle) {
+  for (uint32_t g = 0; g < 4; ++g) {
+    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
+    EXPECT_NE(jobs[g].error.find(needle), std::string::npos) << g << ": " << jobs[g].error;
+  }
+  for (auto& j : jobs) {
+    bytecomp_close(j.c);
+    j.c = nullptr;
+  }
+  for (auto& n : f.nodes()) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+}
+
 }  // namespace
 
 // Node 1's ranks leave w2 out of iteration 1: after member_timeout_ms the
@@ -569,20 +584,11 @@ TEST_P(FusionNodes, UnpushedMemberFailsEveryRankAfterTheMemberTimeout) {
   };
   on_every_rank(run);
   ASSERT_FALSE(HasFatalFailure());
-  for (uint32_t g = 0; g < 4; ++g) {
-    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
-    EXPECT_NE(jobs[g].error.find("fused tensor 'w2' (bucket 'fused[0]:w4..w0', iteration 1) was "
-                                 "not pushed by local ranks 0, 1 of node rank 1 within "
-                                 "fusion.member_timeout_ms (1000 ms)"),
-              std::string::npos)
-        << g << ": " << jobs[g].error;
-    EXPECT_LT(took[g], 6s) << g;
-  }
-  for (auto& j : jobs) {
-    bytecomp_close(j.c);
-    j.c = nullptr;
-  }
-  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+  expect_every_rank_aborted(*this, jobs,
+                            "fused tensor 'w2' (bucket 'fused[0]:w4..w0', iteration 1) was "
+                            "not pushed by local ranks 0, 1 of node rank 1 within "
+                            "fusion.member_timeout_ms (1000 ms)");
+  for (uint32_t g = 0; g < 4; ++g) EXPECT_LT(took[g], 6s) << g;
   expect_member_job_runs(*this, "after-unused");
   for (auto& n : nodes_) EXPECT_FALSE(n->daemon().wait(0ms).has_value()) << "still serving";
 }
@@ -621,20 +627,11 @@ TEST_P(FusionNodes, LaterIterationWhileABucketMissesAMemberFailsAtOnce) {
   };
   on_every_rank(run);
   ASSERT_FALSE(HasFatalFailure());
-  for (uint32_t g = 0; g < 4; ++g) {
-    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
-    EXPECT_NE(jobs[g].error.find("fused tensor 'w2' (bucket 'fused[0]:w4..w0', iteration 1) was "
-                                 "not pushed by local rank 1 of node rank 1, which pushed tensor "
-                                 "'solo' of iteration 2 already"),
-              std::string::npos)
-        << g << ": " << jobs[g].error;
-    EXPECT_LT(took[g], 6s) << g;
-  }
-  for (auto& j : jobs) {
-    bytecomp_close(j.c);
-    j.c = nullptr;
-  }
-  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+  expect_every_rank_aborted(*this, jobs,
+                            "fused tensor 'w2' (bucket 'fused[0]:w4..w0', iteration 1) was "
+                            "not pushed by local rank 1 of node rank 1, which pushed tensor "
+                            "'solo' of iteration 2 already");
+  for (uint32_t g = 0; g < 4; ++g) EXPECT_LT(took[g], 6s) << g;
   expect_member_job_runs(*this, "after-moved-on");
   for (auto& n : nodes_) EXPECT_FALSE(n->daemon().wait(0ms).has_value()) << "still serving";
 }
@@ -661,19 +658,10 @@ TEST_P(FusionNodes, WaitBeforePushingTheRestOfTheBucketFailsAfterTheMemberTimeou
   };
   on_every_rank(run);
   ASSERT_FALSE(HasFatalFailure());
-  for (uint32_t g = 0; g < 4; ++g) {
-    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
-    EXPECT_NE(jobs[g].error.find("fused tensors 'w1', 'w0' (bucket 'fused[0]:w4..w0', iteration "
-                                 "0) were not pushed by local rank 1 of node rank 0 within "
-                                 "fusion.member_timeout_ms (1000 ms)"),
-              std::string::npos)
-        << g << ": " << jobs[g].error;
-  }
-  for (auto& j : jobs) {
-    bytecomp_close(j.c);
-    j.c = nullptr;
-  }
-  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+  expect_every_rank_aborted(*this, jobs,
+                            "fused tensors 'w1', 'w0' (bucket 'fused[0]:w4..w0', iteration "
+                            "0) were not pushed by local rank 1 of node rank 0 within "
+                            "fusion.member_timeout_ms (1000 ms)");
 }
 
 // A member pushed for an earlier iteration than the one its bucket collects
@@ -697,18 +685,9 @@ TEST_P(FusionNodes, MemberOfAnEarlierIterationThanItsBucketIsRefused) {
   };
   on_every_rank(run);
   ASSERT_FALSE(HasFatalFailure());
-  for (uint32_t g = 0; g < 4; ++g) {
-    EXPECT_EQ(jobs[g].first, BYTECOMP_ERR_ABORTED) << g << ": " << jobs[g].error;
-    EXPECT_NE(jobs[g].error.find("pushed fused tensor 'w2' for iteration 0 while its bucket "
-                                 "'fused[0]:w4..w0' collects iteration 1"),
-              std::string::npos)
-        << g << ": " << jobs[g].error;
-  }
-  for (auto& j : jobs) {
-    bytecomp_close(j.c);
-    j.c = nullptr;
-  }
-  for (auto& n : nodes_) EXPECT_TRUE(no_shm_left(n->shm_prefix())) << n->daemon().output();
+  expect_every_rank_aborted(*this, jobs,
+                            "pushed fused tensor 'w2' for iteration 0 while its bucket "
+                            "'fused[0]:w4..w0' collects iteration 1");
 }
 
 // The member timeout counts per iteration from the bucket's first push: a
