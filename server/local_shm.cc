@@ -53,20 +53,9 @@ std::shared_ptr<LocalShm> LocalShm::create(const std::string& name, uint64_t byt
     perm.set_permissions(0600);  // the server runs as the daemon's user, or falls back
     bi::shared_memory_object obj(bi::create_only, name.c_str(), bi::read_write, perm);
     obj.truncate(static_cast<bi::offset_t>(bytes));
-    // Reserve the tmpfs pages now, as daemon/shm_segment.cc does: a full
-    // /dev/shm (a container's 64 MiB default) is then an error here, and the
-    // partitions take the socket, instead of a SIGBUS in whichever process
-    // first writes an unbacked page.
-    const int fd = obj.get_mapping_handle().handle;
-    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
-      s->unlink();
-      throw Error(err == ENOSPC ? ErrorCode::kResourceExhausted : ErrorCode::kUnavailable,
-                  "cannot reserve shared memory " + name + " of " + std::to_string(bytes) +
-                      " bytes: " + std::strerror(err) +
-                      (err == ENOSPC ? " (/dev/shm is full or too small)" : ""));
-    }
     s->region_ = bi::mapped_region(obj, bi::read_write);
     s->size_ = bytes;
+    s->object_.swap(obj);
   } catch (const bi::interprocess_exception& e) {
     s->unlink();
     throw Error(ErrorCode::kUnavailable, "cannot create shared memory " + name + " of " +
@@ -92,10 +81,23 @@ std::shared_ptr<LocalShm> LocalShm::open(const std::string& name, uint64_t bytes
   return s;
 }
 
+void LocalShm::reserve() {
+  const int fd = object_.get_mapping_handle().handle;
+  if (!owner_ || unlinked_ || fd < 0)
+    throw Error(ErrorCode::kInternal, "shared memory " + name_ + ": reserve() after unlink()");
+  if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size_)); err != 0) {
+    throw Error(err == ENOSPC ? ErrorCode::kResourceExhausted : ErrorCode::kUnavailable,
+                "cannot reserve shared memory " + name_ + " of " + std::to_string(size_) +
+                    " bytes: " + std::strerror(err) +
+                    (err == ENOSPC ? " (/dev/shm is full or too small)" : ""));
+  }
+}
+
 void LocalShm::unlink() noexcept {
   if (!owner_ || unlinked_) return;
   unlinked_ = true;
   bi::shared_memory_object::remove(name_.c_str());
+  bi::shared_memory_object().swap(object_);  // the descriptor: the mapping holds the memory
 }
 
 LocalShm::~LocalShm() { unlink(); }

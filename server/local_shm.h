@@ -18,6 +18,7 @@
 #include <string>
 
 #include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
 
 namespace bytecomp::server {
 
@@ -39,12 +40,18 @@ bool shm_name_matches(const std::string& name, uint32_t uid, uint32_t node);
 
 class LocalShm {
  public:
-  // Client side: creates (exclusively) and sizes `name`, reserving its
-  // tmpfs pages (posix_fallocate: a full /dev/shm is an error here, not a
-  // SIGBUS later); they are mapped as first touched (no populate). Throws
-  // Error(kResourceExhausted) when /dev/shm has no room, else
-  // Error(kUnavailable), naming the segment and the cause.
+  // Client side: creates (exclusively) and sizes `name`, sparse: a server
+  // on another host refuses the attach, and reserving the pages for it
+  // would zero-fill its share of the model for nothing. Throws
+  // Error(kUnavailable) naming the segment and the cause.
   static std::shared_ptr<LocalShm> create(const std::string& name, uint64_t bytes);
+  // Client side, once a server attached and before anything is written:
+  // reserves the tmpfs pages (posix_fallocate), so a full /dev/shm is an
+  // error here, not a SIGBUS at the first write of an unbacked page (pages
+  // are still mapped as first touched: no populate). Throws
+  // Error(kResourceExhausted) when /dev/shm has no room, else
+  // Error(kUnavailable). Needs the name's descriptor: before unlink().
+  void reserve();
   // Server side: maps an existing segment read-write; throws
   // Error(kUnavailable) naming it and the cause (absent, permission,
   // smaller than `bytes`).
@@ -67,6 +74,7 @@ class LocalShm {
   bool owner_ = false;
   bool unlinked_ = false;
   uint64_t size_ = 0;
+  boost::interprocess::shared_memory_object object_;  // creator, until reserve() or unlink()
   boost::interprocess::mapped_region region_;
 };
 

@@ -430,6 +430,10 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
         proto::ShmAttach m{info_.uid, host_identity(), name, total};
         Response r = core_->tp->call(srv.id, proto::to_message(m), core_->or_default(Millis{0}));
         st = to_status(r);
+        // Only now (a remote server refused): nothing was written yet, and
+        // the server writes only answers this node asks for, so a failed
+        // reservation just leaves the attached segment unused.
+        if (st.ok()) seg->reserve();
       } catch (const Error& e) {
         st = Status::FromError(e);
       }
