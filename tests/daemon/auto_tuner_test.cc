@@ -310,11 +310,9 @@ TEST(AutoTuner, ProbeOrderPairsEveryNodeWithADifferentServerAtEachStep) {
   EXPECT_TRUE(probe_order(0, 3).empty());
 }
 
-TEST(AutoTuner, ProcessCpuTimeCountsWorkNotWaiting) {
-  const std::optional<double> before = process_cpu_us(::getpid());
-  ASSERT_TRUE(before.has_value());
-  // Busy for 60 ms of this thread's CPU (however long a loaded machine
-  // makes that take), then asleep; /proc counts in 10 ms ticks.
+// Busy for `us` of this thread's CPU, however long a loaded machine makes
+// that take.
+void spin_thread_cpu_us(double us) {
   auto thread_cpu = [] {
     timespec ts{};
     ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -322,7 +320,15 @@ TEST(AutoTuner, ProcessCpuTimeCountsWorkNotWaiting) {
   };
   volatile double x = 0;
   const double c0 = thread_cpu();
-  while (thread_cpu() - c0 < 60e3) x = x + 1;
+  while (thread_cpu() - c0 < us) x = x + 1;
+}
+
+TEST(AutoTuner, ProcessCpuTimeCountsWorkNotWaiting) {
+  const std::optional<double> before = process_cpu_us(::getpid());
+  ASSERT_TRUE(before.has_value());
+  // Busy for 60 ms of this thread's CPU (however long a loaded machine
+  // makes that take), then asleep; /proc counts in 10 ms ticks.
+  spin_thread_cpu_us(60e3);
   const std::optional<double> busy = process_cpu_us(::getpid());
   ASSERT_TRUE(busy.has_value());
   EXPECT_GE(*busy - *before, 40e3);
@@ -359,14 +365,7 @@ TEST(AutoTuner, HostCpuTimeIsTheHostsBusyTicks) {
   // The live host: busy for at least the CPU this thread spins for.
   const std::optional<double> before = host_busy_cpu_us();
   ASSERT_TRUE(before.has_value());
-  auto thread_cpu = [] {
-    timespec ts{};
-    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return static_cast<double>(ts.tv_sec) * 1e6 + static_cast<double>(ts.tv_nsec) / 1e3;
-  };
-  volatile double x = 0;
-  const double c0 = thread_cpu();
-  while (thread_cpu() - c0 < 60e3) x = x + 1;
+  spin_thread_cpu_us(60e3);
   const std::optional<double> after = host_busy_cpu_us();
   ASSERT_TRUE(after.has_value());
   EXPECT_GE(*after - *before, 40e3);

@@ -83,15 +83,18 @@ TEST(DaemonConfig, ExampleFileParses) {
   EXPECT_EQ(c.max_job_bytes, 16ull << 30);
 }
 
+// The error a daemon.yaml text gets ("" when it parses).
+static std::string config_error(const std::string& text) {
+  try {
+    DaemonConfig::parse(config::Document::parse(text, "d.yaml"));
+  } catch (const config::ConfigError& e) {
+    return std::string(e.what());
+  }
+  return std::string();
+}
+
 TEST(DaemonConfig, FusionMemberTimeoutIsValidated) {
-  auto err = [](const std::string& text) {
-    try {
-      DaemonConfig::parse(config::Document::parse(text, "d.yaml"));
-    } catch (const config::ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
+  auto err = config_error;
   EXPECT_EQ(DaemonConfig::parse(config::Document::parse("version: 1\n", "d.yaml"))
                 .fusion_member_timeout_ms,
             20000u);
@@ -109,14 +112,7 @@ TEST(DaemonConfig, FusionMemberTimeoutIsValidated) {
 }
 
 TEST(DaemonConfig, ErrorsNameTheKey) {
-  auto err = [](const std::string& text) {
-    try {
-      DaemonConfig::parse(config::Document::parse(text, "d.yaml"));
-    } catch (const config::ConfigError& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
+  auto err = config_error;
   EXPECT_NE(err("version: 1\ncontrol: {socket: rel.sock}\n").find("control.socket"),
             std::string::npos);
   EXPECT_NE(err("version: 1\nshm: {instance: 'a.b'}\n").find("shm.instance"), std::string::npos);
