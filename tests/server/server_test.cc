@@ -612,7 +612,11 @@ void run_iterations(PsJob& a, PsJob& b, uint64_t first, uint64_t end,
         std::vector<transport::Buffer>* keep = node == 0 && it + 1 == end ? kept : nullptr;
         j.pull(p.key, it, [pl, keep](const Status& s, transport::Buffer r) {
           if (keep) keep->push_back(r);  // completions run on one thread
-          pl->set_value({s, std::string(r.view())});
+          std::string bytes(r.view());
+          // Released before the test thread wakes: a held answer keeps its
+          // slot, and the next round's push would then take the socket.
+          r = transport::Buffer();
+          pl->set_value({s, std::move(bytes)});
         });
       }
     }
