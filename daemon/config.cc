@@ -41,7 +41,8 @@ DaemonConfig DaemonConfig::parse(const config::Document& doc) {
   config::Reader sched = root.section("scheduler");
   sched.get("threads", c.threads, Range<int>{0, 256})
       .get_bytes("partition_bytes", c.partition_bytes, Range<uint64_t>{4096, 1ull << 30})
-      .get_bytes("max_inflight_bytes", c.max_inflight_bytes, Range<uint64_t>{4096, 1ull << 40});
+      .get_bytes("max_inflight_bytes", c.max_inflight_bytes, Range<uint64_t>{4096, 1ull << 40})
+      .get("link_window", c.link_window, Range<uint32_t>{0, 1024});
   if (c.max_inflight_bytes < c.partition_bytes) {
     sched.fail("max_inflight_bytes",
                std::to_string(c.max_inflight_bytes) + " is below partition_bytes " +

@@ -30,6 +30,10 @@ struct DaemonConfig {
   uint32_t setup_timeout_ms = 60000;
   uint64_t partition_bytes = 4ull << 20;  // new jobs only
   uint64_t max_inflight_bytes = 64ull << 20;
+  // Multi-node pushes: per server link, at most this many partitions'
+  // bytes (link_window x partition_bytes, on the wire) unacknowledged; 0:
+  // only max_inflight_bytes bounds them.
+  uint32_t link_window = 2;
   // Strategy file (planner's format); empty: every tensor uncompressed.
   // Reloadable: running jobs switch at an iteration boundary.
   std::string strategy_file;
@@ -91,6 +95,7 @@ struct Tunables {
   std::atomic<uint32_t> setup_timeout_ms{60000};
   std::atomic<uint64_t> partition_bytes{4ull << 20};
   std::atomic<uint64_t> max_inflight_bytes{64ull << 20};
+  std::atomic<uint32_t> link_window{2};
   std::atomic<bool> phase_timestamps{true};
   std::atomic<uint32_t> fusion_member_timeout_ms{20000};
 
@@ -100,6 +105,7 @@ struct Tunables {
     setup_timeout_ms.store(c.setup_timeout_ms);
     partition_bytes.store(c.partition_bytes);
     max_inflight_bytes.store(c.max_inflight_bytes);
+    link_window.store(c.link_window);
   }
 };
 

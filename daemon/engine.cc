@@ -68,16 +68,17 @@ void Inbox::deliver(Arrival a) {
   ring();
 }
 
-void Inbox::acked(uint64_t bytes) {
+void Inbox::acked(uint64_t bytes, int64_t link, uint64_t link_bytes) {
   std::lock_guard lock(mu_);
   if (doorbell_ == nullptr) return;
-  acked_ += bytes;
+  acked_.bytes += bytes;
+  if (link >= 0) acked_.links.emplace_back(static_cast<uint32_t>(link), link_bytes);
   ring();
 }
 
-uint64_t Inbox::take_acked() {
+Inbox::Acked Inbox::take_acked() {
   std::lock_guard lock(mu_);
-  return std::exchange(acked_, 0);
+  return std::exchange(acked_, {});
 }
 
 void Inbox::fail(const Status& s) {
@@ -627,7 +628,27 @@ void Engine::loop() {
         // partitions in different orders (each by its local priority and
         // readiness), so a bound held until the answers would deadlock them.
         if (inflight_bytes_ >= bound) break;
-        run_batch(sched_.next_batch(pool_.concurrency(), bound - inflight_bytes_));
+        // Per server link, a window of a few partitions: a high-priority
+        // partition arriving later waits behind at most that on its link,
+        // not behind every byte already handed to the transport's FIFO.
+        // Each node's window depends only on its own pushes' acknowledgements
+        // (given whatever the other nodes do), so the nodes cannot wait on
+        // each other through it.
+        const uint64_t window = tunables_.link_window.load() * partition_bytes_;
+        std::vector<Task> batch = sched_.next_batch(
+            pool_.concurrency(), bound - inflight_bytes_, [&](Task& t) {
+              if (window == 0) return true;
+              const auto charge = path_of_[t.tensor]->link_charge(t);
+              if (!charge) return true;
+              uint64_t& used = link_inflight_[charge->link];
+              if (used > 0 && used + charge->bytes > window) return false;  // an idle link takes any
+              used += charge->bytes;
+              t.link = charge->link;
+              t.link_bytes = charge->bytes;
+              return true;
+            });
+        if (batch.empty()) break;  // every queued partition's link is full: an ack rings
+        run_batch(batch);
         publish_gauges();
         // New arrivals between batches, so a high-priority tensor overtakes
         // the rest of a large one.
@@ -892,7 +913,12 @@ void Engine::run_batch(const std::vector<Task>& batch) {
 }
 
 bool Engine::process_arrivals() {
-  inflight_bytes_ -= std::min(inflight_bytes_, inbox_->take_acked());
+  const Inbox::Acked acked = inbox_->take_acked();
+  inflight_bytes_ -= std::min(inflight_bytes_, acked.bytes);
+  for (const auto& [link, bytes] : acked.links) {
+    uint64_t& used = link_inflight_[link];
+    used -= std::min(used, bytes);
+  }
   std::vector<Inbox::Arrival> arrived = inbox_->take();
   if (arrived.empty()) return true;
   // The engine's own collectives first; the rest are the paths'.

@@ -63,6 +63,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -297,6 +298,9 @@ class Engine {
   // receipt (whether or not their round is complete). Single node: unused
   // (a batch is bounded by the bound itself and finishes in run_batch()).
   uint64_t inflight_bytes_ = 0;
+  // Multi-node: per link (ExecutionPath::link_charge: a server), the bytes
+  // charged to its credit window and not yet acknowledged.
+  std::unordered_map<uint32_t, uint64_t> link_inflight_;
   bool phase_timestamps_ = true;
   // Written by the engine thread and the workers, read by phase_records().
   PhaseLog phases_;

@@ -21,8 +21,10 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <boost/interprocess/sync/interprocess_semaphore.hpp>
@@ -59,15 +61,20 @@ class Inbox {
       : doorbell_(doorbell), stamp_(stamp) {}
   void deliver(Arrival a);
   // A push of `bytes` (tensor bytes) was acknowledged by its server (or a
-  // peer payload by every peer).
-  void acked(uint64_t bytes);
+  // peer payload by every peer); `link` >= 0: the task's link charge
+  // (Task::link, Task::link_bytes) comes back with it.
+  void acked(uint64_t bytes, int64_t link = -1, uint64_t link_bytes = 0);
   void fail(const Status& s);
   // Rings the engine's doorbell (until closed): something outside the
   // arrivals changed.
   void wake();
   void close();
   std::vector<Arrival> take();
-  uint64_t take_acked();
+  struct Acked {
+    uint64_t bytes = 0;                                // tensor bytes
+    std::vector<std::pair<uint32_t, uint64_t>> links;  // (link, bytes) credits returned
+  };
+  Acked take_acked();
   Status failure();
 
  private:
@@ -76,7 +83,7 @@ class Inbox {
   boost::interprocess::interprocess_semaphore* doorbell_;  // null once closed
   const bool stamp_;
   std::vector<Arrival> arrivals_;
-  uint64_t acked_ = 0;
+  Acked acked_;
   Status failure_;
 };
 
@@ -118,6 +125,15 @@ class ExecutionPath {
   // Writes an arrived result into every local rank's buffer. Returns the
   // problem ("" when fine): the answer was unusable (fails the job).
   virtual std::string finish(const Inbox::Arrival& a, std::span<char* const> bufs) = 0;
+  // The link whose credit window (scheduler.link_window) bounds task `t`'s
+  // push, and the most bytes that push puts on it; none where the path
+  // bounds its own flows (the ring's chunk credit) or sends nothing. Engine
+  // thread, before `t`'s start().
+  struct LinkCharge {
+    uint32_t link = 0;
+    uint64_t bytes = 0;
+  };
+  virtual std::optional<LinkCharge> link_charge(const Task&) { return std::nullopt; }
   // Engine thread, each loop turn: a failure the path detected on its own
   // (e.g. a deadline passed).
   virtual Status check(std::chrono::steady_clock::time_point) { return Status::Ok(); }

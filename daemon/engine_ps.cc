@@ -40,6 +40,16 @@ PsPath::PsPart& PsPath::ps_part(const Task& t) {
   return part;
 }
 
+std::optional<ExecutionPath::LinkCharge> PsPath::link_charge(const Task& t) {
+  const server::Partition* p = ps_->info().assignment.find(t.key);
+  if (p == nullptr) return std::nullopt;  // start() fails the job, naming it
+  PsPart& part = ps_part(t);
+  const uint64_t bytes = part.compressor
+                             ? part.compressor->max_compressed_bytes(static_cast<size_t>(t.count))
+                             : t.bytes();
+  return LinkCharge{p->server, bytes};
+}
+
 void PsPath::start(const Task& t, std::span<char* const> bufs) {
   const TensorSpec& spec = (*ctx_.tensors)[t.tensor];
   const uint32_t index = t.index;
@@ -97,11 +107,12 @@ void PsPath::start(const Task& t, std::span<char* const> bufs) {
   phases.stamp(t.tensor, index, t.iteration, Phase::kSent);
   std::weak_ptr<Inbox> inbox = ctx_.inbox;
   ps_->push(key, t.iteration, std::move(payload),
-            [inbox, name = spec.name, bytes = t.bytes()](const Status& s) {
+            [inbox, name = spec.name, bytes = t.bytes(), link = t.link,
+             link_bytes = t.link_bytes](const Status& s) {
               auto i = inbox.lock();
               if (!i) return;
               if (s.ok()) {
-                i->acked(bytes);
+                i->acked(bytes, link, link_bytes);
               } else {
                 i->fail(Status(s.code(), "push of tensor '" + name + "' failed: " + s.message()));
               }

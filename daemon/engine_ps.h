@@ -30,6 +30,9 @@ class PsPath final : public ExecutionPath {
   bool synchronous() const override { return false; }
   void start(const Task& t, std::span<char* const> bufs) override;
   std::string finish(const Inbox::Arrival& a, std::span<char* const> bufs) override;
+  // The partition's server, charged the most its push can put on the wire
+  // (the tensor bytes uncompressed, the compressor's bound otherwise).
+  std::optional<LinkCharge> link_charge(const Task& t) override;
 
  private:
   struct PsPart {  // per tensor partition: the plan in force and its state

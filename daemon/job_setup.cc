@@ -330,6 +330,7 @@ std::pair<bool, std::string> Daemon::reload() {
     config_.setup_timeout_ms = next.setup_timeout_ms;
     config_.partition_bytes = next.partition_bytes;
     config_.max_inflight_bytes = next.max_inflight_bytes;
+    config_.link_window = next.link_window;
     config_.phase_timestamps = next.phase_timestamps;
     config_.fusion_enabled = next.fusion_enabled;
     config_.fusion_first_bucket_bytes = next.fusion_first_bucket_bytes;
@@ -374,6 +375,7 @@ std::pair<bool, std::string> Daemon::reload() {
     std::ostringstream done;
     done << "reloaded (partition_bytes " << config_.partition_bytes
          << " for new jobs, max_inflight_bytes " << config_.max_inflight_bytes
+         << ", link_window " << config_.link_window
          << ", setup_timeout_ms " << config_.setup_timeout_ms << ", strategy '"
          << config_.strategy_file << "', metrics '" << config_.metrics_textfile_dir
          << "', fusion " << (config_.fusion_enabled ? "on" : "off")

@@ -37,16 +37,21 @@ size_t Scheduler::add(uint32_t tensor, uint64_t iteration, uint64_t bytes,
   return n;
 }
 
-std::vector<Task> Scheduler::next_batch(size_t max_tasks, uint64_t max_bytes) {
+std::vector<Task> Scheduler::next_batch(size_t max_tasks, uint64_t max_bytes,
+                                        const AdmitFn& admit) {
   std::vector<Task> batch;
   uint64_t total = 0;
-  while (!queue_.empty() && batch.size() < std::max<size_t>(max_tasks, 1)) {
-    auto it = queue_.begin();
-    const uint64_t b = it->second.end - it->second.begin;
+  auto it = queue_.begin();
+  while (it != queue_.end() && batch.size() < std::max<size_t>(max_tasks, 1)) {
+    const uint64_t b = it->second.bytes();
     if (!batch.empty() && total + b > max_bytes) break;
+    if (admit && !admit(it->second)) {
+      ++it;
+      continue;
+    }
     total += b;
-    batch.push_back(it->second);
-    queue_.erase(it);
+    batch.push_back(std::move(it->second));
+    it = queue_.erase(it);
   }
   return batch;
 }

@@ -4,13 +4,17 @@
 // and share the cores with small ones), and partitions are handed out by
 // priority: the tensor declared first (needed first by the next forward pass)
 // goes first, ties in arrival order. A batch never exceeds the bytes-in-
-// flight bound, except that one partition always fits.
+// flight bound, except that one partition always fits, and takes only the
+// partitions its caller admits (the engine's per-link credit windows): a
+// partition whose link is full stays queued in its place while lower-
+// priority ones for other links go.
 //
 // Thread-safety: neither thread-safe nor thread-bound; its engine owns it.
 #pragma once
 
 #include <cstdint>
 #include <cstddef>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -41,6 +45,12 @@ struct Task {
   // (A compressed round's first dense_partitions partitions stay dense:
   // the daemon compresses them, the strategy's cpu_share.)
   bool compressed = false;
+  // Set by the engine when the partition is admitted under a link's credit
+  // window (scheduler.link_window): the link (the server it pushes to) and
+  // the bytes charged to it, returned when the push is acknowledged.
+  // link < 0: not charged to any link.
+  int64_t link = -1;
+  uint64_t link_bytes = 0;
 
   uint64_t bytes() const { return end - begin; }
 };
@@ -60,8 +70,12 @@ class Scheduler {
              std::optional<uint32_t> priority = std::nullopt, uint32_t first = 0);
 
   // Up to max_tasks highest-priority partitions whose bytes sum to at most
-  // max_bytes (the first always fits).
-  std::vector<Task> next_batch(size_t max_tasks, uint64_t max_bytes);
+  // max_bytes (the first always fits) and that `admit` accepts (it may
+  // record what it charged in the task; a refused one stays queued and
+  // keeps its place). Empty when nothing is admitted.
+  using AdmitFn = std::function<bool(Task&)>;
+  std::vector<Task> next_batch(size_t max_tasks, uint64_t max_bytes,
+                               const AdmitFn& admit = {});
 
   bool empty() const { return queue_.empty(); }
   size_t size() const { return queue_.size(); }

@@ -12,6 +12,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <future>
+#include <tuple>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -199,6 +202,87 @@ TEST_P(TwoNodePhases, PeerPathRecordsEveryPhaseOfACompressedAllgather) {
     expect_complete(recs, "peer", {{"t0", 1}, {"t1", 16}}, kIters);
     EXPECT_GT(median_span(recs, "t1", kStart, kReduced), median_span(recs, "t0", kStart, kReduced));
     EXPECT_GT(median_span(recs, "t1", kSent, kArrived), median_span(recs, "t0", kSent, kArrived));
+  }
+}
+
+// Credit scheduling (scheduler.link_window): with the server stopped, each
+// node's push of a 32-partition tensor 'z' puts one partition (a window of
+// one) on the server's link and keeps the rest queued, so 'a', declared
+// first and pushed half a second later, goes right after that one once the
+// server answers again. Without the window every partition of 'z' was
+// handed to the transport's FIFO before 'a' arrived (32 ahead of it).
+TEST_P(TwoNodePhases, ALateFirstTensorOvertakesPushesQueuedBehindTheLinkWindow) {
+  daemon_env_ = kPhaseLog;
+  start(1, "", "  link_window: 1\n");
+  constexpr uint64_t kA = 65536;        // one 256 KiB partition
+  constexpr uint64_t kZ = 32 * 65536;   // 32 of them
+  auto value = [](uint32_t node, uint64_t it, uint64_t i) {
+    return static_cast<float>((node + 1) * (i % 7 + 1) + it);
+  };
+  std::atomic<int> joined{0};
+  std::promise<void> stopped;
+  std::shared_future<void> go = stopped.get_future().share();
+  auto run = [&](uint32_t node) {
+    bytecomp_client* c = connect_client(node, 0, "credit", 1);
+    ASSERT_NE(c, nullptr);
+    uint32_t a = 0, z = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "a", kA, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &a),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_declare_tensor(c, "z", kZ, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &z),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    float* pa = nullptr;
+    float* pz = nullptr;
+    uint64_t bytes = 0;
+    ASSERT_EQ(bytecomp_tensor_buffer(c, a, reinterpret_cast<void**>(&pa), &bytes), BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_tensor_buffer(c, z, reinterpret_cast<void**>(&pz), &bytes), BYTECOMP_OK);
+    for (uint64_t it = 0; it < 2; ++it) {
+      if (it == 1) {
+        ++joined;
+        ASSERT_EQ(go.wait_for(30s), std::future_status::ready);
+      }
+      for (uint64_t i = 0; i < kA; ++i) pa[i] = value(node, it, i);
+      for (uint64_t i = 0; i < kZ; ++i) pz[i] = value(node, it, i);
+      bytecomp_handle hz = 0, ha = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, z, it, &hz), BYTECOMP_OK);
+      if (it == 1) std::this_thread::sleep_for(500ms);  // 'z' queued alone for a while
+      ASSERT_EQ(bytecomp_push_pull(c, a, it, &ha), BYTECOMP_OK);
+      for (auto [h, p, n] : {std::tuple{hz, pz, kZ}, std::tuple{ha, pa, kA}}) {
+        ASSERT_EQ(bytecomp_wait(c, h, 30000), BYTECOMP_OK)
+            << "node " << node << " iteration " << it << ": " << bytecomp_last_error();
+        size_t wrong = 0;
+        for (uint64_t i = 0; i < n; ++i) wrong += p[i] != value(0, it, i) + value(1, it, i);
+        EXPECT_EQ(wrong, 0u) << "node " << node << " iteration " << it;
+      }
+    }
+    bytecomp_close(c);
+  };
+  auto other = std::async(std::launch::async, run, 1);
+  auto mine = std::async(std::launch::async, run, 0);
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (joined.load() < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  servers_[0]->signal(SIGSTOP);  // no push is acknowledged until SIGCONT
+  stopped.set_value();
+  std::this_thread::sleep_for(1000ms);
+  servers_[0]->signal(SIGCONT);
+  mine.get();
+  other.get();
+  for (auto& n : nodes_) {
+    const std::vector<Rec> recs = node_records(*n, "credit");
+    uint64_t a_sent = 0;
+    std::vector<uint64_t> z_sent;
+    for (const Rec& r : recs) {
+      if (r.iteration != 1) continue;
+      if (r.tensor == "a") a_sent = r.ns[kSent];
+      if (r.tensor == "z") z_sent.push_back(r.ns[kSent]);
+    }
+    ASSERT_NE(a_sent, 0u) << n->daemon().output();
+    ASSERT_EQ(z_sent.size(), 32u) << n->daemon().output();
+    const auto ahead = std::count_if(z_sent.begin(), z_sent.end(),
+                                     [&](uint64_t t) { return t < a_sent; });
+    EXPECT_EQ(ahead, 1) << n->socket() << ": partitions of 'z' handed to the transport before 'a'";
   }
 }
 

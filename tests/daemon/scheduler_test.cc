@@ -57,6 +57,38 @@ TEST(Scheduler, FirstDeclaredTensorGoesFirstAndOvertakesALargeOne) {
   EXPECT_EQ(next[2].begin, 128u);  // tensor 7 resumes where it stopped
 }
 
+// The engine's per-link credit windows: a partition its link has no room
+// for stays queued in its place, lower-priority ones for other links go,
+// and it goes first once admitted.
+TEST(Scheduler, APartitionRefusedByItsLinkKeepsItsPlace) {
+  Scheduler s;
+  s.add(0, 0, 64, 64, 4);       // link 0 (full below)
+  s.add(3, 0, 4 * 64, 64, 4);   // links 1, 0, 1, 0 (index parity)
+  auto link_of = [](const Task& t) { return t.tensor == 0 ? 0u : t.index % 2 == 0 ? 1u : 0u; };
+  auto only_link1 = [&](Task& t) {
+    if (link_of(t) != 1) return false;
+    t.link = 1;
+    t.link_bytes = t.bytes();
+    return true;
+  };
+  const auto b = s.next_batch(10, 1 << 20, only_link1);
+  ASSERT_EQ(b.size(), 2u);
+  for (const Task& t : b) {
+    EXPECT_EQ(t.tensor, 3u);
+    EXPECT_EQ(t.index % 2, 0u);
+    EXPECT_EQ(t.link, 1);  // what the admission charged travels with the task
+    EXPECT_EQ(t.link_bytes, 64u);
+  }
+  EXPECT_TRUE(s.next_batch(10, 1 << 20, only_link1).empty());  // nothing for link 1 left
+  EXPECT_EQ(s.size(), 3u);
+  const auto rest = s.next_batch(10, 1 << 20, [](Task&) { return true; });
+  ASSERT_EQ(rest.size(), 3u);
+  EXPECT_EQ(rest[0].tensor, 0u);  // the refused high-priority one, still first
+  EXPECT_EQ(rest[1].index, 1u);
+  EXPECT_EQ(rest[2].index, 3u);
+  EXPECT_EQ(rest[0].link, -1);  // not charged
+}
+
 TEST(Scheduler, BatchRespectsBytesInFlight) {
   Scheduler s;
   s.add(0, 0, 1000 * 64, 256, 4);
@@ -120,6 +152,11 @@ TEST(DaemonConfig, ErrorsNameTheKey) {
                 .find("scheduler.max_inflight_bytes"),
             std::string::npos);
   EXPECT_NE(err("version: 1\nscheduler: {thread: 2}\n").find("unknown key"), std::string::npos);
+  EXPECT_NE(err("version: 1\nscheduler: {link_window: 1025}\n").find("scheduler.link_window"),
+            std::string::npos);
+  EXPECT_NE(err("version: 1\nscheduler: {link_window: -1}\n").find("scheduler.link_window"),
+            std::string::npos);
+  EXPECT_EQ(DaemonConfig::parse(config::Document::parse("version: 1\n", "d.yaml")).link_window, 2u);
   // The peer endpoint: an endpoint, and only with a cluster to learn peers from.
   const std::string bad_endpoint =
       err("version: 1\ninternode: {cluster_file: c.yaml, nodes: [1], peer_listen: 'localhost:9'}\n");

@@ -398,7 +398,8 @@ class Bench:
             self.log("strategies in %s" % os.path.join(tmp, "strategies"))
         cluster = NamespacedCluster(a.nodes, a.nproc_per_node, servers=a.servers,
                                     n_dedicated=a.dedicated_servers, threads=a.threads,
-                                    build_root=a.build_root, partition_bytes=a.partition_bytes)
+                                    build_root=a.build_root, partition_bytes=a.partition_bytes,
+                                    link_window=a.link_window)
         with cluster:
             for i, model in enumerate(a.models):
                 for bw in a.bandwidths:
@@ -661,6 +662,9 @@ def parse(argv):
     ap.add_argument("--partition-bytes", default="1MiB",
                     help="the servers' and daemons' partition size (default 1MiB, as "
                          "bytecomp-run)")
+    ap.add_argument("--link-window", type=int, default=None,
+                    help="the daemons' scheduler.link_window (default: the daemon's, 2; "
+                         "0: no per-server credit window)")
     ap.add_argument("--compress-min-bytes", type=int, default=COMPRESS_MIN_BYTES,
                     help="smallest tensor bc_efsignsgd, bc_topk, bc_randomk and bc_dgc compress "
                          "(default %d; bc_fp16 compresses every tensor)" % COMPRESS_MIN_BYTES)

@@ -54,7 +54,7 @@ class NamespacedCluster:
     def __init__(self, nodes, nproc_per_node=1, servers="colocated", n_dedicated=1,
                  threads=None, build_root=None, out=sys.stdout, timeout_ms=180000,
                  start_timeout_s=120.0, partition_bytes="1MiB", keep_tmp=False,
-                 peer_listen=True):
+                 peer_listen=True, link_window=None):
         if nodes < 1 or nproc_per_node < 1:
             raise ValueError("nodes and nproc_per_node must be >= 1 (got %d, %d)" %
                              (nodes, nproc_per_node))
@@ -71,6 +71,8 @@ class NamespacedCluster:
         self.timeout_ms = timeout_ms
         self.start_timeout_s = start_timeout_s
         self.partition_bytes = partition_bytes
+        # The daemons' scheduler.link_window; None: the daemon's default.
+        self.link_window = link_window
         self.keep_tmp = keep_tmp
         # Give each daemon a peer endpoint (internode.peer_listen on its
         # node's address): the daemons' allgather and ring need one.
@@ -119,10 +121,11 @@ class NamespacedCluster:
         return ("version: 1\n"
                 "control:\n  socket: %s\n  socket_mode: 384\n  setup_timeout_ms: %d\n"
                 "shm:\n  instance: %s\n"
-                "scheduler:\n  threads: 1\n  partition_bytes: %s\n"
+                "scheduler:\n  threads: 1\n  partition_bytes: %s\n%s"
                 "internode:\n  cluster_file: %s\n  node_id: %d\n  nodes: [%s]\n%s"
                 "logging:\n  levels: warn\n"
                 % (sock, int(self.start_timeout_s * 1000), instance, self.partition_bytes,
+                   "" if self.link_window is None else "  link_window: %d\n" % self.link_window,
                    cluster_file,
                    DAEMON_ID_BASE + n, nodes,
                    '  peer_listen: "tcp://%s:%d"\n' % (self.net.address(n), PEER_PORT)
