@@ -10,7 +10,11 @@
 //          model:K: K tensors of 4 MiB instead (1..1024; scripts/bench-ring
 //          uses smaller models on slow emulated links); model:K:BYTES: K
 //          tensors of BYTES bytes each (4..1 GiB, a multiple of 4; bench-ring
-//          --tensor-bytes, the planner's per-size check).
+//          --tensor-bytes, the planner's per-size check); model:K:BYTES:GAP_US:
+//          a pause of GAP_US microseconds after each push (a backward pass
+//          producing the gradients over time, last layer first). Also prints
+//          the median time until the first tensor (pushed last, needed first
+//          by the next forward pass) is summed: first_layer_ms.
 #include <bytecomp/bytecomp.hpp>
 
 #include <algorithm>
@@ -20,6 +24,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -63,11 +68,13 @@ int main(int argc, char** argv) {
     const size_t colon = mode.find(':', 6);
     const long long tensor_bytes =
         colon == std::string::npos ? (4ll << 20) : std::atoll(mode.c_str() + colon + 1);
+    const size_t colon2 = colon == std::string::npos ? colon : mode.find(':', colon + 1);
+    const long long gap_us = colon2 == std::string::npos ? 0 : std::atoll(mode.c_str() + colon2 + 1);
     if (tensors < 1 || tensors > 4096 || tensor_bytes < 4 || tensor_bytes > (1ll << 30) ||
-        tensor_bytes % 4 != 0) {
+        tensor_bytes % 4 != 0 || gap_us < 0 || gap_us > 10000000) {
       std::fprintf(stderr,
-                   "bc_bench: %s: expected model:K[:BYTES] with K in 1..4096 and BYTES a multiple "
-                   "of 4 in 4..1 GiB\n",
+                   "bc_bench: %s: expected model:K[:BYTES[:GAP_US]] with K in 1..4096, BYTES a "
+                   "multiple of 4 in 4..1 GiB and GAP_US in 0..10000000\n",
                    argv[5]);
       return 2;
     }
@@ -91,18 +98,26 @@ int main(int argc, char** argv) {
         std::fill(g.begin(), g.end(), 0.0f);
       }
       const int iters = std::atoi(argv[6]);
-      std::vector<double> secs;
+      std::vector<double> secs, first;
       for (int it = 0; it < iters + 1; ++it) {
         const auto t0 = Clock::now();
         std::vector<bytecomp::Operation> ops;
-        for (size_t k = ids.size(); k-- > 0;) ops.push_back(c.push_pull(ids[k], static_cast<uint64_t>(it)));
-        for (auto& op : ops) op.wait(120000);
-        if (it > 0) secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        for (size_t k = ids.size(); k-- > 0;) {
+          ops.push_back(c.push_pull(ids[k], static_cast<uint64_t>(it)));
+          if (gap_us > 0 && k > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+        }
+        ops.back().wait(120000);  // the first tensor's
+        const auto t1 = Clock::now();
+        for (size_t k = 0; k + 1 < ops.size(); ++k) ops[k].wait(120000);
+        if (it > 0) {
+          secs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+          first.push_back(std::chrono::duration<double>(t1 - t0).count());
+        }
       }
       const double m = median(secs);
       if (std::atoi(argv[3]) == 0 && node_rank == 0) {
-        std::printf("model_iteration_ms %.2f goodput_bytes_per_s %.4g\n", 1e3 * m,
-                    static_cast<double>(total) / m);
+        std::printf("model_iteration_ms %.2f goodput_bytes_per_s %.4g first_layer_ms %.2f\n",
+                    1e3 * m, static_cast<double>(total) / m, 1e3 * median(first));
       }
       c.close();
     } catch (const std::exception& e) {
