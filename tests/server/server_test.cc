@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -699,6 +700,129 @@ TEST_P(ServerTest, LocalShmCarriesThisHostsPartitionsAndLeavesNothingBehind) {
   expect_released();
   EXPECT_EQ(shm_mappings(server_->pid(), uid2), "");
   EXPECT_TRUE(shm_names(uid2).empty());
+}
+
+namespace {
+
+// Whether every thread of `pid` is stopped (SIGSTOP took effect), within 5 s.
+bool wait_stopped(pid_t pid) {
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  do {
+    bool all = true;
+    for (const auto& t : std::filesystem::directory_iterator(tasks)) {
+      std::string stat = td::read_file(t.path().string() + "/stat");
+      const auto paren = stat.rfind(')');
+      const char state = paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+      if (state != 'T' && state != 't') all = false;
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(5ms);
+  } while (std::chrono::steady_clock::now() < until);
+  return false;
+}
+
+}  // namespace
+
+// A shared-memory pull that timed out may still wait on the server, which
+// writes the answer into the slot whenever it comes: the slot must not take
+// this node's next push meanwhile. The server is stopped past the pull's
+// deadline and continued after the next push was sent, so the late answer
+// lands (in the server's order of the node's messages) just before that
+// push is read.
+TEST_P(ServerTest, LocalShmPullThatTimedOutKeepsItsSlotUntilTheServerIsPastItsRound) {
+  if (GetParam() != "zmq") GTEST_SKIP() << "one backend is enough for the shared memory path";
+  start_server();
+  constexpr uint64_t kCount = 1000;
+  JobSpec spec;
+  spec.name = "shm-late";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"x", kCount, compress::DType::kFloat32}};
+  auto a = client(100), b = client(101);
+  auto [ja, jb] = join_both(*a, *b, spec);
+  ASSERT_EQ(ja->info().assignment.partitions.size(), 1u);
+  const uint64_t key = ja->info().assignment.partitions[0].key;
+  auto push = [&](PsJob& j, uint64_t it, float v) {
+    std::vector<float> d(kCount, v);
+    auto p = std::make_shared<std::promise<Status>>();
+    j.push(key, it, transport::Buffer::copy_of(d.data(), d.size() * 4),
+           [p](const Status& s) { p->set_value(s); });
+    return p->get_future();
+  };
+  // The pulled sum's elements, all equal, or NaN if they differ.
+  auto pull = [&](PsJob& j, uint64_t it, Millis timeout, transport::Buffer* keep = nullptr) {
+    auto p = std::make_shared<std::promise<std::pair<Status, float>>>();
+    j.pull(key, it, [p, keep](const Status& s, transport::Buffer r) {
+      float v = std::nanf("");
+      if (s.ok() && r.size() == kCount * 4) {
+        std::vector<float> got(kCount);
+        std::memcpy(got.data(), r.data(), r.size());
+        if (std::all_of(got.begin(), got.end(), [&](float g) { return g == got[0]; })) v = got[0];
+      }
+      if (keep) *keep = std::move(r);
+      r = transport::Buffer();
+      p->set_value({s, v});
+    }, timeout);
+    return p->get_future();
+  };
+  auto ok = [](std::future<Status> f) {
+    if (f.wait_for(10s) != std::future_status::ready) return Status(ErrorCode::kTimeout, "test: no answer");
+    return f.get();
+  };
+  auto sum = [](std::future<std::pair<Status, float>> f) {
+    if (f.wait_for(10s) != std::future_status::ready)
+      return std::make_pair(Status(ErrorCode::kTimeout, "test: no answer"), 0.0f);
+    return f.get();
+  };
+  // Iteration 0; node a keeps its answer, so its slot is busy and its push
+  // of iteration 1 goes over the socket: nothing of a's lives in the slot.
+  transport::Buffer held;
+  ASSERT_TRUE(ok(push(*ja, 0, 1)).ok());
+  ASSERT_TRUE(ok(push(*jb, 0, 2)).ok());
+  auto [s0, v0] = sum(pull(*ja, 0, Millis{0}, &held));
+  ASSERT_TRUE(s0.ok()) << s0.to_string();
+  EXPECT_EQ(v0, 3.0f);
+  ASSERT_TRUE(ok(push(*ja, 1, 10)).ok());
+  ASSERT_TRUE(ok(push(*jb, 1, 20)).ok());
+  held = transport::Buffer();
+  // a's pull of iteration 1 takes the free slot and times out on a stopped
+  // server; a's push of iteration 2 is sent while the server still is.
+  const pid_t server = server_->pid();
+  ASSERT_EQ(::kill(server, SIGSTOP), 0);
+  struct Continue {
+    pid_t pid;
+    ~Continue() { ::kill(pid, SIGCONT); }
+  } resume{server};
+  ASSERT_TRUE(wait_stopped(server));
+  auto [s1, v1] = sum(pull(*ja, 1, Millis{200}));
+  EXPECT_EQ(s1.code(), ErrorCode::kTimeout) << s1.to_string();
+  std::future<Status> pushed2 = push(*ja, 2, 100);
+  ASSERT_EQ(::kill(server, SIGCONT), 0);
+  ASSERT_TRUE(ok(std::move(pushed2)).ok());
+  ASSERT_TRUE(ok(push(*jb, 2, 200)).ok());
+  // Had the push gone through the slot, the late answer of iteration 1 (30)
+  // would have replaced a's 100 before the server read it.
+  auto [sa2, va2] = sum(pull(*ja, 2, Millis{0}));
+  auto [sb2, vb2] = sum(pull(*jb, 2, Millis{0}));
+  ASSERT_TRUE(sa2.ok()) << sa2.to_string();
+  ASSERT_TRUE(sb2.ok()) << sb2.to_string();
+  EXPECT_EQ(va2, 300.0f);
+  EXPECT_EQ(vb2, 300.0f);
+  // The answered pull of iteration 2 showed the server past iteration 1:
+  // a's slot carries its push and pull again.
+  const uint64_t before = shm_bytes_metric(a->metrics(0));
+  ASSERT_TRUE(ok(push(*ja, 3, 1000)).ok());
+  ASSERT_TRUE(ok(push(*jb, 3, 2000)).ok());
+  auto [sa3, va3] = sum(pull(*ja, 3, Millis{0}));
+  auto [sb3, vb3] = sum(pull(*jb, 3, Millis{0}));
+  EXPECT_TRUE(sa3.ok() && sb3.ok()) << sa3.to_string() << " " << sb3.to_string();
+  EXPECT_EQ(va3, 3000.0f);
+  EXPECT_EQ(vb3, 3000.0f);
+  EXPECT_EQ(shm_bytes_metric(a->metrics(0)) - before, 2 * 2 * kCount * 4)
+      << "a's slot stayed reserved after the server answered a later pull";
+  EXPECT_TRUE(ja->leave().ok());
+  EXPECT_TRUE(jb->leave().ok());
+  expect_released();
 }
 
 TEST_P(ServerTest, BadShmControlMessagesGetClearErrorsAndTheServerSurvives) {
