@@ -917,6 +917,93 @@ TEST_P(ServerTest, BadShmControlMessagesGetClearErrorsAndTheServerSurvives) {
   EXPECT_EQ(shm_mappings(server_->pid(), uid), "") << "the server still maps the segment";
 }
 
+// A compressed push through shared memory is checked when it arrives but
+// (summed compressed) decoded when the round completes; the node can still
+// write its segment meanwhile. What it writes after the push was accepted
+// must not reach the sum.
+TEST_P(ServerTest, ShmCompressedPushRewrittenAfterItWasAcceptedDoesNotChangeTheSum) {
+  if (GetParam() != "zmq") GTEST_SKIP() << "one backend is enough for the shared memory path";
+  start_server();
+  auto transport_of = [&](NodeId id) {
+    transport::TransportConfig tc = cluster_.transport;
+    tc.node_id = id;
+    tc.listen = {};
+    auto tp = transport::make_transport(tc);
+    tp->start();
+    tp->add_peer(0, address_);
+    return tp;
+  };
+  auto ta = transport_of(150), tb = transport_of(151);
+  auto status_of = [](transport::Transport& tp, const transport::Message& m) {
+    transport::Response r = tp.call(0, m, 5000ms);
+    return r.status.ok() ? proto::reply_status(r.response) : r.status;
+  };
+  constexpr uint64_t kCount = 100;
+  JobSpec spec;
+  spec.name = "shm-toctou";
+  spec.nodes = {150, 151};
+  spec.tensors = {{"x", kCount, compress::DType::kFloat32}};
+  // fp16 under a reducing collective: the server stores the pushes and sums
+  // them compressed at the round's end.
+  spec.strategy_yaml =
+      "version: 1\nentries:\n  - {tensor: x, option: {compressor: fp16, inter: reduce_scatter_allgather}}\n";
+  auto fb = std::async(std::launch::async,
+                       [&] { return tb->call(0, proto::to_message(proto::Register{spec}), 10000ms); });
+  transport::Response r = ta->call(0, proto::to_message(proto::Register{spec}), 10000ms);
+  ASSERT_TRUE(r.status.ok() && proto::reply_status(r.response).ok())
+      << r.status.to_string() << proto::reply_status(r.response).to_string();
+  ASSERT_TRUE(proto::reply_status(fb.get().response).ok());
+  const proto::Admission adm = proto::decode_admission(proto::joined(r.response));
+  const uint32_t uid = adm.uid;
+  const std::vector<TensorPlan> plans = plan_job(adm.tensors, spec.strategy_yaml);
+  ASSERT_EQ(plans[0].sum, SumMode::kCompressed) << plans[0].describe();
+  const Assignment as = assign_partitions(adm.tensors, plans, adm.servers, adm.partition_bytes);
+  ASSERT_EQ(as.partitions.size(), 1u);
+  const uint64_t key = as.partitions[0].key;
+  auto comp = compress::make_compressor(plans[0].spec());
+  auto state = comp->make_state(kCount);
+  auto compressed = [&](float value) {
+    std::vector<float> v(kCount);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = value + static_cast<float>(i) * 0.25f;
+    std::vector<std::byte> out(comp->max_compressed_bytes(kCount));
+    out.resize(comp->compress(compress::ConstTensorView::cpu(v.data(), kCount), out, *state, {}));
+    return out;
+  };
+  const std::vector<std::byte> pa = compressed(1), pb = compressed(2), rewritten = compressed(1000);
+  ASSERT_EQ(rewritten.size(), pa.size());
+
+  const std::string name = shm_segment_name(uid, 150, 0, getpid());
+  auto seg = LocalShm::create(name, 4096);
+  Status s = status_of(*ta, proto::to_message(proto::ShmAttach{uid, host_identity(), name, 4096}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  seg->unlink();
+  std::memcpy(seg->data(), pa.data(), pa.size());
+  s = status_of(*ta, proto::to_message(proto::ShmPush{uid, key, 0, 0, pa.size()}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  // Accepted (the reply comes after the round took the push): now rewritten.
+  std::memcpy(seg->data(), rewritten.data(), rewritten.size());
+  s = status_of(*tb, proto::to_message(
+                         proto::Push{uid, key, 0, transport::Buffer::copy_of(pb.data(), pb.size())}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  r = ta->call(0, proto::to_message(proto::Pull{uid, key, 0}), 5000ms);
+  ASSERT_TRUE(r.status.ok() && proto::reply_status(r.response).ok())
+      << r.status.to_string() << proto::reply_status(r.response).to_string();
+  const std::string got = proto::joined(r.response);
+  std::vector<std::span<const std::byte>> in{pa, pb};
+  std::vector<std::byte> expected(comp->max_compressed_bytes(kCount));
+  expected.resize(comp->aggregate(in, expected, {}));
+  ASSERT_EQ(got.size(), expected.size());
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), expected.size()), 0)
+      << "the sum holds bytes written to the segment after the push was accepted";
+  for (auto* tp : {ta.get(), tb.get()}) {
+    s = status_of(*tp, proto::to_message(proto::Leave{uid, false, ""}));
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+  ta->shutdown();
+  tb->shutdown();
+  expect_released();
+}
+
 TEST_P(ServerTest, GarbageFramesAndUnknownJobsAreRefusedAndTheServerSurvives) {
   if (GetParam() != "zmq") GTEST_SKIP() << "raw frames are thrown at the zmq backend's socket";
   start_server();
