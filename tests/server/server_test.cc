@@ -357,7 +357,9 @@ TEST_P(ServerTest, RefusesBadPushesAndPullsNamingWhatWasWrong) {
   expect_refused(push(*jb, partition_key(0, 3), 0, 1000), "has no partition 3");
   expect_refused(push(*jb, ckey, 0, 1000), "malformed compressed buffer");
   // A pull that arrives early waits for the round.
-  auto early = std::async(std::launch::async, [&] { return pull(*ja, key, 0); });
+  // Structured bindings are captured as copies, by name (clang 14 refuses
+  // to capture them implicitly).
+  auto early = std::async(std::launch::async, [&, a = ja] { return pull(*a, key, 0); });
   EXPECT_EQ(early.wait_for(300ms), std::future_status::timeout);
   expect_refused(pull(*ja, key, 0).first, "duplicate pull from node 100");
   ASSERT_TRUE(push(*jb, key, 0, 1000, 2.0f).ok());
@@ -1151,9 +1153,9 @@ TEST_P(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
       EXPECT_EQ(c.iteration, 2u);
       ++seen;
     });
-  auto round = [&](uint64_t it) {
+  auto round = [&, a = ja.get(), b = jb.get()](uint64_t it) {
     std::vector<std::future<std::pair<Status, transport::Buffer>>> fs;
-    for (auto* j : {ja.get(), jb.get()}) {
+    for (auto* j : {a, b}) {
       TensorPlan plan = j->timeline().plan(0, it);
       std::vector<float> g(5000);
       td::fill(g.data(), g.size(), 3, j->info().rank, 0, it, 0);
