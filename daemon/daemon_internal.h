@@ -75,6 +75,10 @@ struct Daemon::Job {
   std::unique_ptr<Engine> engine;
   // mode: auto multi-node jobs (after engine: destroyed first).
   std::shared_ptr<AutoTuner> tuner;
+  // Multi-node: the job's handle with the servers once it joined (set on
+  // the engine thread); reload() reads the strategy the job runs from it.
+  std::mutex ps_mu;
+  std::weak_ptr<server::PsJob> ps;
   // Set by the engine thread; read by run().
   std::mutex fail_mu;
   bool failed = false;

@@ -177,9 +177,13 @@ void Daemon::maybe_start(Job& j) {
       (void)::write(wake, &one, sizeof one);
     };
     eo.join = std::move(join);
-    if (j.tuner) {
-      std::weak_ptr<AutoTuner> weak = j.tuner;
-      eo.on_joined = [weak](Engine& e, const std::shared_ptr<server::PsJob>& ps, uint64_t pb) {
+    if (eo.join) {
+      std::weak_ptr<AutoTuner> weak = j.tuner;  // empty unless an auto job
+      eo.on_joined = [jp, weak](Engine& e, const std::shared_ptr<server::PsJob>& ps, uint64_t pb) {
+        {
+          std::lock_guard lock(jp->ps_mu);
+          jp->ps = ps;
+        }
         if (auto t = weak.lock()) t->attach(e, ps, pb);
       };
     }
@@ -349,6 +353,18 @@ std::pair<bool, std::string> Daemon::reload() {
     tunables_.apply(config_);
     strategy_ = strategy;
     strategy_text_ = strategy_ ? read_text(config_.strategy_file) : std::string();
+    // Whether a multi-node job already runs `text`: the latest entry of its
+    // timeline (its start strategy, or the last change announced to it).
+    auto runs_strategy = [](Job& j, const std::string& text) {
+      std::shared_ptr<server::PsJob> ps;
+      {
+        std::lock_guard lock(j.ps_mu);
+        ps = j.ps.lock();
+      }
+      if (!ps) return false;  // not joined yet: its engine takes the request then
+      const auto yaml = ps->timeline().latest().yaml;
+      return yaml && *yaml == text;
+    };
     for (auto& [key, j] : jobs_) {
       // A job that brought its own strategy keeps it; an auto job keeps
       // choosing its own (the new mode applies to new jobs).
@@ -362,8 +378,21 @@ std::pair<bool, std::string> Daemon::reload() {
         std::vector<TensorPlan> plans = strategy_
                                             ? make_plans(*strategy_, config_.strategy_file, j->specs)
                                             : uncompressed_plans(j->specs.size());
-        if (j->num_nodes > 1) j->engine->request_strategy(strategy_text_);
-        else j->engine->set_plans(counting_plans(std::move(plans), j->bytes));
+        if (j->num_nodes > 1) {
+          if (runs_strategy(*j, strategy_text_)) {
+            // A reload of other settings (bench-cluster's fusion drop-in)
+            // would otherwise ask for the strategy the job already runs,
+            // and, for a job idle since an earlier such request, for a
+            // second change at the same iteration, which the coordinator
+            // refuses ("is not after the last change").
+            BC_LOG(LogDaemon(), kInfo) << "SIGHUP: job " << j->id
+                                       << " already runs this strategy: no change asked";
+          } else {
+            j->engine->request_strategy(strategy_text_);
+          }
+        } else {
+          j->engine->set_plans(counting_plans(std::move(plans), j->bytes));
+        }
         j->active_strategy = strategy_;
         j->strategy_mode = strategy_ ? "daemon" : "none";
         j->strategy_source = config_.strategy_file;

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/tmpfs.h"
 
 namespace bi = boost::interprocess;
 
@@ -33,14 +34,13 @@ Segment::Segment(std::string name, uint64_t bytes, uid_t owner_uid, gid_t owner_
       throw Error(ErrorCode::kUnavailable,
                   "shared memory '" + name_ + "': setting mode/owner failed: " + std::strerror(err));
     }
-    // posix_fallocate reserves tmpfs pages now: ENOSPC here is a clear error,
-    // whereas touching an unbacked page later would kill us with SIGBUS.
-    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+    try {
+      reserve_tmpfs_pages(fd, bytes,
+                          "shared memory '" + name_ + "': reserving " + std::to_string(bytes) +
+                              " bytes failed");
+    } catch (const Error&) {
       bi::shared_memory_object::remove(name_.c_str());
-      throw Error(err == ENOSPC ? ErrorCode::kResourceExhausted : ErrorCode::kUnavailable,
-                  "shared memory '" + name_ + "': reserving " + std::to_string(bytes) +
-                      " bytes failed: " + std::strerror(err) +
-                      (err == ENOSPC ? " (/dev/shm is full or too small)" : ""));
+      throw;
     }
     bi::mapped_region region(shm, bi::read_write, 0, bytes);
     region_.swap(region);

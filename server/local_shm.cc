@@ -1,15 +1,13 @@
 #include "server/local_shm.h"
 
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/interprocess/shared_memory_object.hpp>
-#include <cerrno>
-#include <cstring>
 #include <fstream>
 
 #include "common/error.h"
+#include "common/tmpfs.h"
 
 namespace bytecomp::server {
 
@@ -85,12 +83,8 @@ void LocalShm::reserve() {
   const int fd = object_.get_mapping_handle().handle;
   if (!owner_ || unlinked_ || fd < 0)
     throw Error(ErrorCode::kInternal, "shared memory " + name_ + ": reserve() after unlink()");
-  if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size_)); err != 0) {
-    throw Error(err == ENOSPC ? ErrorCode::kResourceExhausted : ErrorCode::kUnavailable,
-                "cannot reserve shared memory " + name_ + " of " + std::to_string(size_) +
-                    " bytes: " + std::strerror(err) +
-                    (err == ENOSPC ? " (/dev/shm is full or too small)" : ""));
-  }
+  reserve_tmpfs_pages(
+      fd, size_, "cannot reserve shared memory " + name_ + " of " + std::to_string(size_) + " bytes");
 }
 
 void LocalShm::unlink() noexcept {

@@ -157,7 +157,7 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     }
     proto::ShmPull m{info_.uid, key, iteration, slot->offset, slot->capacity};
     start(server_of(key), proto::to_message(m), timeout, nullptr,
-          [this, slot, iteration, done = std::move(done)](const Status& s, Message reply) {
+          [this, slot, key, iteration, done = std::move(done)](const Status& s, Message reply) {
             Status st = s;
             Buffer result;
             if (st.ok()) {
@@ -167,10 +167,27 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
                 st = Status(ErrorCode::kMalformed, "job '" + info_.name + "': " + e.what());
               }
             }
+            // The server replied (answer or refusal): it is done with the
+            // slot. No reply (timeout, lost server, closed job): the request
+            // may still wait on the server, which would write the round's
+            // answer into the slot whenever it comes, so the slot stays
+            // reserved until a later answer proves the server is past it
+            // (round_over), or for good.
+            const bool answered = reply.header.type == proto::kOkReply ||
+                                  reply.header.type == proto::kErrorReply;
             {
               std::lock_guard lk(shm_mu_);
-              slot->pull_pending = false;
+              if (answered) slot->pull_pending = false;
+              else {
+                slot->pull_orphaned = true;
+                slot->orphan_iteration = iteration;
+              }
             }
+            if (!answered)
+              BC_LOG(LogPsClient(), kDebug)
+                  << "job '" << info_.name << "': shm pull of key " << key << " iteration "
+                  << iteration << " got no reply (" << st.message()
+                  << "): its slot stays reserved until the server is past that round";
             round_over(*slot, st, iteration);
             if (done) done(st, std::move(result));
           });
@@ -494,6 +511,10 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     bool push_pending = false;
     uint64_t push_iteration = 0;
     bool pull_pending = false;
+    // A kShmPull of orphan_iteration got no reply (pull_pending stays set):
+    // the server may still write that round's answer here.
+    bool pull_orphaned = false;
+    uint64_t orphan_iteration = 0;
     // Cleared by the answer Buffer's release (any thread).
     std::shared_ptr<std::atomic<bool>> answer_held = std::make_shared<std::atomic<bool>>(false);
   };
@@ -504,11 +525,19 @@ class JobImpl final : public PsJob, public std::enable_shared_from_this<JobImpl>
     return it == slots_.end() ? nullptr : &it->second;
   }
   // A pull of `iteration` answered: its round is over, so a push of this
-  // node up to that round no longer lives in the slot.
+  // node up to that round no longer lives in the slot. Nor does an orphaned
+  // pull up to that round: the server handles one node's messages to a
+  // partition in order and answers a round's waiting pulls when the round
+  // completes, so by the time it answered this pull it had answered (or
+  // refused) the orphan, whose answer was then written.
   void round_over(ShmSlot& slot, const Status& s, uint64_t iteration) {
     if (!s.ok()) return;
     std::lock_guard lk(shm_mu_);
     if (slot.push_pending && slot.push_iteration <= iteration) slot.push_pending = false;
+    if (slot.pull_orphaned && slot.orphan_iteration <= iteration) {
+      slot.pull_orphaned = false;
+      slot.pull_pending = false;
+    }
   }
   // The answer of a kShmPull reply: in the slot, or carried in payload 1.
   Buffer shm_result(ShmSlot& slot, const Message& reply) {

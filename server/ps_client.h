@@ -80,7 +80,9 @@
 //     memory at once: docs/server.md "Local shared memory"). A pulled Buffer
 //     owns its bytes, or refers to this node's shared memory, which stays
 //     reserved for it (later operations on its partition use the socket)
-//     until the Buffer goes.
+//     until the Buffer goes. A pull through shared memory that got no reply
+//     (timeout) keeps its slot the same way until an answered pull of that
+//     partition, of the same or a later iteration, shows the server past it.
 #pragma once
 
 #include <chrono>

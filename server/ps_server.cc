@@ -396,6 +396,7 @@ void ParameterServer::Impl::on_data(Incoming in) {
   // The message's shape (payloads, header fields) before anything reads it;
   // the rounds read its fields from the header, which data messages define.
   uint64_t shm_offset = 0, shm_length = 0;
+  bool shared = false;  // a kShmPush: its bytes stay writable by the node
   try {
     if (h.type == proto::kPush) (void)proto::from_message<proto::Push>(in.message);
     else if (h.type == proto::kPull) (void)proto::from_message<proto::Pull>(in.message);
@@ -451,7 +452,10 @@ void ParameterServer::Impl::on_data(Incoming in) {
     if (h.type == proto::kShmPush) {
       // From here on an ordinary push whose bytes are the node's: the
       // rounds hold them (the Buffer keeps the segment mapped) and the node
-      // does not rewrite them before the round's pull is answered.
+      // does not rewrite them before the round's pull is answered; a
+      // compressed one the round copies first (shared), as a buggy or
+      // hostile node could.
+      shared = true;
       metrics.shm(shm_length);
       in.message.header.type = proto::kPush;
       in.message.payloads = {Buffer::wrap(seg->data() + shm_offset, shm_length, [seg] {})};
@@ -492,19 +496,19 @@ void ParameterServer::Impl::on_data(Incoming in) {
     BroadcastRound* b = job->bcasts.at(h.key).get();
     e.post([this, job, b, in = std::move(in)]() mutable { on_broadcast(job, *b, std::move(in)); });
   } else if (h.type == proto::kPush)
-    e.post([this, job, round, in = std::move(in)] { on_push(job, *round, in); });
+    e.post([this, job, round, shared, in = std::move(in)] { on_push(job, *round, in, shared); });
   else
     e.post([this, job, round, in = std::move(in)]() mutable { on_pull(job, *round, std::move(in)); });
 }
 
 void ParameterServer::Impl::on_push(const std::shared_ptr<ServerJob>& job, PartitionRound& round,
-                                    const Incoming& in) {
+                                    const Incoming& in, bool shared) {
   if (job->ended.load() || round.released()) {
     Status s = job->end_status();
     return refuse(in, s.code(), "push refused: " + s.message());
   }
   PushOutcome out =
-      round.push(in.from, job->rank.at(in.from), in.message.header.arg, in.message.payloads);
+      round.push(in.from, job->rank.at(in.from), in.message.header.arg, in.message.payloads, shared);
   if (!out.status.ok()) return refuse(in, out.status.code(), out.status.message());
   reply(in, proto::ok_reply());
   metrics.pushed(in.message.payloads[0].size());

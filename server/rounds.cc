@@ -112,7 +112,7 @@ void PartitionRound::fix_plan() {
 }
 
 PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t it,
-                                 const std::vector<Buffer>& payloads) {
+                                 const std::vector<Buffer>& payloads, bool shared) {
   PushOutcome out;
   auto refuse = [&](ErrorCode code, std::string why) {
     out.status = Status(code, std::move(why));
@@ -154,7 +154,14 @@ PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t
                                             std::chrono::steady_clock::now().time_since_epoch())
                                             .count());
   }
-  const Buffer& b = payloads[0];
+  // Compressed bytes the sender could rewrite between inspect() and the
+  // decode (later still for a stored push) would pass the checks and then
+  // decode as something else: decode our own copy. Raw fp32 needs none:
+  // any bytes are floats, and they are only the sender's own contribution.
+  Buffer copy;
+  if (shared && plan_.compressed_push())
+    copy = Buffer::copy_of(payloads[0].data(), payloads[0].size());
+  const Buffer& b = copy.empty() ? payloads[0] : copy;
   const uint64_t count = setup_.part.count;
   if (!plan_.compressed_push()) {
     if (b.size() != count * 4)

@@ -100,8 +100,12 @@ class PartitionRound {
   // exactly one payload, a wrong length or (compressed) a buffer of another
   // algorithm / element count / malformed (kMalformed). The first push of a
   // round fixes the round's plan (Timeline::plan with the round's frozen marker).
+  // `shared`: the payload lies in memory the sender can still write (a
+  // node's shared-memory segment); a compressed one is then copied before it
+  // is checked, so the bytes checked are the bytes decoded, now or at the
+  // round's end.
   PushOutcome push(transport::NodeId from, uint32_t rank, uint64_t iteration,
-                   const std::vector<transport::Buffer>& payloads);
+                   const std::vector<transport::Buffer>& payloads, bool shared = false);
 
   // A pull of `in.message.header.arg`: answered at once when it is the kept
   // iteration (ok) or refused (stale, future, a second waiting pull of the

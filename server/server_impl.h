@@ -137,8 +137,9 @@ struct ParameterServer::Impl {
   // Data path: routes a push or pull to its partition's engine, which runs
   // the partition's round (server/rounds.h).
   void on_data(transport::Incoming in);
+  // `shared`: the push's bytes lie in the node's shared memory (kShmPush).
   void on_push(const std::shared_ptr<ServerJob>& job, PartitionRound& round,
-               const transport::Incoming& in);
+               const transport::Incoming& in, bool shared);
   void on_pull(const std::shared_ptr<ServerJob>& job, PartitionRound& round,
                transport::Incoming in);
   void on_broadcast(const std::shared_ptr<ServerJob>& job, BroadcastRound& round,

@@ -197,6 +197,67 @@ TEST_P(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
   }
 }
 
+// A reload that leaves the strategy file as it was (bench-cluster turns
+// fusion on and off with a drop-in and `bytecompctl reload`) asks the
+// coordinator for nothing. Node 0 used to ask for the strategy the job
+// already ran at each reload; twice on a job idle in between, the second
+// asked for the same iteration again and was refused at ERROR ("iteration 2
+// is not after the last change").
+TEST_P(TwoNodes, ReloadWithAnUnchangedStrategyAsksForNoChange) {
+  start(1, "version: 1\ndefault: {compressor: none}\n");
+  constexpr uint64_t kN = 1000;
+  constexpr int kIters = 4;
+  std::barrier sync(4);
+  auto skipped = [&] {
+    const std::string log = nodes_[0]->daemon().output();
+    size_t n = 0;
+    for (size_t at = log.find("already runs this strategy"); at != std::string::npos;
+         at = log.find("already runs this strategy", at + 1))
+      ++n;
+    return n;
+  };
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "samestrategy");
+    ASSERT_NE(c, nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 2) {
+        sync.arrive_and_wait();  // every rank finished iteration 1: the job is idle
+        if (grank == 0) {
+          for (size_t i = 1; i <= 2; ++i) {
+            nodes_[0]->daemon().signal(SIGHUP);
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+            while (skipped() < i && std::chrono::steady_clock::now() < deadline)
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
+            EXPECT_EQ(skipped(), i) << "reload " << i << ": " << nodes_[0]->daemon().output();
+          }
+        }
+        sync.arrive_and_wait();
+      }
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      size_t mismatches = 0;
+      for (uint64_t i = 0; i < kN; ++i)
+        mismatches += p[i] != (grad(0, it, i) + grad(1, it, i)) + (grad(2, it, i) + grad(3, it, i));
+      EXPECT_EQ(mismatches, 0u) << "iteration " << it;
+    }
+    bytecomp_close(c);
+  };
+  on_every_rank(run);
+  const std::string log = nodes_[0]->daemon().output();
+  EXPECT_EQ(log.find("strategy change refused"), std::string::npos) << log;
+  EXPECT_EQ(log.find("applies on every node"), std::string::npos) << log;
+}
+
 // The same change while every rank keeps going: node 0 asks for it at the
 // iteration it has reached (E = latest begun + 2) and holds its rounds from
 // E - 1 until the coordinator confirms that every node applied it; without

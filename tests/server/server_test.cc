@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -356,7 +357,9 @@ TEST_P(ServerTest, RefusesBadPushesAndPullsNamingWhatWasWrong) {
   expect_refused(push(*jb, partition_key(0, 3), 0, 1000), "has no partition 3");
   expect_refused(push(*jb, ckey, 0, 1000), "malformed compressed buffer");
   // A pull that arrives early waits for the round.
-  auto early = std::async(std::launch::async, [&] { return pull(*ja, key, 0); });
+  // Structured bindings are captured as copies, by name (clang 14 refuses
+  // to capture them implicitly).
+  auto early = std::async(std::launch::async, [&, a = ja] { return pull(*a, key, 0); });
   EXPECT_EQ(early.wait_for(300ms), std::future_status::timeout);
   expect_refused(pull(*ja, key, 0).first, "duplicate pull from node 100");
   ASSERT_TRUE(push(*jb, key, 0, 1000, 2.0f).ok());
@@ -701,6 +704,129 @@ TEST_P(ServerTest, LocalShmCarriesThisHostsPartitionsAndLeavesNothingBehind) {
   EXPECT_TRUE(shm_names(uid2).empty());
 }
 
+namespace {
+
+// Whether every thread of `pid` is stopped (SIGSTOP took effect), within 5 s.
+bool wait_stopped(pid_t pid) {
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  do {
+    bool all = true;
+    for (const auto& t : std::filesystem::directory_iterator(tasks)) {
+      std::string stat = td::read_file(t.path().string() + "/stat");
+      const auto paren = stat.rfind(')');
+      const char state = paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+      if (state != 'T' && state != 't') all = false;
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(5ms);
+  } while (std::chrono::steady_clock::now() < until);
+  return false;
+}
+
+}  // namespace
+
+// A shared-memory pull that timed out may still wait on the server, which
+// writes the answer into the slot whenever it comes: the slot must not take
+// this node's next push meanwhile. The server is stopped past the pull's
+// deadline and continued after the next push was sent, so the late answer
+// lands (in the server's order of the node's messages) just before that
+// push is read.
+TEST_P(ServerTest, LocalShmPullThatTimedOutKeepsItsSlotUntilTheServerIsPastItsRound) {
+  if (GetParam() != "zmq") GTEST_SKIP() << "one backend is enough for the shared memory path";
+  start_server();
+  constexpr uint64_t kCount = 1000;
+  JobSpec spec;
+  spec.name = "shm-late";
+  spec.nodes = {100, 101};
+  spec.tensors = {{"x", kCount, compress::DType::kFloat32}};
+  auto a = client(100), b = client(101);
+  auto [ja, jb] = join_both(*a, *b, spec);
+  ASSERT_EQ(ja->info().assignment.partitions.size(), 1u);
+  const uint64_t key = ja->info().assignment.partitions[0].key;
+  auto push = [&](PsJob& j, uint64_t it, float v) {
+    std::vector<float> d(kCount, v);
+    auto p = std::make_shared<std::promise<Status>>();
+    j.push(key, it, transport::Buffer::copy_of(d.data(), d.size() * 4),
+           [p](const Status& s) { p->set_value(s); });
+    return p->get_future();
+  };
+  // The pulled sum's elements, all equal, or NaN if they differ.
+  auto pull = [&](PsJob& j, uint64_t it, Millis timeout, transport::Buffer* keep = nullptr) {
+    auto p = std::make_shared<std::promise<std::pair<Status, float>>>();
+    j.pull(key, it, [p, keep](const Status& s, transport::Buffer r) {
+      float v = std::nanf("");
+      if (s.ok() && r.size() == kCount * 4) {
+        std::vector<float> got(kCount);
+        std::memcpy(got.data(), r.data(), r.size());
+        if (std::all_of(got.begin(), got.end(), [&](float g) { return g == got[0]; })) v = got[0];
+      }
+      if (keep) *keep = std::move(r);
+      r = transport::Buffer();
+      p->set_value({s, v});
+    }, timeout);
+    return p->get_future();
+  };
+  auto ok = [](std::future<Status> f) {
+    if (f.wait_for(10s) != std::future_status::ready) return Status(ErrorCode::kTimeout, "test: no answer");
+    return f.get();
+  };
+  auto sum = [](std::future<std::pair<Status, float>> f) {
+    if (f.wait_for(10s) != std::future_status::ready)
+      return std::make_pair(Status(ErrorCode::kTimeout, "test: no answer"), 0.0f);
+    return f.get();
+  };
+  // Iteration 0; node a keeps its answer, so its slot is busy and its push
+  // of iteration 1 goes over the socket: nothing of a's lives in the slot.
+  transport::Buffer held;
+  ASSERT_TRUE(ok(push(*ja, 0, 1)).ok());
+  ASSERT_TRUE(ok(push(*jb, 0, 2)).ok());
+  auto [s0, v0] = sum(pull(*ja, 0, Millis{0}, &held));
+  ASSERT_TRUE(s0.ok()) << s0.to_string();
+  EXPECT_EQ(v0, 3.0f);
+  ASSERT_TRUE(ok(push(*ja, 1, 10)).ok());
+  ASSERT_TRUE(ok(push(*jb, 1, 20)).ok());
+  held = transport::Buffer();
+  // a's pull of iteration 1 takes the free slot and times out on a stopped
+  // server; a's push of iteration 2 is sent while the server still is.
+  const pid_t server = server_->pid();
+  ASSERT_EQ(::kill(server, SIGSTOP), 0);
+  struct Continue {
+    pid_t pid;
+    ~Continue() { ::kill(pid, SIGCONT); }
+  } resume{server};
+  ASSERT_TRUE(wait_stopped(server));
+  auto [s1, v1] = sum(pull(*ja, 1, Millis{200}));
+  EXPECT_EQ(s1.code(), ErrorCode::kTimeout) << s1.to_string();
+  std::future<Status> pushed2 = push(*ja, 2, 100);
+  ASSERT_EQ(::kill(server, SIGCONT), 0);
+  ASSERT_TRUE(ok(std::move(pushed2)).ok());
+  ASSERT_TRUE(ok(push(*jb, 2, 200)).ok());
+  // Had the push gone through the slot, the late answer of iteration 1 (30)
+  // would have replaced a's 100 before the server read it.
+  auto [sa2, va2] = sum(pull(*ja, 2, Millis{0}));
+  auto [sb2, vb2] = sum(pull(*jb, 2, Millis{0}));
+  ASSERT_TRUE(sa2.ok()) << sa2.to_string();
+  ASSERT_TRUE(sb2.ok()) << sb2.to_string();
+  EXPECT_EQ(va2, 300.0f);
+  EXPECT_EQ(vb2, 300.0f);
+  // The answered pull of iteration 2 showed the server past iteration 1:
+  // a's slot carries its push and pull again.
+  const uint64_t before = shm_bytes_metric(a->metrics(0));
+  ASSERT_TRUE(ok(push(*ja, 3, 1000)).ok());
+  ASSERT_TRUE(ok(push(*jb, 3, 2000)).ok());
+  auto [sa3, va3] = sum(pull(*ja, 3, Millis{0}));
+  auto [sb3, vb3] = sum(pull(*jb, 3, Millis{0}));
+  EXPECT_TRUE(sa3.ok() && sb3.ok()) << sa3.to_string() << " " << sb3.to_string();
+  EXPECT_EQ(va3, 3000.0f);
+  EXPECT_EQ(vb3, 3000.0f);
+  EXPECT_EQ(shm_bytes_metric(a->metrics(0)) - before, 2 * 2 * kCount * 4)
+      << "a's slot stayed reserved after the server answered a later pull";
+  EXPECT_TRUE(ja->leave().ok());
+  EXPECT_TRUE(jb->leave().ok());
+  expect_released();
+}
+
 TEST_P(ServerTest, BadShmControlMessagesGetClearErrorsAndTheServerSurvives) {
   if (GetParam() != "zmq") GTEST_SKIP() << "one backend is enough for the shared memory path";
   start_server();
@@ -791,6 +917,93 @@ TEST_P(ServerTest, BadShmControlMessagesGetClearErrorsAndTheServerSurvives) {
   tp->shutdown();
   expect_released();
   EXPECT_EQ(shm_mappings(server_->pid(), uid), "") << "the server still maps the segment";
+}
+
+// A compressed push through shared memory is checked when it arrives but
+// (summed compressed) decoded when the round completes; the node can still
+// write its segment meanwhile. What it writes after the push was accepted
+// must not reach the sum.
+TEST_P(ServerTest, ShmCompressedPushRewrittenAfterItWasAcceptedDoesNotChangeTheSum) {
+  if (GetParam() != "zmq") GTEST_SKIP() << "one backend is enough for the shared memory path";
+  start_server();
+  auto transport_of = [&](NodeId id) {
+    transport::TransportConfig tc = cluster_.transport;
+    tc.node_id = id;
+    tc.listen = {};
+    auto tp = transport::make_transport(tc);
+    tp->start();
+    tp->add_peer(0, address_);
+    return tp;
+  };
+  auto ta = transport_of(150), tb = transport_of(151);
+  auto status_of = [](transport::Transport& tp, const transport::Message& m) {
+    transport::Response r = tp.call(0, m, 5000ms);
+    return r.status.ok() ? proto::reply_status(r.response) : r.status;
+  };
+  constexpr uint64_t kCount = 100;
+  JobSpec spec;
+  spec.name = "shm-toctou";
+  spec.nodes = {150, 151};
+  spec.tensors = {{"x", kCount, compress::DType::kFloat32}};
+  // fp16 under a reducing collective: the server stores the pushes and sums
+  // them compressed at the round's end.
+  spec.strategy_yaml =
+      "version: 1\nentries:\n  - {tensor: x, option: {compressor: fp16, inter: reduce_scatter_allgather}}\n";
+  auto fb = std::async(std::launch::async,
+                       [&] { return tb->call(0, proto::to_message(proto::Register{spec}), 10000ms); });
+  transport::Response r = ta->call(0, proto::to_message(proto::Register{spec}), 10000ms);
+  ASSERT_TRUE(r.status.ok() && proto::reply_status(r.response).ok())
+      << r.status.to_string() << proto::reply_status(r.response).to_string();
+  ASSERT_TRUE(proto::reply_status(fb.get().response).ok());
+  const proto::Admission adm = proto::decode_admission(proto::joined(r.response));
+  const uint32_t uid = adm.uid;
+  const std::vector<TensorPlan> plans = plan_job(adm.tensors, spec.strategy_yaml);
+  ASSERT_EQ(plans[0].sum, SumMode::kCompressed) << plans[0].describe();
+  const Assignment as = assign_partitions(adm.tensors, plans, adm.servers, adm.partition_bytes);
+  ASSERT_EQ(as.partitions.size(), 1u);
+  const uint64_t key = as.partitions[0].key;
+  auto comp = compress::make_compressor(plans[0].spec());
+  auto state = comp->make_state(kCount);
+  auto compressed = [&](float value) {
+    std::vector<float> v(kCount);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = value + static_cast<float>(i) * 0.25f;
+    std::vector<std::byte> out(comp->max_compressed_bytes(kCount));
+    out.resize(comp->compress(compress::ConstTensorView::cpu(v.data(), kCount), out, *state, {}));
+    return out;
+  };
+  const std::vector<std::byte> pa = compressed(1), pb = compressed(2), rewritten = compressed(1000);
+  ASSERT_EQ(rewritten.size(), pa.size());
+
+  const std::string name = shm_segment_name(uid, 150, 0, getpid());
+  auto seg = LocalShm::create(name, 4096);
+  Status s = status_of(*ta, proto::to_message(proto::ShmAttach{uid, host_identity(), name, 4096}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  seg->unlink();
+  std::memcpy(seg->data(), pa.data(), pa.size());
+  s = status_of(*ta, proto::to_message(proto::ShmPush{uid, key, 0, 0, pa.size()}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  // Accepted (the reply comes after the round took the push): now rewritten.
+  std::memcpy(seg->data(), rewritten.data(), rewritten.size());
+  s = status_of(*tb, proto::to_message(
+                         proto::Push{uid, key, 0, transport::Buffer::copy_of(pb.data(), pb.size())}));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  r = ta->call(0, proto::to_message(proto::Pull{uid, key, 0}), 5000ms);
+  ASSERT_TRUE(r.status.ok() && proto::reply_status(r.response).ok())
+      << r.status.to_string() << proto::reply_status(r.response).to_string();
+  const std::string got = proto::joined(r.response);
+  std::vector<std::span<const std::byte>> in{pa, pb};
+  std::vector<std::byte> expected(comp->max_compressed_bytes(kCount));
+  expected.resize(comp->aggregate(in, expected, {}));
+  ASSERT_EQ(got.size(), expected.size());
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), expected.size()), 0)
+      << "the sum holds bytes written to the segment after the push was accepted";
+  for (auto* tp : {ta.get(), tb.get()}) {
+    s = status_of(*tp, proto::to_message(proto::Leave{uid, false, ""}));
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+  ta->shutdown();
+  tb->shutdown();
+  expect_released();
 }
 
 TEST_P(ServerTest, GarbageFramesAndUnknownJobsAreRefusedAndTheServerSurvives) {
@@ -940,9 +1153,9 @@ TEST_P(ServerTest, BarrierAndStrategyChangeAtAnIterationBoundary) {
       EXPECT_EQ(c.iteration, 2u);
       ++seen;
     });
-  auto round = [&](uint64_t it) {
+  auto round = [&, a = ja.get(), b = jb.get()](uint64_t it) {
     std::vector<std::future<std::pair<Status, transport::Buffer>>> fs;
-    for (auto* j : {ja.get(), jb.get()}) {
+    for (auto* j : {a, b}) {
       TensorPlan plan = j->timeline().plan(0, it);
       std::vector<float> g(5000);
       td::fill(g.data(), g.size(), 3, j->info().rank, 0, it, 0);
