@@ -516,23 +516,32 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   }
 
   // The comm stack's CPU per byte: the daemon's CPU in the window less the
-  // pool work the model already has, over the bytes the node's NIC carried;
-  // a colocated server doubles it (its share of every node's partitions is
-  // as many bytes, received, summed and sent).
+  // pool work the model already has, over the bytes the node's NIC carried
+  // on the path each tensor ran (push/pull: its remote share both ways;
+  // the ring: 2(N-1)/N of its wire bytes). That is the daemon's own cost,
+  // which the ring pays; push/pull with colocated servers pays it twice
+  // (the server's share of every node's partitions is as many bytes,
+  // received, summed and sent). Before, the ring was charged the server's
+  // share too, and a window on the ring calibrated its measured time
+  // against twice its CPU.
   if (prof.daemon_cpu_us > 0 && cfg.nodes > 1) {
     const double remote = cfg.colocated_servers ? 1.0 - 1.0 / std::max(1u, cfg.servers) : 1.0;
+    const double frac = static_cast<double>(cfg.nodes - 1) / cfg.nodes;
     double bytes = 0, pool = 0;
     for (int k = 0; k < n; ++k) {
       const Option& o = m.options[current[k]];
       const double e = static_cast<double>(m.profile.tensors[k].elements);
       const CompressorCost* cc = o.compressed() ? m.costs.find(o.compressor) : nullptr;
-      bytes += 2 * remote * (cc ? cc->wire_bytes(e) : 4 * e);
+      if (on_ring(o)) bytes += 2 * frac * (cc ? 2 * e : 4 * e);  // as build_cpu_node_chain
+      else bytes += 2 * remote * (cc ? cc->wire_bytes(e) : 4 * e);
       pool += m.cluster.reduce.at(e);
       if (cc) pool += cc->cpu->compress.at(e) + cc->cpu->decompress.at(e);
     }
-    if (bytes > 0)
-      m.cluster.comm_cpu_us_per_byte = std::max(0.0, prof.daemon_cpu_us - pool) / bytes *
-                                       (cfg.colocated_servers ? 2.0 : 1.0);
+    if (bytes > 0) {
+      const double own = std::max(0.0, prof.daemon_cpu_us - pool) / bytes;
+      m.cluster.ring_comm_cpu_us_per_byte = own;
+      m.cluster.comm_cpu_us_per_byte = own * (cfg.colocated_servers ? 2.0 : 1.0);
+    }
   }
   const Calibration cal = calibrate(m, prof, current);
   Problem p = make_problem(m, cal.link_gbps);
@@ -874,6 +883,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   meta["other_cores"] = fmt(share.other_cores, 4);
   meta["compute_floor"] = fmt(share.compute_floor, 4);
   meta["comm_cpu_ns_per_byte"] = fmt(m.cluster.comm_cpu_us_per_byte * 1e3, 4);
+  meta["ring_comm_cpu_ns_per_byte"] = fmt(m.cluster.ring_comm_cpu_us_per_byte * 1e3, 4);
   meta["predicted_us"] = fmt(d.predicted_us, 9);
   meta["measured_us"] = fmt(d.measured_us, 9);
   meta["window"] = std::to_string(prof.first_iteration) + "+" + std::to_string(prof.iterations);

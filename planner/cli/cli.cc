@@ -718,7 +718,7 @@ int cmd_scale(const std::vector<std::string>& args, std::ostream& out) {
     c.partition_bytes = part;
     c.inter.gbps = gbps;
     c.inter.latency_us = latency;
-    c.comm_cpu_us_per_byte = comm_ns * 1e-3;
+    c.comm_cpu_us_per_byte = c.ring_comm_cpu_us_per_byte = comm_ns * 1e-3;
     c.ring_chunk_bytes = defaults.ring_chunk_bytes;
     c.ring_hop_us = defaults.ring_hop_rtts * latency;
     c.ring_link_share = defaults.ring_link_share;

@@ -1344,6 +1344,34 @@ TEST(OnlineRing, HysteresisCoversMoves) {
   EXPECT_EQ(four.kept_current, "");
 }
 
+// The comm stack's CPU per byte is measured on the path the window ran and
+// charged as each path pays it: the ring the daemon's own, push/pull with
+// colocated servers twice that (the server's share). Before, the ring
+// paid the server's share too.
+TEST(OnlineRing, TheRingPaysTheDaemonsOwnCommCpu) {
+  for (const bool ring_window : {false, true}) {
+    SCOPED_TRACE(ring_window ? "window on the ring" : "window on the servers");
+    NodeProfile p = flat_profile(1 << 20, 1.0, 200);
+    p.daemon_cpu_us = 50000;
+    if (ring_window) p.current_strategy_yaml = all_as(p, ring_option("none"));
+    AutoConfig cfg = two_nodes({});
+    cfg.servers = 1;  // push/pull keeps every byte on node 0's server: only the ring's count
+    if (!ring_window) cfg.servers = 2;
+    measured_as_modelled(p, cfg);
+    const Decision d = decide(p, cfg);
+    double pool = 0;
+    for (const TensorMeasure& t : p.tensors) pool += p.reduce.at(static_cast<double>(t.elements));
+    // 2 nodes: the ring sends and receives half of 4 MiB per tensor; push/pull
+    // over 2 colocated servers the remote half, both ways: the same bytes.
+    const double bytes = 40 * 2 * 0.5 * 4.0 * (1 << 20);
+    const double own_ns = (p.daemon_cpu_us - pool) / bytes * 1e3;
+    EXPECT_NEAR(std::stod(d.strategy.meta.at("ring_comm_cpu_ns_per_byte")), own_ns,
+                1e-3 * own_ns);
+    EXPECT_NEAR(std::stod(d.strategy.meta.at("comm_cpu_ns_per_byte")), 2 * own_ns,
+                2e-3 * own_ns);
+  }
+}
+
 TEST(OnlineRing, ARunningJobWithATensorItCannotMoveGetsNoPlan) {
   // ps_single (or allgather) cannot become ps or ring mid-job: the
   // coordinator would refuse the change, so the planner refuses to plan.
