@@ -199,7 +199,8 @@ struct Decision {
 // tensor of 0 elements, no iteration time, an unknown or unmeasured
 // compressor spec, a compressor the CPU runtime cannot run sharded, a
 // current strategy that does not parse or that names an unmeasured
-// compressor.
+// compressor, and with Placement::kMove one that runs a tensor neither
+// sharded nor on the ring.
 Decision decide(const NodeProfile& merged, const AutoConfig& cfg);
 
 namespace detail {
