@@ -142,7 +142,8 @@ void AutoTuner::attach(Engine& engine, const std::shared_ptr<server::PsJob>& ps,
                                   return it == m.end() ? std::string("its") : it->second;
                                 }()
                              << " tensor(s) on the daemons' ring (never compressed beyond fp16; "
-                                "placement is fixed for the job; decided by the coordinator)";
+                                "decided by the coordinator, whose plans may move tensors "
+                                "between the ring and the servers)";
   {
     // bytecompctl shows the start placement (ring tensors) before any switch.
     std::lock_guard lk(mu_);

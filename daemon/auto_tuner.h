@@ -232,9 +232,11 @@ class LossGuard {
 // ranks' losses); the change it requests applies on every node, and every
 // node recognises it in the job's timeline by this mark (rollback_of), so
 // the whole job is rolled back whichever node judged it diverged.
-// `start_yaml`: the job's start strategy (its ring tensors stay on the
-// ring, uncompressed: a running job cannot move them); "" = every tensor
-// uncompressed on the servers.
+// `start_yaml`: the job's start strategy, placement included: what the
+// uncompressed warm-up ran (the guard's baseline); tensors a plan moved
+// between the ring and the servers since go back where they started (a
+// ring <-> ps move, which the coordinator applies at one iteration like
+// any change); "" = every tensor uncompressed on the servers.
 std::string rollback_yaml(uint32_t node_rank, const std::string& why,
                           const std::string& start_yaml = "");
 struct Rollback {

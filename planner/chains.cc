@@ -539,7 +539,7 @@ void Problem::build_cpu_node_chain(uint64_t elements, const Option& o,
     const double bytes = (cc ? 2.0 : 4.0) * n;
     const double frac = static_cast<double>(M - 1) / M;
     add(Resource::kInter, cluster_.ring_us(bytes), "ring_allreduce");
-    double cpu_us = cluster_.comm_cpu_us_per_byte * 2 * frac * bytes;
+    double cpu_us = cluster_.ring_comm_cpu_us_per_byte * 2 * frac * bytes;
     if (cc) {
       const double seg = n / M;
       cpu_us += (cc->cpu->compress.at(n) + (M - 1) * (cc->cpu->compress.at(seg) +

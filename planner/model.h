@@ -89,6 +89,10 @@ struct Cluster {
   // server the same again for its share) per byte the node's NIC carries,
   // pushed or pulled: measured from the daemon's CPU time in the window.
   double comm_cpu_us_per_byte = 0;
+  // The same for the bytes the daemons' ring sends and receives: the
+  // daemon's own (no server takes part), where push/pull's includes the
+  // colocated server's.
+  double ring_comm_cpu_us_per_byte = 0;
 
   // The daemons' ring allreduce (inter: allreduce with none/fp16/bf16,
   // docs/daemon.md) against push/pull, measured on the emulated cluster

@@ -516,32 +516,43 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   }
 
   // The comm stack's CPU per byte: the daemon's CPU in the window less the
-  // pool work the model already has, over the bytes the node's NIC carried;
-  // a colocated server doubles it (its share of every node's partitions is
-  // as many bytes, received, summed and sent).
+  // pool work the model already has, over the bytes the node's NIC carried
+  // on the path each tensor ran (push/pull: its remote share both ways;
+  // the ring: 2(N-1)/N of its wire bytes). That is the daemon's own cost,
+  // which the ring pays; push/pull with colocated servers pays it twice
+  // (the server's share of every node's partitions is as many bytes,
+  // received, summed and sent). Before, the ring was charged the server's
+  // share too, and a window on the ring calibrated its measured time
+  // against twice its CPU.
   if (prof.daemon_cpu_us > 0 && cfg.nodes > 1) {
     const double remote = cfg.colocated_servers ? 1.0 - 1.0 / std::max(1u, cfg.servers) : 1.0;
+    const double frac = static_cast<double>(cfg.nodes - 1) / cfg.nodes;
     double bytes = 0, pool = 0;
     for (int k = 0; k < n; ++k) {
       const Option& o = m.options[current[k]];
       const double e = static_cast<double>(m.profile.tensors[k].elements);
       const CompressorCost* cc = o.compressed() ? m.costs.find(o.compressor) : nullptr;
-      bytes += 2 * remote * (cc ? cc->wire_bytes(e) : 4 * e);
+      if (on_ring(o)) bytes += 2 * frac * (cc ? 2 * e : 4 * e);  // as build_cpu_node_chain
+      else bytes += 2 * remote * (cc ? cc->wire_bytes(e) : 4 * e);
       pool += m.cluster.reduce.at(e);
       if (cc) pool += cc->cpu->compress.at(e) + cc->cpu->decompress.at(e);
     }
-    if (bytes > 0)
-      m.cluster.comm_cpu_us_per_byte = std::max(0.0, prof.daemon_cpu_us - pool) / bytes *
-                                       (cfg.colocated_servers ? 2.0 : 1.0);
+    if (bytes > 0) {
+      const double own = std::max(0.0, prof.daemon_cpu_us - pool) / bytes;
+      m.cluster.ring_comm_cpu_us_per_byte = own;
+      m.cluster.comm_cpu_us_per_byte = own * (cfg.colocated_servers ? 2.0 : 1.0);
+    }
   }
   const Calibration cal = calibrate(m, prof, current);
   Problem p = make_problem(m, cal.link_gbps);
 
   // Per tensor (problem order) its candidate option indices, the first
-  // its uncompressed one. With fixed placement a tensor the window ran on
-  // the ring chooses among the ring's options, any other among the
-  // servers'; otherwise among both.
-  std::vector<std::vector<int>> choice(n), plain_choice(n);
+  // its uncompressed one. A tensor kept where the window ran it (fixed
+  // placement, or the kMove plan that moves nothing) chooses among the
+  // options of that placement: the ring's if it ran on the ring, else the
+  // servers'; a free one among both.
+  using PlacementMode = AutoConfig::Placement;
+  const bool may_move = cfg.placement != PlacementMode::kFixed;
   std::vector<char> excl(n, 0), ring_tensor(n, 0);
   std::vector<std::string> guarded(n);
   const int sharded_end = ring_none;
@@ -558,34 +569,60 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
                                         static_cast<size_t>(m.decl_of[k]));
     ring_tensor[k] = on_ring(m.options[current[k]]);
     any_ring = any_ring || ring_tensor[k];
-    const bool lossy_ok = !excl[k] && guarded[k].empty();
-    const bool servers = !cfg.fixed_placement || !ring_tensor[k];
-    const bool ring = !cfg.fixed_placement || ring_tensor[k];
-    if (servers) {
-      choice[k].push_back(0);
-      plain_choice[k].push_back(0);
+    if (cfg.placement == PlacementMode::kMove) {
+      // The runtime moves a tensor mid-job only between the servers'
+      // sharded placement and the ring (strategy::placement_change): a plan
+      // for any other would be refused by the coordinator.
+      const Option& o = m.options[current[k]];
+      const strategy::Placement pl = strategy::plan_for_option(o, "<current>").placement;
+      if (pl != strategy::Placement::kSharded && pl != strategy::Placement::kRing)
+        bad("the window's strategy runs tensor '" + p.profile().tensors[k].name + "' on " +
+            std::string(strategy::to_string(pl)) +
+            ", which a running job cannot move to the servers' sharded placement or the ring");
     }
-    if (ring) {
-      choice[k].push_back(ring_none);
-      plain_choice[k].push_back(ring_none);
-    }
-    if (lossy_ok && servers)
-      for (int o = 1; o < sharded_end; ++o) choice[k].push_back(o);
-    if (lossy_ok && ring) choice[k].push_back(ring_fp16);
   }
+  struct Choices {
+    std::vector<std::vector<int>> choice, plain;  // per tensor; plain: uncompressed ones
+    Assignment start;  // uncompressed where it is (kept), or on the servers (free)
+  };
+  auto choices_for = [&](bool free) {
+    Choices c;
+    c.choice.resize(n);
+    c.plain.resize(n);
+    c.start.assign(n, 0);
+    for (int k = 0; k < n; ++k) {
+      const bool lossy_ok = !excl[k] && guarded[k].empty();
+      const bool servers = free || !ring_tensor[k];
+      const bool ring = free || ring_tensor[k];
+      if (servers) {
+        c.choice[k].push_back(0);
+        c.plain[k].push_back(0);
+      }
+      if (ring) {
+        c.choice[k].push_back(ring_none);
+        c.plain[k].push_back(ring_none);
+      }
+      if (lossy_ok && servers)
+        for (int o = 1; o < sharded_end; ++o) c.choice[k].push_back(o);
+      if (lossy_ok && ring) c.choice[k].push_back(ring_fp16);
+      c.start[k] = c.choice[k].front();
+    }
+    return c;
+  };
   // Per option, the uncompressed option of its placement (the search's
   // cleanup reverts to it).
   std::vector<int> plain(m.options.size(), 0);
   for (size_t o = 0; o < m.options.size(); ++o)
     plain[o] = on_ring(m.options[o]) ? ring_none : 0;
-  // Where each tensor starts: uncompressed where it is (fixed), or on the
-  // servers (free: the search moves it if the ring pays).
-  Assignment start(n, 0);
-  for (int k = 0; k < n; ++k) start[k] = choice[k].front();
   auto compressed = [&](const Assignment& a) {
     for (int k = 0; k < n; ++k)
       if (m.options[a[k]].compressed()) return true;
     return false;
+  };
+  auto moves = [&](const Assignment& a) {
+    int moved = 0;
+    for (int k = 0; k < n; ++k) moved += on_ring(m.options[a[k]]) != static_cast<bool>(ring_tensor[k]);
+    return moved;
   };
   std::vector<int> by_size(n);
   std::iota(by_size.begin(), by_size.end(), 0);
@@ -599,7 +636,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   // The hand strategies as a user would write them (exclusions first, then
   // the size window, then the default); their assignments come from
   // resolving them, so file and prediction cannot disagree.
-  auto hand = [&](const Option& o, uint64_t min_bytes) {
+  auto hand = [&](const Option& o, uint64_t min_bytes, bool free) {
     Strategy s;
     // Kept uncompressed in the option's own placement.
     const Option keep = on_ring(o) ? ring_option("none") : Option{};
@@ -616,18 +653,18 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
       for (size_t c = 0; c < m.candidates; ++c)
         if (m.options[c] == r) a[k] = static_cast<int>(c);
     }
-    // A running job's ring tensors stay on the ring: there the hand
-    // strategy's fp16 is the ring's, anything else the ring uncompressed
-    // (exact entries, which come first).
-    if (cfg.fixed_placement && any_ring) {
+    // Kept placements: the window's ring tensors stay on the ring (there
+    // the hand strategy's fp16 is the ring's, anything else the ring
+    // uncompressed; exact entries, which come first), and the others on
+    // the servers (where every hand option but "ring" puts them).
+    if (!free && any_ring) {
       Strategy ringed;
       ringed.set_default(s.default_option());
       for (int k = 0; k < n; ++k)
         if (ring_tensor[k]) {
-          a[k] = m.options[a[k]].compressed() && m.options[a[k]].compressor == "fp16" &&
-                         choice[k].back() == ring_fp16
-                     ? ring_fp16
-                     : ring_none;
+          const bool fp16 = m.options[a[k]].compressed() && m.options[a[k]].compressor == "fp16" &&
+                            !excl[k] && guarded[k].empty();
+          a[k] = fp16 ? ring_fp16 : ring_none;
           ringed.add_entry({p.profile().tensors[k].name, m.options[a[k]]});
         }
       for (const Rule& r : s.rules()) ringed.add_rule(r);
@@ -635,118 +672,175 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
     }
     return std::make_pair(std::move(s), std::move(a));
   };
-  std::vector<std::pair<std::string, std::pair<Strategy, Assignment>>> alts;
-  alts.push_back({"fp32", hand(Option{}, 0)});
-  alts.push_back({"fp16", hand(m.options[1], 0)});
-  // DDP's scheme: every tensor on the ring, uncompressed (a placement a
-  // running job can only have had from its start).
-  if (!cfg.fixed_placement) alts.push_back({"ring", hand(m.options[ring_none], 0)});
-  for (const auto& [canon, written] : accepted) {
-    int idx = 0;
-    for (size_t o = 0; o < cands.size(); ++o)
-      if (cands[o].spec == canon) idx = static_cast<int>(o);
-    alts.push_back({"all:" + written, hand(m.options[idx], 0)});
-    alts.push_back({"threshold:" + written, hand(m.options[idx], cfg.min_compress_bytes)});
-  }
-  const Assignment* best_alt = nullptr;
-  double best_alt_us = std::numeric_limits<double>::infinity();
-  for (auto& [name, sa] : alts) {
-    const double v = ev.evaluate(sa.second);
-    sa.first.meta["predicted_us"] = fmt(cal.apply(v), 9);
-    sa.first.meta["alternative"] = name;
-    d.alternatives.push_back({name, cal.apply(v), sa.first.to_yaml()});
-    if (v < best_alt_us) {
-      best_alt_us = v;
-      best_alt = &sa.second;
+  using Alts = std::vector<std::pair<std::string, std::pair<Strategy, Assignment>>>;
+  auto hand_alternatives = [&](bool free) {
+    Alts alts;
+    alts.push_back({"fp32", hand(Option{}, 0, free)});
+    alts.push_back({"fp16", hand(m.options[1], 0, free)});
+    // DDP's scheme: every tensor on the ring, uncompressed.
+    if (free) alts.push_back({"ring", hand(m.options[ring_none], 0, free)});
+    for (const auto& [canon, written] : accepted) {
+      int idx = 0;
+      for (size_t o = 0; o < cands.size(); ++o)
+        if (cands[o].spec == canon) idx = static_cast<int>(o);
+      alts.push_back({"all:" + written, hand(m.options[idx], 0, free)});
+      alts.push_back({"threshold:" + written, hand(m.options[idx], cfg.min_compress_bytes, free)});
     }
-  }
-
-  auto [plan_a, plan_v] = refine_groups(p, choice, by_size, start, false, shortcuts, plain);
-  if (plan_v > best_alt_us + resolution_us(best_alt_us)) {
-    // Coordinate descent from nothing compressed can stall where only many
-    // tensors changing together pay; the best hand strategy is the other
-    // start. From there the tiny tensors keep what it gave them, so take it
-    // only when it is genuinely better.
-    auto [alt_a, alt_v] = refine_groups(p, choice, by_size, *best_alt, true, shortcuts, plain);
-    if (alt_v < plan_v - resolution_us(plan_v)) {
-      plan_a = alt_a;
-      plan_v = alt_v;
-    }
-  }
-
-  if (best_move_gain) {
-    // The tests' check of the search: every single tensor's every other
-    // candidate, from the plan.
-    Evaluator check(p);
-    check.set_base(plan_a);
-    const double f = check.base_value();
-    double low = f;
-    for (int k = 0; k < n; ++k)
-      for (int o : choice[k])
-        if (o != plan_a[k]) low = std::min(low, check.try_option(k, o));
-    *best_move_gain = (f - low) / f;
-  }
-
+    return alts;
+  };
   // The bar a compressed plan must clear (AutoConfig::min_gain).
   // The calibration's misfit (what the link rate could not explain, as a
   // fraction of the iteration) raises it: a gain the model cannot resolve
-  // is not worth the accuracy compression costs.
-  // "Uncompressed" is the best plan without compression: every tensor
-  // where it is (fixed placement), or on the servers or the ring, whichever
-  // the model prefers (moving to the ring costs no accuracy, so it needs no
-  // bar).
-  Assignment none = start;
-  if (!cfg.fixed_placement) {
-    auto [u_a, u_v] = refine_groups(p, plain_choice, by_size, start, false, shortcuts, plain);
-    none = u_a;
-    // The search from the uncompressed plan too: a compressed plan that
-    // keeps the ring's tensors there may be found only from it.
-    auto [r_a, r_v] = refine_groups(p, choice, by_size, none, false, shortcuts, plain);
-    if (r_v < plan_v - resolution_us(plan_v)) {
-      plan_a = r_a;
-      plan_v = r_v;
-    }
-  }
+  // is not worth the accuracy compression costs. A move between the ring
+  // and the servers clears the same bar (kMove, below).
   const double T = std::max(1.0, prof.iteration_us);
-  const double fp32_us = cal.apply(ev.evaluate(none));
   const double misfit = std::max(cal.residual_us / T, 1.0 - cal.scale);
   const double bar_fraction = std::max(cfg.min_gain, misfit);
-  const double gain = fp32_us - cal.apply(plan_v);
-  std::string kept_uncompressed;
-  if (compressed(plan_a) && gain < bar_fraction * T) {
-    kept_uncompressed = "predicted gain " + fmt(100.0 * gain / T, 3) + "% is below the bar of " +
-                        fmt(100.0 * bar_fraction, 3) + "%";
-    plan_a = none;
-  } else if (!compressed(plan_a)) {
-    plan_a = none;
-  }
-  // Hysteresis (a re-plan's window ran a compressed strategy): a different
-  // compressed plan must be predicted faster than the strategy that runs
-  // by the same bar, or a re-plan would flip between near-equal plans on
-  // measurement noise; going back to uncompressed only needs to be no
-  // slower (it is the accurate one). The running strategy is kept only
-  // when it honours this decision's exclusions and guards.
-  if (compressed(current) && plan_a != current) {
-    bool honours = true;
-    for (int k = 0; k < n; ++k)
-      if ((excl[k] || !guarded[k].empty()) && m.options[current[k]].compressed()) honours = false;
-    // A plan that moved a tensor off its placement cannot replace a running
-    // strategy (fixed_placement keeps them; this guards a free plan).
-    for (int k = 0; k < n; ++k)
-      if (on_ring(m.options[current[k]]) != on_ring(m.options[plan_a[k]])) honours = false;
-    const double cur_us = cal.apply(ev.evaluate(current));
-    const double new_us = cal.apply(ev.evaluate(plan_a));
-    const bool plain_plan = !compressed(plan_a);
-    const bool better = plain_plan ? new_us <= cur_us : new_us <= cur_us - bar_fraction * T;
-    if (honours && !better) {
-      d.kept_current = "the new plan (" + fmt(new_us / 1e3, 4) + " ms) is not " +
-                       (plain_plan ? std::string("faster than")
+
+  // One plan: the search, the min_gain bar against uncompressed, and the
+  // hysteresis against the window's strategy; placements kept (free
+  // false) or free. `alts` are its hand strategies (listed in the decision
+  // when `listed`).
+  struct Plan {
+    Assignment a;
+    std::string kept_uncompressed, kept_current;
+  };
+  auto plan_with = [&](bool free, Alts& alts, bool listed) {
+    const Choices ch = choices_for(free);
+    const Assignment* best_alt = nullptr;
+    double best_alt_us = std::numeric_limits<double>::infinity();
+    for (auto& [name, sa] : alts) {
+      const double v = ev.evaluate(sa.second);
+      if (listed) {
+        sa.first.meta["predicted_us"] = fmt(cal.apply(v), 9);
+        sa.first.meta["alternative"] = name;
+        d.alternatives.push_back({name, cal.apply(v), sa.first.to_yaml()});
+      }
+      if (v < best_alt_us) {
+        best_alt_us = v;
+        best_alt = &sa.second;
+      }
+    }
+    auto [plan_a, plan_v] = refine_groups(p, ch.choice, by_size, ch.start, false, shortcuts, plain);
+    if (plan_v > best_alt_us + resolution_us(best_alt_us)) {
+      // Coordinate descent from nothing compressed can stall where only many
+      // tensors changing together pay; the best hand strategy is the other
+      // start. From there the tiny tensors keep what it gave them, so take it
+      // only when it is genuinely better.
+      auto [alt_a, alt_v] = refine_groups(p, ch.choice, by_size, *best_alt, true, shortcuts, plain);
+      if (alt_v < plan_v - resolution_us(plan_v)) {
+        plan_a = alt_a;
+        plan_v = alt_v;
+      }
+    }
+
+    if (best_move_gain && listed) {
+      // The tests' check of the search: every single tensor's every other
+      // candidate, from the plan.
+      Evaluator check(p);
+      check.set_base(plan_a);
+      const double f = check.base_value();
+      double low = f;
+      for (int k = 0; k < n; ++k)
+        for (int o : ch.choice[k])
+          if (o != plan_a[k]) low = std::min(low, check.try_option(k, o));
+      *best_move_gain = (f - low) / f;
+    }
+
+    // "Uncompressed" is the best plan without compression: every tensor
+    // where it is (kept placements), or on the servers or the ring,
+    // whichever the model prefers (moving to the ring costs no accuracy,
+    // so it needs no bar here; kMove's bar on moves is below).
+    Assignment none = ch.start;
+    if (free) {
+      auto [u_a, u_v] = refine_groups(p, ch.plain, by_size, ch.start, false, shortcuts, plain);
+      none = u_a;
+      // The search from the uncompressed plan too: a compressed plan that
+      // keeps the ring's tensors there may be found only from it.
+      auto [r_a, r_v] = refine_groups(p, ch.choice, by_size, none, false, shortcuts, plain);
+      if (r_v < plan_v - resolution_us(plan_v)) {
+        plan_a = r_a;
+        plan_v = r_v;
+      }
+    }
+    Plan out;
+    const double fp32_us = cal.apply(ev.evaluate(none));
+    const double gain = fp32_us - cal.apply(plan_v);
+    if (compressed(plan_a) && gain < bar_fraction * T) {
+      out.kept_uncompressed = "predicted gain " + fmt(100.0 * gain / T, 3) +
+                              "% is below the bar of " + fmt(100.0 * bar_fraction, 3) + "%";
+      plan_a = none;
+    } else if (!compressed(plan_a)) {
+      plan_a = none;
+    }
+    // Hysteresis (a re-plan's window ran a compressed strategy): a different
+    // compressed plan must be predicted faster than the strategy that runs
+    // by the same bar, or a re-plan would flip between near-equal plans on
+    // measurement noise; going back to uncompressed only needs to be no
+    // slower (it is the accurate one). The running strategy is kept only
+    // when it honours this decision's exclusions and guards.
+    if (compressed(current) && plan_a != current) {
+      bool honours = true;
+      for (int k = 0; k < n; ++k)
+        if ((excl[k] || !guarded[k].empty()) && m.options[current[k]].compressed()) honours = false;
+      const double cur_us = cal.apply(ev.evaluate(current));
+      const double new_us = cal.apply(ev.evaluate(plan_a));
+      const bool plain_plan = !compressed(plan_a);
+      const bool better = plain_plan ? new_us <= cur_us : new_us <= cur_us - bar_fraction * T;
+      if (honours && !better) {
+        out.kept_current = "the new plan (" + fmt(new_us / 1e3, 4) + " ms) is not " +
+                           (plain_plan ? std::string("faster than")
                                        : "the bar of " + fmt(100.0 * bar_fraction, 3) +
                                              "% faster than") +
-                       " the running strategy (" + fmt(cur_us / 1e3, 4) + " ms): kept";
-      plan_a = current;
+                           " the running strategy (" + fmt(cur_us / 1e3, 4) + " ms): kept";
+        plan_a = current;
+      }
     }
+    out.a = std::move(plan_a);
+    return out;
+  };
+
+  Plan chosen;
+  std::string placement_note;
+  if (cfg.placement == PlacementMode::kMove) {
+    // Both plans: every tensor where the window ran it, and free. The free
+    // one is taken only when it moves a tensor and is predicted faster than
+    // the kept one by the bar: the window measured each tensor only on the
+    // path it ran (its prediction is the measurement, by calibration), the
+    // other path is the model's estimate (docs/planner.md "Ring allreduce
+    // against push/pull": within 15% where it was checked), and a move on a
+    // near-tie would move back at the next re-plan. The alternatives listed
+    // are the free ones (they include "ring").
+    Alts kept_alts = hand_alternatives(false), free_alts = hand_alternatives(true);
+    Plan keep = plan_with(false, kept_alts, false);
+    Plan move = plan_with(true, free_alts, true);
+    const int moved = moves(move.a);
+    if (moved == 0) {
+      chosen = std::move(keep);
+    } else {
+      const double keep_us = cal.apply(ev.evaluate(keep.a));
+      const double move_us = cal.apply(ev.evaluate(move.a));
+      const std::string what = "moving " + std::to_string(moved) +
+                               " tensor(s) between the servers and the ring predicted " +
+                               fmt(move_us / 1e3, 4) + " ms against " + fmt(keep_us / 1e3, 4) +
+                               " ms keeping every placement";
+      if (move_us <= keep_us - bar_fraction * T) {
+        placement_note = what + ": moved";
+        chosen = std::move(move);
+      } else {
+        placement_note = what + ", not the bar of " + fmt(100.0 * bar_fraction, 3) +
+                         "% faster: every tensor kept where it ran";
+        chosen = std::move(keep);
+      }
+    }
+  } else {
+    const bool free = cfg.placement == PlacementMode::kFree;
+    Alts alts = hand_alternatives(free);
+    chosen = plan_with(free, alts, true);
   }
+  Assignment plan_a = std::move(chosen.a);
+  const std::string& kept_uncompressed = chosen.kept_uncompressed;
+  d.kept_current = chosen.kept_current;
   Timeline tl;
   const double raw = ev.evaluate(plan_a, &tl);
   d.predicted_us = cal.apply(raw);
@@ -755,7 +849,8 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
 
   // What the coordinator relies on: every emitted option runs on the CPU
   // runtime, on the servers (sharded) or on the ring, and with fixed
-  // placement each tensor stays where the window ran it.
+  // placement each tensor stays where the window ran it (with kMove a
+  // moved tensor ran sharded or on the ring, checked above).
   std::vector<TensorDecl> decl;
   for (const TensorMeasure& t : prof.tensors) decl.push_back({t.name, 4 * t.elements});
   d.strategy.check_cpu_runtime(decl);
@@ -767,7 +862,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
     if (pl != strategy::Placement::kSharded && !ring)
       throw Error(ErrorCode::kInternal, "online planner: an option neither sharded nor on the ring");
     if (ring != on_ring(m.options[plan_a[k]]) ||
-        (cfg.fixed_placement && ring != static_cast<bool>(ring_tensor[k])))
+        (!may_move && ring != static_cast<bool>(ring_tensor[k])))
       throw Error(ErrorCode::kInternal, "online planner: a tensor would change its placement");
   }
 
@@ -788,6 +883,7 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   meta["other_cores"] = fmt(share.other_cores, 4);
   meta["compute_floor"] = fmt(share.compute_floor, 4);
   meta["comm_cpu_ns_per_byte"] = fmt(m.cluster.comm_cpu_us_per_byte * 1e3, 4);
+  meta["ring_comm_cpu_ns_per_byte"] = fmt(m.cluster.ring_comm_cpu_us_per_byte * 1e3, 4);
   meta["predicted_us"] = fmt(d.predicted_us, 9);
   meta["measured_us"] = fmt(d.measured_us, 9);
   meta["window"] = std::to_string(prof.first_iteration) + "+" + std::to_string(prof.iterations);
@@ -800,8 +896,12 @@ Decision decide_with(const NodeProfile& prof, const AutoConfig& cfg, bool shortc
   meta["min_gain_fraction"] = fmt(bar_fraction, 6);
   if (!kept_uncompressed.empty()) meta["kept_uncompressed"] = kept_uncompressed;
   if (!d.kept_current.empty()) meta["kept_current"] = d.kept_current;
-  meta["placement"] = cfg.fixed_placement ? "fixed (a running job keeps each tensor's)"
-                                           : "free (the job's first plan)";
+  meta["placement"] =
+      cfg.placement == PlacementMode::kFixed ? "fixed (every tensor keeps the window's)"
+      : cfg.placement == PlacementMode::kMove
+          ? "move (a running job with a ring: a move must clear the min_gain bar)"
+          : "free (the job's first plan)";
+  if (!placement_note.empty()) meta["placement_moves"] = placement_note;
   {
     int on = 0;
     for (int k = 0; k < n; ++k) on += on_ring(m.options[plan_a[k]]) ? 1 : 0;

@@ -18,12 +18,13 @@
 // or one of the accepted compressors on the CPU over the PS sharded scheme,
 // or none / fp16 on the daemons' ring (inter: allreduce, Placement::kRing).
 // A running job may move a tensor between the servers and the ring at one
-// iteration (docs/daemon.md "Ring allreduce"), but the coordinator's online
-// decisions do not yet: with AutoConfig::fixed_placement (the default, the
-// coordinator's case, docs/auto.md "Placement") every tensor keeps
-// the placement the window ran it with; without it (a plan before the
-// job's first round, `bytecomp-plan decide --placement free`) each tensor
-// may take either.
+// iteration (docs/daemon.md "Ring allreduce"); AutoConfig::placement says
+// whether the decision may: kFixed (the default) keeps every tensor where
+// the window ran it, kMove (the coordinator's where the job's ring is
+// open, docs/auto.md "Placement") moves tensors only when that is
+// predicted faster than the best plan that keeps every placement by the
+// min_gain bar, kFree (a plan before the job's first round, `bytecomp-plan
+// decide --placement free`) lets each tensor take either.
 //
 // Units: microseconds (_us), milliseconds (_ms), elements are fp32
 // elements, bytes are bytes, link rates gigabits per second.
@@ -113,10 +114,22 @@ struct AutoConfig {
   // says otherwise; a user's auto spec (AutoSpec::guards) has them on, and
   // the coordinator and `bytecomp-plan online` pass those.
   strategy::AccuracyGuards guards = strategy::AccuracyGuards::off();
-  // Every tensor keeps the placement (servers or ring) the window's
-  // strategy gave it: a running job cannot change it (the coordinator
-  // refuses). false: each tensor may go either way (a job's first plan).
-  bool fixed_placement = true;
+  // Where each tensor may run (servers or ring), against the window's
+  // strategy (the placement each tensor ran with):
+  //   kFixed: every tensor keeps it (a job without a ring; the library's
+  //     default, so that a caller moves nothing unless it says so);
+  //   kMove: a running job whose daemons all have a peer endpoint (the
+  //     coordinator): a plan that moves a tensor must be predicted faster
+  //     than the best plan that moves none by the min_gain bar (the window
+  //     measured each tensor only on the path it ran; the other path is the
+  //     model's estimate, and a move on a near-tie would flap back at the
+  //     next re-plan). A tensor the window ran neither sharded nor on the
+  //     ring (ps_single, allgather: the runtime cannot move it mid-job) is
+  //     refused: decide() throws naming it;
+  //   kFree: each tensor may take either with no bar (a job's first plan,
+  //     before any placement ran).
+  enum class Placement { kFixed, kMove, kFree };
+  Placement placement = Placement::kFixed;
   // The ring and push/pull link model (Cluster in planner/model.h), fitted
   // to scripts/bench-ring on the emulated cluster (docs/planner.md "Ring
   // allreduce against push/pull"): the daemons' ring_chunk_bytes, the
@@ -186,7 +199,8 @@ struct Decision {
 // tensor of 0 elements, no iteration time, an unknown or unmeasured
 // compressor spec, a compressor the CPU runtime cannot run sharded, a
 // current strategy that does not parse or that names an unmeasured
-// compressor.
+// compressor, and with Placement::kMove one that runs a tensor neither
+// sharded nor on the ring.
 Decision decide(const NodeProfile& merged, const AutoConfig& cfg);
 
 namespace detail {

@@ -144,6 +144,8 @@ std::string Decision::explain() const {
   if (std::string why = meta_of("kept_uncompressed"); !why.empty())
     os << "\nkept uncompressed: " << why << "\n";
   if (!kept_current.empty()) os << "\nhysteresis: " << kept_current << "\n";
+  if (std::string why = meta_of("placement_moves"); !why.empty())
+    os << "\nplacement: " << why << "\n";
   os << "\npredicted iteration: " << fmt_fixed(predicted_us / 1e3, 2) << " ms\n";
   os << "measured before the decision: " << fmt_fixed(measured_us / 1e3, 2) << " ms\n";
   if (!alternatives.empty()) {

@@ -94,6 +94,8 @@ Status AutoPlanner::on_profile(const JobView& job, transport::NodeId from, uint6
   t.cfg.servers = job.servers;
   t.cfg.colocated_servers = spec->colocated_servers;
   t.cfg.partition_bytes = job.partition_bytes;
+  t.cfg.placement = job.ring && job.nodes.size() > 1 ? planner::online::AutoConfig::Placement::kMove
+                                                     : planner::online::AutoConfig::Placement::kFixed;
   open_[{t.uid, t.epoch}] = t;
   if (!problem.empty()) {
     lk.unlock();

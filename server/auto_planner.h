@@ -55,6 +55,12 @@ class AutoPlanner {
     std::vector<transport::NodeId> nodes;  // rank order
     uint32_t servers = 1;
     uint64_t partition_bytes = 0;
+    // Every node's daemon has a peer endpoint (the admission's
+    // peer_addresses), so the nodes opened the ring at the join: the plan
+    // may move tensors between the servers and the ring
+    // (AutoConfig::Placement::kMove); without it every tensor keeps its
+    // placement (kFixed), and none can go on a ring that is not there.
+    bool ring = false;
   };
 
   // `plan` null: planner::online::merge + decide.

@@ -790,6 +790,11 @@ void Coordinator::on_auto(Incoming in, uint32_t uid,
     view.nodes = a.nodes;
     view.servers = static_cast<uint32_t>(a.servers.size());
     view.partition_bytes = a.partition_bytes;
+    // The same test as the ring <-> ps check of on_set_strategy: a plan
+    // that moves a tensor onto the ring is never one the coordinator refuses.
+    view.ring = !a.peer_addresses.empty() &&
+                std::none_of(a.peer_addresses.begin(), a.peer_addresses.end(),
+                             [](const std::string& p) { return p.empty(); });
   }
   const Status st = deliver(view);
   if (!st.ok()) BC_LOG(LogCoord(), kWarn) << "job '" << view.name << "': " << st.message();

@@ -38,7 +38,7 @@ constexpr const char* kUsage =
     "  bytecomp-plan decide NODE_PROFILE.yaml... --out RUN_DIR [--compressors a,b]\n"
     "                [--exclude glob,glob] [--nodes N] [--servers N] [--dedicated-servers]\n"
     "                [--partition-bytes B] [--min-compress-bytes B]\n"
-    "                [--no-guards] [--guard-min-bytes B] [--placement fixed|free]\n"
+    "                [--no-guards] [--guard-min-bytes B] [--placement fixed|move|free]\n"
     "  bytecomp-plan scale [--nodes 2,4,16,...] [--gbps G] [--latency-us A] [--tensors K]\n"
     "                [--tensor-bytes B] [--partition-bytes B] [--fp16] [--json]\n"
     "  bytecomp-plan explain RUN_DIR   (RUN_DIR/plan.yaml, RUN_DIR/measured.yaml if present)\n";
@@ -614,10 +614,13 @@ int cmd_decide(const std::vector<std::string>& args, std::ostream& out) {
                                             : strategy::AutoSpec{}.guards;
   cfg.guards.min_bytes = count_arg(a, "--guard-min-bytes", cfg.guards.min_bytes, 0);
   if (auto it = a.values.find("--placement"); it != a.values.end()) {
-    if (it->second != "fixed" && it->second != "free")
+    using P = online::AutoConfig::Placement;
+    if (it->second == "fixed") cfg.placement = P::kFixed;
+    else if (it->second == "move") cfg.placement = P::kMove;
+    else if (it->second == "free") cfg.placement = P::kFree;
+    else
       throw Error(ErrorCode::kInvalidArgument,
-                  "--placement '" + it->second + "' (accepted: fixed, free)");
-    cfg.fixed_placement = it->second == "fixed";
+                  "--placement '" + it->second + "' (accepted: fixed, move, free)");
   }
   const online::Decision d = online::decide(online::merge(nodes), cfg);
   const std::string dir = a.values.at("--out");
@@ -715,7 +718,7 @@ int cmd_scale(const std::vector<std::string>& args, std::ostream& out) {
     c.partition_bytes = part;
     c.inter.gbps = gbps;
     c.inter.latency_us = latency;
-    c.comm_cpu_us_per_byte = comm_ns * 1e-3;
+    c.comm_cpu_us_per_byte = c.ring_comm_cpu_us_per_byte = comm_ns * 1e-3;
     c.ring_chunk_bytes = defaults.ring_chunk_bytes;
     c.ring_hop_us = defaults.ring_hop_rtts * latency;
     c.ring_link_share = defaults.ring_link_share;

@@ -9,7 +9,7 @@
 //   compressors: [efsignsgd, "topk:0.01"]   # empty: fp16 only
 //   exclude: ["conv1.*", "fc.*"]            # fnmatch globs, never compressed
 //   min_compress_bytes: 1MiB                # the size-threshold alternative
-//   min_gain: 0.1                           # compress only for a larger gain
+//   min_gain: 0.1                           # compress (or move ring <-> servers) only for a larger gain
 //   warmup_iterations: 5                    # profiled iterations
 //   skip_iterations: 2                      # first iterations not profiled
 //   plan_timeout_ms: 5000                   # coordinator's planning bound
@@ -58,7 +58,9 @@ struct AutoSpec {
   std::vector<std::string> compressors;  // as written; validated by the factory
   std::vector<std::string> exclude;
   uint64_t min_compress_bytes = 1ull << 20;
-  // A compressed plan must be predicted this fraction faster than none.
+  // A compressed plan must be predicted this fraction faster than none, and
+  // a plan that moves tensors between the ring and the servers this fraction
+  // faster than the best one that moves none (planner/online.h).
   double min_gain = 0.1;
   uint32_t warmup_iterations = 5;
   uint32_t skip_iterations = 2;
@@ -106,10 +108,10 @@ struct AutoSpec {
 std::string guard_reason(const AccuracyGuards& guards, const std::vector<std::string>& names,
                          const std::vector<uint64_t>& elements, size_t index);
 
-// The strategy an auto job starts with: its join strategy, which fixes each
-// tensor's placement for the job's life (the coordinator refuses moving a
-// tensor between the servers and the daemons' ring once the job runs,
-// docs/auto.md "Placement"). Every tensor uncompressed; on the ring
+// The strategy an auto job starts with: its join strategy, each tensor's
+// placement before anything is measured (a later plan may move a tensor
+// between the servers and the daemons' ring where every node has a peer
+// endpoint, docs/auto.md "Placement"). Every tensor uncompressed; on the ring
 // (inter: allreduce) the tensors auto can never compress beyond fp16 (the
 // ring carries fp16: every tensor when `spec.compressors` is empty, else
 // those an accuracy guard or `exclude` keeps uncompressed) where the

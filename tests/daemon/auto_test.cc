@@ -302,6 +302,124 @@ TEST_P(AutoNodes, NodesThatDisagreeGetNoPlanAndKeepTheirStrategy) {
   for (size_t k = 0; k < sizes.size(); ++k) EXPECT_EQ(inexact(r, k, sizes[k], 0, kIters), 0u);
 }
 
+// Issue 25 item 2: a running auto job whose daemons all have a peer
+// endpoint may move a tensor between the ring and the servers at a plan.
+// With no compressor accepted both tensors start on the ring (2 nodes,
+// strategy::start_strategy_yaml); `exclude: ["*"]` keeps them uncompressed,
+// so only their placement can change. The auto settings say the servers
+// are colocated (one per node, the default): the model then has push/pull
+// keep the node's own share on the node, which with this cluster's one
+// server is every byte, so the measured ring loses to the modelled
+// push/pull. min_gain 0.02 (the bar a move must clear, 10% by default):
+// the test's four ranks are threads of one process, so each reports the
+// process's CPU time as its own and the model's backward pass is four
+// times too long, which left the move a predicted gain of 9-38% of the
+// iteration in four runs on this machine (the bar itself is
+// tests/planner/online_test.cc OnlineRing.*). The first plan moves both
+// tensors to the servers at one iteration on both nodes, and every rank's
+// sums stay exact before, at and after the move. (Before, the coordinator
+// planned with fixed placement and the tensors stayed on the ring.)
+TEST_P(AutoNodes, APlanMovesRingTensorsToTheServersWithExactSumsOnEveryNode) {
+  strategy_section_ =
+      "strategy:\n  mode: auto\n  compressors: []\n  exclude: [\"*\"]\n  min_gain: 0.02\n"
+      "  skip_iterations: 1\n  warmup_iterations: 3\n";
+  start(1);
+  const std::vector<uint64_t> sizes{1 << 20, 1 << 19};
+  constexpr int kIters = 80;
+  // Cheap gradients (the ring's bytes, not the clients' compute, make the
+  // iteration: the planner counts the clients' CPU time as the backward
+  // pass), not integers: any other summation order than the node's ranks
+  // first would show. A period of 61 elements catches a misplaced segment.
+  constexpr uint64_t kPeriod = 61;
+  auto grad = [](uint32_t grank, int it, uint64_t i) {
+    return static_cast<float>((i * 7 + static_cast<uint64_t>(it) * 13 + grank * 29) % kPeriod) *
+               0.00137f +
+           0.31f * static_cast<float>(grank);
+  };
+  std::atomic<uint64_t> bad{0}, done{0};
+  on_every_rank_public([&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client_public(node, rank, "automove");
+    ASSERT_NE(c, nullptr);
+    std::vector<uint32_t> ids(sizes.size());
+    for (size_t k = 0; k < sizes.size(); ++k)
+      ASSERT_EQ(bytecomp_declare_tensor(c, ("t" + std::to_string(k)).c_str(), sizes[k],
+                                        BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &ids[k]),
+                BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (int it = 0; it < kIters; ++it) {
+      std::vector<bytecomp_handle> hs;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        float* p = nullptr;
+        uint64_t bytes = 0;
+        ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p), &bytes),
+                  BYTECOMP_OK);
+        float period[kPeriod];
+        for (uint64_t j = 0; j < kPeriod; ++j) period[j] = grad(grank, it, j + k);
+        for (uint64_t i = 0, j = 0; i < sizes[k]; ++i, j = j + 1 == kPeriod ? 0 : j + 1)
+          p[i] = period[j];
+        bytecomp_handle hd = 0;
+        ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hd), BYTECOMP_OK);
+        hs.push_back(hd);
+      }
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        ASSERT_EQ(bytecomp_wait(c, hs[k], 30000), BYTECOMP_OK) << bytecomp_last_error();
+        float* p = nullptr;
+        uint64_t bytes = 0;
+        ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p), &bytes),
+                  BYTECOMP_OK);
+        float sum[kPeriod];
+        for (uint64_t j = 0; j < kPeriod; ++j)
+          sum[j] = (grad(0, it, j + k) + grad(1, it, j + k)) +
+                   (grad(2, it, j + k) + grad(3, it, j + k));
+        uint64_t wrong = 0;
+        for (uint64_t i = 0, j = 0; i < sizes[k]; ++i, j = j + 1 == kPeriod ? 0 : j + 1)
+          wrong += p[i] != sum[j];
+        bad += wrong;
+      }
+      ++done;
+    }
+    bytecomp_close(c);
+  });
+  EXPECT_EQ(done.load(), 4u * kIters);
+  EXPECT_EQ(bad.load(), 0u);
+  for (int n = 0; n < 2; ++n)
+    EXPECT_NE(nodes_[n]->daemon().output().find("starts with 2 tensor(s) on the daemons' ring"),
+              std::string::npos)
+        << nodes_[n]->daemon().output();
+  // The first decision (epoch 0, in node 0's log) moved both tensors to
+  // the servers; a re-plan, if the drift asked for one, measured them
+  // there and kept them (strategy.yaml is the latest decision).
+  const std::string log = nodes_[0]->daemon().output();
+  const size_t e0 = log.find("automatic strategy (epoch 0)");
+  ASSERT_NE(e0, std::string::npos) << log;
+  const std::string first = log.substr(e0, log.find("automatic strategy (epoch 1)") - e0);
+  EXPECT_NE(first.find("placement: moving 2 tensor(s) between the servers and the ring"),
+            std::string::npos)
+      << first;
+  EXPECT_NE(first.find(": moved"), std::string::npos) << first;
+  const fs::path dir = run_dir(0, "automove");
+  ASSERT_TRUE(fs::exists(dir / "strategy.yaml")) << log;
+  const auto s = bytecomp::planner::Strategy::load_file((dir / "strategy.yaml").string());
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const std::string name = "t" + std::to_string(k);
+    const auto& o = s.resolve(name, 4 * sizes[k]);
+    EXPECT_FALSE(o.compressed()) << name;
+    EXPECT_EQ(bytecomp::strategy::plan_for_option(o, name).placement,
+              bytecomp::strategy::Placement::kSharded)
+        << name << "\n" << read_file(dir / "explain.txt");
+  }
+  // Both nodes switched at one iteration, well before the job's end, and
+  // the coordinator refused nothing.
+  const int64_t at0 = switch_iteration(nodes_[0]->daemon());
+  const int64_t at1 = switch_iteration(nodes_[1]->daemon());
+  ASSERT_GE(at0, 4) << nodes_[0]->daemon().output();
+  EXPECT_EQ(at0, at1) << nodes_[1]->daemon().output();
+  EXPECT_LT(at0, kIters - 5) << nodes_[0]->daemon().output();
+  EXPECT_EQ(servers_[0]->output().find("strategy change refused"), std::string::npos)
+      << servers_[0]->output();
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, AutoNodes,
                          ::testing::ValuesIn(bytecomp::transport::available_backends()),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });

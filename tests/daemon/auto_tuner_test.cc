@@ -258,8 +258,8 @@ TEST(AutoTuner, ALossGuardRollbackIsUncompressedAndRecognisedByEveryNode) {
   const strategy::Strategy s = strategy::Strategy::parse(yaml, "rollback");
   for (const char* t : {"fc1.weight", "fc2.bias", "bytecomp.ctl"}) {
     EXPECT_FALSE(s.resolve(t, 1 << 20).compressed()) << t;
-    // It replaces a plan sharded over the servers; the coordinator refuses
-    // a placement change (the ring's inter: allreduce included).
+    // Without a start strategy (a job with no ring) every tensor goes back
+    // to the servers, where the warm-up ran it.
     EXPECT_EQ(strategy::plan_for_option(s.resolve(t, 1 << 20), t).placement,
               strategy::Placement::kSharded)
         << t;
@@ -277,6 +277,34 @@ TEST(AutoTuner, ALossGuardRollbackIsUncompressedAndRecognisedByEveryNode) {
   // The mark alone in a comment is not enough: it must be the strategy's meta.
   EXPECT_FALSE(rollback_of("version: 1  # bytecompd loss guard\ndefault: {compressor: none}\n")
                    .has_value());
+}
+
+// Issue 25 item 2: a plan may have moved tensors between the ring and the
+// servers since the start. The rollback returns every tensor to the start
+// strategy, placement included (what the uncompressed warm-up, the loss
+// guard's baseline, ran), and that move back is one the coordinator
+// accepts (ring <-> ps, strategy::placement_change).
+TEST(AutoTuner, ALossGuardRollbackAfterAMoveReturnsToTheStartPlacement) {
+  const std::string start =
+      "version: 1\nmeta: {ring_tensors: \"1\"}\ndefault: {compressor: none}\n"
+      "rules:\n  - match: \"t0\"\n    option: {compressor: none, inter: allreduce}\n";
+  // The plan in force: t0 moved to the servers, t1 moved to the ring, fp16.
+  const std::string moved =
+      "version: 1\ndefault: {compressor: none}\n"
+      "rules:\n  - match: \"t1\"\n    option: {compressor: fp16, inter: allreduce}\n";
+  const strategy::Strategy back = strategy::Strategy::parse(rollback_yaml(0, "x", start), "rb");
+  const strategy::Strategy now = strategy::Strategy::parse(moved, "moved");
+  const std::vector<strategy::PlanTensor> tensors{{"t0", 1 << 20}, {"t1", 1 << 20}};
+  std::vector<strategy::TensorPlan> from, to;
+  for (const auto& t : tensors) {
+    from.push_back(strategy::plan_for_option(now.resolve(t.name, t.bytes()), t.name));
+    to.push_back(strategy::plan_for_option(back.resolve(t.name, t.bytes()), t.name));
+    EXPECT_FALSE(back.resolve(t.name, t.bytes()).compressed()) << t.name;
+  }
+  EXPECT_EQ(to[0].placement, strategy::Placement::kRing);
+  EXPECT_EQ(to[1].placement, strategy::Placement::kSharded);
+  EXPECT_EQ(strategy::placement_change(tensors, from, to), "");
+  EXPECT_TRUE(rollback_of(back.to_yaml()).has_value());
 }
 
 TEST(AutoTuner, TheProbeSkipsServersOnThisHost) {

@@ -1138,7 +1138,7 @@ TEST(OnlineRing, FreePlacementPutsLargeTensorsOnTheRingWhenTheModelSaysSo) {
     p.iteration_us = 60000 + 40 * 2.0 * (nodes - 1) / nodes * 4 * (1 << 20) / 125.0;
     AutoConfig cfg = two_nodes({});
     cfg.nodes = cfg.servers = nodes;
-    cfg.fixed_placement = false;
+    cfg.placement = AutoConfig::Placement::kFree;
     Decision d = decide(p, cfg);
     EXPECT_EQ(ring_tensors(d), 40) << d.explain();
     // Uncompressed on the ring beats uncompressed push/pull; fp16 (always
@@ -1153,7 +1153,7 @@ TEST(OnlineRing, FreePlacementPutsLargeTensorsOnTheRingWhenTheModelSaysSo) {
     EXPECT_EQ(ring_tensors(d), 0) << d.explain();
     // Fixed placement (a running job that warmed up on the servers): never.
     cfg.ring_link_share = AutoConfig::kRingLinkShare;
-    cfg.fixed_placement = true;
+    cfg.placement = AutoConfig::Placement::kFixed;
     d = decide(p, cfg);
     EXPECT_EQ(ring_tensors(d), 0);
   }
@@ -1165,7 +1165,7 @@ TEST(OnlineRing, SmallTensorsStayOnTheServersWhereTheHopsCostMore) {
   NodeProfile p = flat_profile(1024, 1.0, 2000);
   AutoConfig cfg = two_nodes({});
   cfg.nodes = cfg.servers = 4;
-  cfg.fixed_placement = false;
+  cfg.placement = AutoConfig::Placement::kFree;
   const Decision d = decide(p, cfg);
   EXPECT_EQ(ring_tensors(d), 0) << d.explain();
   EXPECT_GT(alternative(d, "ring").predicted_us, alternative(d, "fp32").predicted_us);
@@ -1198,6 +1198,198 @@ TEST(OnlineRing, ARunningJobKeepsItsRingTensorsOnTheRing) {
     for (int t = 0; t < 40; ++t)
       EXPECT_EQ(on_ring(s.resolve(p.tensors[t].name, 4 << 20)), t < 20) << a.name;
   }
+}
+
+// Sets the window's iteration to what the model predicts for its strategy
+// at a quarter of the probe (calibration's lower bound): a window the
+// model explains, with no residual or scale to hide a gain behind.
+void measured_as_modelled(NodeProfile& p, const AutoConfig& cfg) {
+  AutoConfig fixed = cfg;
+  fixed.placement = AutoConfig::Placement::kFixed;
+  p.iteration_us = 1e10;
+  const Decision d = decide(p, fixed);
+  p.iteration_us = std::stod(d.strategy.meta.at("calibration.model_us"));
+}
+
+// A window that ran every tensor as `option` (the strategy the job ran).
+std::string all_as(const NodeProfile& p, const Option& option) {
+  Strategy s;
+  s.set_default(Option{});
+  for (const TensorMeasure& t : p.tensors) s.add_entry({t.name, option});
+  return s.to_yaml();
+}
+
+int moved_tensors(const Decision& d, const NodeProfile& window) {
+  const Strategy ran = Strategy::parse(
+      window.current_strategy_yaml.empty() ? "version: 1\n" : window.current_strategy_yaml, "ran");
+  int n = 0;
+  for (const TensorMeasure& t : window.tensors)
+    n += on_ring(ran.resolve(t.name, 4 * t.elements)) !=
+         on_ring(d.strategy.resolve(t.name, 4 * t.elements));
+  return n;
+}
+
+// Issue 25 item 2: the coordinator's setting for a running job with a ring
+// (AutoConfig::Placement::kMove). The window measured every tensor on the
+// servers; the ring's cost is the model's. A move pays only when the model
+// has the ring faster than the measured push/pull by the min_gain bar.
+TEST(OnlineRing, ARunningJobMovesTensorsToTheRingOnlyWhenThatClearsTheBar) {
+  for (const uint32_t nodes : {2u, 4u}) {
+    SCOPED_TRACE(std::to_string(nodes) + " nodes");
+    // 40 x 4 MiB on a saturated 1 Gbit/s link, uncompressed on the servers
+    // (exclude: nothing is compressed, so only the placement can change).
+    NodeProfile p = flat_profile(1 << 20, 1.0, 200);
+    const double ps_frac = 2.0 * (nodes - 1) / nodes;
+    p.iteration_us = 10000 + 40 * ps_frac * 4 * (1 << 20) / 125.0 / (nodes == 2 ? 0.862 : 0.704);
+    AutoConfig cfg = two_nodes({});
+    cfg.nodes = cfg.servers = nodes;
+    cfg.exclude = {"*"};
+    cfg.placement = AutoConfig::Placement::kMove;
+    const Decision d = decide(p, cfg);
+    const double ring_us = alternative(d, "ring").predicted_us;
+    const double fp32_us = alternative(d, "fp32").predicted_us;
+    EXPECT_NEAR(fp32_us, p.iteration_us, 1e-3 * p.iteration_us);  // the measured one
+    if (nodes == 2) {
+      // The ring's 0.91 of the link against push/pull's 0.86: about 5%
+      // faster by the model, below the 10% bar: kept on the servers (and
+      // the decision says why).
+      EXPECT_LT(ring_us, fp32_us);
+      EXPECT_GT(ring_us, 0.9 * fp32_us);
+      EXPECT_EQ(ring_tensors(d), 0) << d.explain();
+      EXPECT_NE(d.strategy.meta.at("placement_moves").find("every tensor kept where it ran"),
+                std::string::npos)
+          << d.explain();
+      EXPECT_NE(d.explain().find("placement: moving 40 tensor(s)"), std::string::npos)
+          << d.explain();
+      // A lower bar lets it move; free placement (a plan before the first
+      // round) has none.
+      AutoConfig low = cfg;
+      low.min_gain = 0.02;
+      EXPECT_EQ(ring_tensors(decide(p, low)), 40);
+      AutoConfig free = cfg;
+      free.placement = AutoConfig::Placement::kFree;
+      EXPECT_EQ(ring_tensors(decide(p, free)), 40);
+    } else {
+      // 4 nodes: 0.91 against 1/1.42 of the link, about 25% faster: moved.
+      EXPECT_LT(ring_us, 0.85 * fp32_us);
+      EXPECT_EQ(ring_tensors(d), 40) << d.explain();
+      EXPECT_NE(d.strategy.meta.at("placement_moves").find(": moved"), std::string::npos);
+      EXPECT_NEAR(d.predicted_us, ring_us, 1e-3 * ring_us);
+      // The next re-plan measures the ring as predicted: nothing moves back
+      // (the servers' push/pull is now the model's estimate, and slower).
+      NodeProfile after = p;
+      after.current_strategy_yaml = d.strategy.to_yaml();
+      after.iteration_us = d.predicted_us;
+      const Decision again = decide(after, cfg);
+      EXPECT_EQ(moved_tensors(again, after), 0) << again.explain();
+      EXPECT_EQ(ring_tensors(again), 40);
+    }
+    // A job without a ring (kFixed, the coordinator's setting there): never.
+    cfg.placement = AutoConfig::Placement::kFixed;
+    EXPECT_EQ(ring_tensors(decide(p, cfg)), 0);
+  }
+}
+
+TEST(OnlineRing, ARunningJobMovesRingTensorsToTheServersOnlyWhenThatClearsTheBar) {
+  // The reverse: the window ran 40 x 16 KiB on the ring of 4 nodes with
+  // 400 us hops, where the ring's 6 hops per partition cost more than
+  // push/pull's 2 round trips (docs/planner.md: 64 KiB on 4 nodes at 1
+  // Gbit/s measured 0.43x push/pull's speed).
+  NodeProfile p = flat_profile(4096, 10.0, 400);
+  p.current_strategy_yaml = all_as(p, ring_option("none"));
+  AutoConfig cfg = two_nodes({});
+  cfg.nodes = cfg.servers = 4;
+  cfg.exclude = {"*"};
+  cfg.placement = AutoConfig::Placement::kMove;
+  measured_as_modelled(p, cfg);
+  const Decision d = decide(p, cfg);
+  const double fp32_us = alternative(d, "fp32").predicted_us;  // every tensor on the servers
+  const double ring_us = alternative(d, "ring").predicted_us;
+  EXPECT_NEAR(ring_us, p.iteration_us, 1e-3 * p.iteration_us);
+  ASSERT_LT(fp32_us, 0.9 * ring_us) << d.explain();
+  EXPECT_EQ(ring_tensors(d), 0) << d.explain();
+  EXPECT_EQ(moved_tensors(d, p), 40);
+  // With a bar above the model's gain the ring keeps them.
+  AutoConfig high = cfg;
+  high.min_gain = 1.0 - fp32_us / ring_us + 0.05;
+  const Decision kept = decide(p, high);
+  EXPECT_EQ(ring_tensors(kept), 40) << kept.explain();
+  EXPECT_NE(kept.strategy.meta.at("placement_moves").find("kept"), std::string::npos);
+}
+
+TEST(OnlineRing, HysteresisCoversMoves) {
+  // The window ran fp16 on the servers, 2 nodes, a saturated 1 Gbit/s
+  // link: the ring's fp16 is about 5% faster by the model, below the bar.
+  // The running strategy is kept, placement and all, with free placement
+  // too (before, a plan that moved a tensor skipped the hysteresis there).
+  NodeProfile p = flat_profile(1 << 20, 1.0, 200);
+  p.current_strategy_yaml = all_as(p, sharded_option("fp16"));
+  AutoConfig cfg = two_nodes({});
+  measured_as_modelled(p, cfg);
+  cfg.placement = AutoConfig::Placement::kFree;
+  const Decision free = decide(p, cfg);
+  EXPECT_EQ(moved_tensors(free, p), 0) << free.explain();
+  EXPECT_NE(free.kept_current, "") << free.explain();
+  EXPECT_EQ(free.strategy.resolve(p.tensors[30].name, 4 << 20).compressor, "fp16");
+  cfg.placement = AutoConfig::Placement::kMove;
+  const Decision move = decide(p, cfg);
+  EXPECT_EQ(moved_tensors(move, p), 0) << move.explain();
+  EXPECT_EQ(move.strategy.resolve(p.tensors[30].name, 4 << 20).compressor, "fp16");
+  // Where the ring is faster by the bar (4 nodes), the move is taken.
+  p.current_strategy_yaml = all_as(p, sharded_option("fp16"));
+  cfg.nodes = cfg.servers = 4;
+  measured_as_modelled(p, cfg);
+  const Decision four = decide(p, cfg);
+  EXPECT_EQ(moved_tensors(four, p), 40) << four.explain();
+  EXPECT_EQ(four.kept_current, "");
+}
+
+// The comm stack's CPU per byte is measured on the path the window ran and
+// charged as each path pays it: the ring the daemon's own, push/pull with
+// colocated servers twice that (the server's share). Before, the ring
+// paid the server's share too.
+TEST(OnlineRing, TheRingPaysTheDaemonsOwnCommCpu) {
+  for (const bool ring_window : {false, true}) {
+    SCOPED_TRACE(ring_window ? "window on the ring" : "window on the servers");
+    NodeProfile p = flat_profile(1 << 20, 1.0, 200);
+    p.daemon_cpu_us = 50000;
+    if (ring_window) p.current_strategy_yaml = all_as(p, ring_option("none"));
+    AutoConfig cfg = two_nodes({});
+    cfg.servers = 1;  // push/pull keeps every byte on node 0's server: only the ring's count
+    if (!ring_window) cfg.servers = 2;
+    measured_as_modelled(p, cfg);
+    const Decision d = decide(p, cfg);
+    double pool = 0;
+    for (const TensorMeasure& t : p.tensors) pool += p.reduce.at(static_cast<double>(t.elements));
+    // 2 nodes: the ring sends and receives half of 4 MiB per tensor; push/pull
+    // over 2 colocated servers the remote half, both ways: the same bytes.
+    const double bytes = 40 * 2 * 0.5 * 4.0 * (1 << 20);
+    const double own_ns = (p.daemon_cpu_us - pool) / bytes * 1e3;
+    EXPECT_NEAR(std::stod(d.strategy.meta.at("ring_comm_cpu_ns_per_byte")), own_ns,
+                1e-3 * own_ns);
+    EXPECT_NEAR(std::stod(d.strategy.meta.at("comm_cpu_ns_per_byte")), 2 * own_ns,
+                2e-3 * own_ns);
+  }
+}
+
+TEST(OnlineRing, ARunningJobWithATensorItCannotMoveGetsNoPlan) {
+  // ps_single (or allgather) cannot become ps or ring mid-job: the
+  // coordinator would refuse the change, so the planner refuses to plan.
+  NodeProfile p = flat_profile(1 << 20, 1.0, 200);
+  p.current_strategy_yaml =
+      "version: 1\nrules:\n  - match: \"layer3.*\"\n"
+      "    option: {compressor: none, inter: reduce_broadcast}\n";
+  AutoConfig cfg = two_nodes({});
+  cfg.placement = AutoConfig::Placement::kMove;
+  try {
+    decide(p, cfg);
+    ADD_FAILURE() << "planned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'layer3.weight'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("ps_single"), std::string::npos) << e.what();
+  }
+  cfg.placement = AutoConfig::Placement::kFixed;
+  EXPECT_NO_THROW(decide(p, cfg));
 }
 
 TEST(OnlineRing, ScaleCliPredictsBothSchemesPerClusterSize) {
@@ -1303,6 +1495,13 @@ TEST_F(ExplainCli, DecideWritesTheRunDirectory) {
   EXPECT_EQ(run_cli({"decide", profile, "--compressors", "zip", "--out", dir_.string()}, o3, e3),
             1);
   EXPECT_NE(e3.str().find("zip"), std::string::npos) << e3.str();
+  std::ostringstream o5, e5;
+  EXPECT_EQ(run_cli({"decide", profile, "--placement", "sideways", "--out", dir_.string()}, o5, e5),
+            1);
+  EXPECT_NE(e5.str().find("accepted: fixed, move, free"), std::string::npos) << e5.str();
+  std::ostringstream o6, e6;
+  EXPECT_EQ(run_cli({"decide", profile, "--placement", "move", "--out", dir_.string()}, o6, e6), 0)
+      << e6.str();
   std::ostringstream o4, e4;
   EXPECT_EQ(run_cli({"decide", profile}, o4, e4), 1);
   EXPECT_NE(e4.str().find("--out"), std::string::npos) << e4.str();

@@ -116,6 +116,35 @@ TEST_F(AutoPlannerTest, PlansOnceEveryNodeReportedWithTheSlowestNodesProfile) {
   EXPECT_FALSE(snap->planning);
 }
 
+// Issue 25 item 2: the plan may move tensors between the servers and the
+// ring only where the job's ring is open (every daemon has a peer endpoint);
+// otherwise every tensor keeps its placement, so no plan puts a tensor on a
+// ring the nodes never opened.
+TEST_F(AutoPlannerTest, PlacementMayMoveOnlyWhereTheJobHasARing) {
+  using P = planner::online::AutoConfig::Placement;
+  std::mutex mu;
+  std::vector<P> seen;
+  AutoPlanner ap(sender(), [&](const NodeProfile&, const planner::online::AutoConfig& c) {
+    std::lock_guard lk(mu);
+    seen.push_back(c.placement);
+    return fixed_decision(1000);
+  });
+  AutoPlanner::JobView ringed = job();
+  ringed.ring = true;
+  ASSERT_TRUE(ap.on_profile(ringed, 100, 0, profile(0, 500, 900), spec()).ok());
+  ASSERT_TRUE(ap.on_profile(ringed, 101, 0, profile(1, 800, 1100), spec()).ok());
+  ASSERT_EQ(wait_sent(2).size(), 2u);
+  AutoPlanner::JobView plain = job();
+  plain.uid = 8;
+  ASSERT_TRUE(ap.on_profile(plain, 100, 0, profile(0, 500, 900), spec()).ok());
+  ASSERT_TRUE(ap.on_profile(plain, 101, 0, profile(1, 800, 1100), spec()).ok());
+  ASSERT_EQ(wait_sent(4).size(), 4u);
+  std::lock_guard lk(mu);
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0], P::kMove);
+  EXPECT_EQ(seen[1], P::kFixed);
+}
+
 TEST_F(AutoPlannerTest, RefusesStrangersDuplicatesStaleEpochsAndBadProfiles) {
   AutoPlanner ap(sender(), [](const NodeProfile&, const planner::online::AutoConfig&) {
     return fixed_decision(1);
