@@ -4,6 +4,7 @@
 // directory explains it; a failed plan keeps the strategy. The shaped-link
 // behaviour (compress when slow, not when fast) is tests/python/
 // auto_cluster_test.py on network namespaces.
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -328,11 +329,16 @@ TEST_P(AutoNodes, APlanMovesRingTensorsToTheServersWithExactSumsOnEveryNode) {
   constexpr int kIters = 80;
   // Cheap gradients (the ring's bytes, not the clients' compute, make the
   // iteration: the planner counts the clients' CPU time as the backward
-  // pass), not integers: any other summation order than the node's ranks
-  // first would show. A period of 61 elements catches a misplaced segment.
-  constexpr uint64_t kPeriod = 61;
-  auto grad = [](uint32_t grank, int it, uint64_t i) {
-    return static_cast<float>((i * 7 + static_cast<uint64_t>(it) * 13 + grank * 29) % kPeriod) *
+  // pass, and the four ranks share one process's), not integers: any other
+  // summation order than the node's ranks first would show. Each block of
+  // 1024 elements (4 KiB, below every chunk and partition) holds its own
+  // value, so a misplaced segment shows too; filling and checking a block
+  // is a memset-speed loop (a per-element pattern made the clients' compute
+  // as long as the ring's bytes, and under load the calibration's misfit
+  // then raised the bar above the move's gain).
+  constexpr uint64_t kBlock = 1024;
+  auto grad = [](uint32_t grank, int it, uint64_t block) {
+    return static_cast<float>((block * 7 + static_cast<uint64_t>(it) * 13 + grank * 29) % 61) *
                0.00137f +
            0.31f * static_cast<float>(grank);
   };
@@ -354,10 +360,9 @@ TEST_P(AutoNodes, APlanMovesRingTensorsToTheServersWithExactSumsOnEveryNode) {
         uint64_t bytes = 0;
         ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p), &bytes),
                   BYTECOMP_OK);
-        float period[kPeriod];
-        for (uint64_t j = 0; j < kPeriod; ++j) period[j] = grad(grank, it, j + k);
-        for (uint64_t i = 0, j = 0; i < sizes[k]; ++i, j = j + 1 == kPeriod ? 0 : j + 1)
-          p[i] = period[j];
+        for (uint64_t b = 0; b * kBlock < sizes[k]; ++b)
+          std::fill_n(p + b * kBlock, std::min(kBlock, sizes[k] - b * kBlock),
+                      grad(grank, it, b + k));
         bytecomp_handle hd = 0;
         ASSERT_EQ(bytecomp_push_pull(c, ids[k], it, &hd), BYTECOMP_OK);
         hs.push_back(hd);
@@ -368,13 +373,14 @@ TEST_P(AutoNodes, APlanMovesRingTensorsToTheServersWithExactSumsOnEveryNode) {
         uint64_t bytes = 0;
         ASSERT_EQ(bytecomp_tensor_buffer(c, ids[k], reinterpret_cast<void**>(&p), &bytes),
                   BYTECOMP_OK);
-        float sum[kPeriod];
-        for (uint64_t j = 0; j < kPeriod; ++j)
-          sum[j] = (grad(0, it, j + k) + grad(1, it, j + k)) +
-                   (grad(2, it, j + k) + grad(3, it, j + k));
         uint64_t wrong = 0;
-        for (uint64_t i = 0, j = 0; i < sizes[k]; ++i, j = j + 1 == kPeriod ? 0 : j + 1)
-          wrong += p[i] != sum[j];
+        for (uint64_t b = 0; b * kBlock < sizes[k]; ++b) {
+          const float sum = (grad(0, it, b + k) + grad(1, it, b + k)) +
+                            (grad(2, it, b + k) + grad(3, it, b + k));
+          const float* q = p + b * kBlock;
+          const uint64_t n = std::min(kBlock, sizes[k] - b * kBlock);
+          for (uint64_t i = 0; i < n; ++i) wrong += q[i] != sum;
+        }
         bad += wrong;
       }
       ++done;
