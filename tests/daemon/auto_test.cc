@@ -316,14 +316,17 @@ TEST_P(AutoNodes, NodesThatDisagreeGetNoPlanAndKeepTheirStrategy) {
 // process's CPU time as its own and the model's backward pass is four
 // times too long, which left the move a predicted gain of 9-38% of the
 // iteration in four runs on this machine (the bar itself is
-// tests/planner/online_test.cc OnlineRing.*). The first plan moves both
+// tests/planner/online_test.cc OnlineRing.*). A warm-up of 10 iterations:
+// with 3, the calibration's scale ranged 0.55-0.95 under load 5 and its
+// misfit (1 - scale) raised the bar above the move's gain in 5 of 9 runs;
+// with 10 it was 0.96-1 and every one of 11 runs moved. The first plan moves both
 // tensors to the servers at one iteration on both nodes, and every rank's
 // sums stay exact before, at and after the move. (Before, the coordinator
 // planned with fixed placement and the tensors stayed on the ring.)
 TEST_P(AutoNodes, APlanMovesRingTensorsToTheServersWithExactSumsOnEveryNode) {
   strategy_section_ =
       "strategy:\n  mode: auto\n  compressors: []\n  exclude: [\"*\"]\n  min_gain: 0.02\n"
-      "  skip_iterations: 1\n  warmup_iterations: 3\n";
+      "  skip_iterations: 1\n  warmup_iterations: 10\n";
   start(1);
   const std::vector<uint64_t> sizes{1 << 20, 1 << 19};
   constexpr int kIters = 80;
@@ -400,6 +403,12 @@ TEST_P(AutoNodes, APlanMovesRingTensorsToTheServersWithExactSumsOnEveryNode) {
   const size_t e0 = log.find("automatic strategy (epoch 0)");
   ASSERT_NE(e0, std::string::npos) << log;
   const std::string first = log.substr(e0, log.find("automatic strategy (epoch 1)") - e0);
+  {
+    const size_t m = first.find("model:"), pl = first.find("placement:");
+    if (m != std::string::npos && pl != std::string::npos)
+      std::printf("%s%s", first.substr(m, first.find('\n', m) + 1 - m).c_str(),
+                  first.substr(pl, first.find('\n', pl) + 1 - pl).c_str());
+  }
   EXPECT_NE(first.find("placement: moving 2 tensor(s) between the servers and the ring"),
             std::string::npos)
       << first;
