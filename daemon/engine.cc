@@ -256,7 +256,14 @@ void Engine::adopt_pending() {
     // rounds of at - 1 until every node confirmed it, and no round of at - 1
     // completes without them (scripts/soak at ~300 iterations/s refused a
     // push of `at` in 1 of 8 runs before the hold, with this lead alone).
-    const auto at = static_cast<uint64_t>(latest + 2);
+    // And after every change already announced or asked for: a second
+    // change on a job idle since the first would otherwise ask for the same
+    // iteration, which the coordinator refuses ("not after the last change").
+    int64_t next = latest + 2;
+    next = std::max(next, last_requested_at_ + 1);
+    if (timeline_) next = std::max(next, static_cast<int64_t>(timeline_->latest().first) + 1);
+    last_requested_at_ = next;
+    const auto at = static_cast<uint64_t>(next);
     const std::string job = job_;
     // Rounds of E - 1 and later wait until every node confirmed (docs/daemon.md).
     const int64_t hold = static_cast<int64_t>(at) - 1;

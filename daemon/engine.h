@@ -281,6 +281,9 @@ class Engine {
   // E - 1 and later wait here (held_), so that no other node can finish
   // E - 1 and start E before it knows. Engine thread, except the count.
   int64_t hold_from_ = -1;
+  // The iteration of the last strategy change this node asked for (-1:
+  // none); engine thread.
+  int64_t last_requested_at_ = -1;
   std::vector<uint32_t> held_;  // tensors whose complete round waits
   std::shared_ptr<std::atomic<int>> changes_unconfirmed_ = std::make_shared<std::atomic<int>>(0);
   Scheduler sched_;

@@ -197,6 +197,84 @@ TEST_P(TwoNodes, StrategyChangeAppliesOnEveryNodeAtOneIteration) {
   }
 }
 
+// Two different strategy changes on a job idle in between: both apply, the
+// second at a later iteration than the first. The second used to ask for
+// the same iteration (latest begun + 2, unchanged while idle) and was
+// refused ("iteration 7 is not after the last change"), leaving the job on
+// the first.
+TEST_P(TwoNodes, TwoChangesOnAnIdleJobBothApplyInOrder) {
+  start(1, "version: 1\ndefault: {compressor: none}\n");
+  constexpr uint64_t kN = 3000;
+  constexpr int kIters = 12;
+  std::vector<std::vector<float>> got;
+  std::barrier sync(4);
+  std::vector<int64_t> at;
+  auto announced = [&] {
+    std::vector<int64_t> out;
+    const std::string log = nodes_[0]->daemon().output();
+    const std::regex re("applies on every node from iteration ([0-9]+)");
+    for (auto m = std::sregex_iterator(log.begin(), log.end(), re); m != std::sregex_iterator(); ++m)
+      out.push_back(std::stoll((*m)[1]));
+    return out;
+  };
+  auto run = [&](uint32_t node, uint32_t rank) {
+    bytecomp_client* c = connect_client(node, rank, "twochanges");
+    ASSERT_NE(c, nullptr);
+    uint32_t id = 0;
+    ASSERT_EQ(bytecomp_declare_tensor(c, "w", kN, BYTECOMP_FLOAT32, BYTECOMP_DEVICE_CPU, 0, &id),
+              BYTECOMP_OK);
+    ASSERT_EQ(bytecomp_start(c, 30000), BYTECOMP_OK) << bytecomp_last_error();
+    const uint32_t grank = node * 2 + rank;
+    for (uint64_t it = 0; it < kIters; ++it) {
+      if (it == 5) {
+        sync.arrive_and_wait();  // every rank finished iteration 4: the job is idle
+        if (grank == 0) {
+          const char* yaml[2] = {"version: 1\ndefault: {compressor: fp16, inter: reduce_scatter_allgather}\n",
+                                 "version: 1\ndefault: {compressor: none}\n"};
+          for (size_t i = 0; i < 2; ++i) {
+            write("strategy.yaml", yaml[i]);
+            nodes_[0]->daemon().signal(SIGHUP);
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+            while (announced().size() <= i && std::chrono::steady_clock::now() < deadline &&
+                   nodes_[0]->daemon().output().find("strategy change refused") == std::string::npos)
+              std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+          at = announced();
+        }
+        sync.arrive_and_wait();
+      }
+      float* p = nullptr;
+      uint64_t bytes = 0;
+      ASSERT_EQ(bytecomp_tensor_buffer(c, id, reinterpret_cast<void**>(&p), &bytes), BYTECOMP_OK);
+      for (uint64_t i = 0; i < kN; ++i) p[i] = grad(grank, it, i);
+      bytecomp_handle hd = 0;
+      ASSERT_EQ(bytecomp_push_pull(c, id, it, &hd), BYTECOMP_OK);
+      ASSERT_EQ(bytecomp_wait(c, hd, 30000), BYTECOMP_OK) << bytecomp_last_error();
+      if (grank == 0) got.emplace_back(p, p + kN);
+    }
+    bytecomp_close(c);
+  };
+  on_every_rank(run);
+  const std::string log = nodes_[0]->daemon().output();
+  EXPECT_EQ(log.find("strategy change refused"), std::string::npos) << log;
+  ASSERT_EQ(at.size(), 2u) << log;
+  EXPECT_GE(at[0], 5);
+  EXPECT_GT(at[1], at[0]);
+  ASSERT_LT(at[1], kIters);
+  ASSERT_EQ(got.size(), static_cast<size_t>(kIters));
+  for (uint64_t it = 0; it < kIters; ++it) {
+    const bool fp16 = static_cast<int64_t>(it) >= at[0] && static_cast<int64_t>(it) < at[1];
+    size_t mismatches = 0;
+    for (uint64_t i = 0; i < kN; ++i) {
+      const float s0 = grad(0, it, i) + grad(1, it, i);
+      const float s1 = grad(2, it, i) + grad(3, it, i);
+      mismatches += got[it][i] != (fp16 ? h(h(s0) + h(s1)) : s0 + s1);
+    }
+    EXPECT_EQ(mismatches, 0u) << "iteration " << it << " (changes at " << at[0] << ", " << at[1]
+                              << ")";
+  }
+}
+
 // A reload that leaves the strategy file as it was (bench-cluster turns
 // fusion on and off with a drop-in and `bytecompctl reload`) asks the
 // coordinator for nothing. Node 0 used to ask for the strategy the job
