@@ -278,6 +278,9 @@ void unpack_planes(const std::byte* words, size_t len, unsigned bits, uint8_t* c
 void pack_signs(const float* x, size_t len, std::byte* words);
 // out = combine(out, bit ? neg : pos) over len elements.
 void unpack_signs(const std::byte* words, size_t len, float pos, float neg, float* out, Mode m);
+// unpack_signs(kSet) with non-temporal stores where the CPU and out's
+// alignment allow (AVX-512, 64 bytes), plain stores otherwise; same values.
+void unpack_signs_stream(const std::byte* words, size_t len, float pos, float neg, float* out);
 
 // Appends to out the indices i in [b, e) whose |v[i]| bit pattern (sign
 // cleared) is >= tkey, in order; returns how many. out must have room for e - b.

@@ -194,3 +194,53 @@ TEST(SumCompressCalls, MisalignedInputsSumLikeAlignedOnes) {
 }
 
 }  // namespace
+
+namespace {
+
+// The sign decoders (AVX-512, AVX2 or scalar by CPU; non-temporal stores for
+// large aligned outputs) against the definition: element i is neg where bit
+// i of the bitmap is set, else pos; accumulate adds that in float32.
+TEST(SignDecode, EveryElementIsItsBitsLevelSetOrAdded) {
+  auto c = bc::make_compressor(bc::parse_compressor_spec("onebit"));
+  for (size_t n : {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{4096 + 3},
+                   size_t{(1u << 18) + 64 + 5}, size_t{(1u << 20) + 7}}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    auto st = c->make_state(n);
+    auto buf = compress(*c, *st, gaussian(n, static_cast<uint32_t>(n)));
+    float pos, neg;
+    std::memcpy(&pos, buf.data() + 32, 4);
+    std::memcpy(&neg, buf.data() + 36, 4);
+    const std::byte* words = buf.data() + 40;
+    auto level = [&](size_t i) {
+      uint64_t w;
+      std::memcpy(&w, words + 8 * (i / 64), 8);
+      return (w >> (i % 64)) & 1u ? neg : pos;
+    };
+    // 64-byte aligned output (the streaming path) and a misaligned one.
+    for (size_t shift : {size_t{0}, size_t{1}}) {
+      std::vector<float> storage(n + 32, 5.0f);
+      auto* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
+                                            ~uintptr_t{63});
+      float* out = base + shift;
+      ASSERT_LE(out + n, storage.data() + storage.size());
+      c->decompress(buf, bc::TensorView::cpu(out, n), false, {});
+      size_t bad = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const float want = level(i);
+        if (std::memcmp(&out[i], &want, 4) != 0 && ++bad < 4)
+          ADD_FAILURE() << "set: element " << i << " is " << out[i] << ", want " << want;
+      }
+      std::vector<float> prior(n);
+      for (size_t i = 0; i < n; ++i) prior[i] = out[i] = static_cast<float>(i % 97) * 0.37f;
+      c->decompress(buf, bc::TensorView::cpu(out, n), true, {});
+      for (size_t i = 0; i < n; ++i) {
+        const float want = prior[i] + level(i);
+        if (std::memcmp(&out[i], &want, 4) != 0 && ++bad < 4)
+          ADD_FAILURE() << "add: element " << i << " is " << out[i] << ", want " << want;
+      }
+      EXPECT_EQ(bad, 0u) << "shift " << shift;
+    }
+  }
+}
+
+}  // namespace
