@@ -371,7 +371,10 @@ void Base::decompress(std::span<const std::byte> in, TensorView out, bool accumu
     in = aligned;
   }
   Parsed p = parse_own(in, out.count);
-  decode(p, static_cast<float*>(out.data), accumulate ? Mode::kAdd : Mode::kSet, ctx.pool);
+  if (!accumulate && ctx.output_not_reread)
+    decode_not_reread(p, static_cast<float*>(out.data), ctx.pool);
+  else
+    decode(p, static_cast<float*>(out.data), accumulate ? Mode::kAdd : Mode::kSet, ctx.pool);
 }
 
 size_t Base::encode_ef(const float* g, size_t n, float beta, Residual& res, TensorState& st,

@@ -103,6 +103,11 @@ struct CompressContext {
   uint64_t private_seed = 0;
   // Optional; work is split over it when given. Not owned.
   ThreadPool* pool = nullptr;
+  // decompress() without accumulate: nothing reads the output again soon
+  // (the daemon's pulled answers, decoded straight into the client's
+  // tensor), so large outputs may be written past the cache (the sign
+  // family: non-temporal stores from 2^18 elements). Same values.
+  bool output_not_reread = false;
 };
 
 // Per-tensor state a caller keeps between iterations (error-feedback residual,

@@ -28,6 +28,9 @@ class Feedback final : public Base {
     inner_->decode(p, out, mode, pool);
   }
 
+  void decode_not_reread(const Parsed& p, float* out, ThreadPool* pool) const override {
+    inner_->decode_not_reread(p, out, pool);
+  }
   bool fused_sum() const override { return inner_->fused_sum(); }
   void check_parsed(const Parsed& p) const override { inner_->check_parsed(p); }
   size_t encode_sum(std::span<const Parsed> in, size_t n, std::byte* out, TensorState& st,

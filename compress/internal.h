@@ -226,6 +226,11 @@ class Base : public Compressor {
   // Validates everything about `p` beyond the generic header checks, without
   // touching out, then decodes.
   virtual void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const = 0;
+  // decode() for Mode::kSet when the caller says the output is not read
+  // again soon (CompressContext::output_not_reread); the default is decode().
+  virtual void decode_not_reread(const Parsed& p, float* out, ThreadPool* pool) const {
+    decode(p, out, Mode::kSet, pool);
+  }
   // Error feedback: compresses g + beta * residual and leaves the new residual
   // in res. The generic version decodes its own output to form the residual;
   // compressors override it to fuse everything into their single pass.

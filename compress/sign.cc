@@ -69,8 +69,8 @@ BC_CLONES void k_momentum(const float* __restrict g, float* __restrict m, float 
 
 // Sub-blocks keep each element in L1 between the update and the packing.
 constexpr size_t kSub = 4096;
-// Decoded outputs of at least this many elements are written with
-// non-temporal stores (unpack_signs_stream): 1 MiB, an L2.
+// Outputs the caller will not read again soon (decode_not_reread) of at
+// least this many elements are written with non-temporal stores: 1 MiB, an L2.
 constexpr size_t kStreamElems = size_t{1} << 18;
 
 class Sign final : public Base {
@@ -115,12 +115,18 @@ class Sign final : public Base {
 
   void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const override {
     const Levels l = levels(p);
-    // An output larger than the L2 is not read back from it: the daemon
-    // decodes a pulled answer straight into the client's tensor.
-    const bool stream = mode == Mode::kSet && p.count >= kStreamElems;
     for_chunks(pool, p.count, [&](size_t, size_t b, size_t e) {
-      if (stream) unpack_signs_stream(l.words + b / 8, e - b, l.pos, l.neg, out + b);
-      else unpack_signs(l.words + b / 8, e - b, l.pos, l.neg, out + b, mode);
+      unpack_signs(l.words + b / 8, e - b, l.pos, l.neg, out + b, mode);
+    });
+  }
+
+  // Past the L2, an output nobody reads soon costs a read of every line
+  // before it is written, unless written with non-temporal stores.
+  void decode_not_reread(const Parsed& p, float* out, ThreadPool* pool) const override {
+    if (p.count < kStreamElems) return decode(p, out, Mode::kSet, pool);
+    const Levels l = levels(p);
+    for_chunks(pool, p.count, [&](size_t, size_t b, size_t e) {
+      unpack_signs_stream(l.words + b / 8, e - b, l.pos, l.neg, out + b);
     });
   }
 

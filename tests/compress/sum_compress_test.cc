@@ -198,8 +198,9 @@ TEST(SumCompressCalls, MisalignedInputsSumLikeAlignedOnes) {
 namespace {
 
 // The sign decoders (AVX-512, AVX2 or scalar by CPU; non-temporal stores for
-// large aligned outputs) against the definition: element i is neg where bit
-// i of the bitmap is set, else pos; accumulate adds that in float32.
+// large aligned outputs not read again soon) against the definition:
+// element i is neg where bit i of the bitmap is set, else pos; accumulate
+// adds that in float32.
 TEST(SignDecode, EveryElementIsItsBitsLevelSetOrAdded) {
   auto c = bc::make_compressor(bc::parse_compressor_spec("onebit"));
   for (size_t n : {size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{4096 + 3},
@@ -217,13 +218,16 @@ TEST(SignDecode, EveryElementIsItsBitsLevelSetOrAdded) {
       return (w >> (i % 64)) & 1u ? neg : pos;
     };
     // 64-byte aligned output (the streaming path) and a misaligned one.
-    for (size_t shift : {size_t{0}, size_t{1}}) {
+    for (size_t k = 0; k < 4; ++k) {
+      const size_t shift = k % 2;
+      bc::CompressContext ctx;
+      ctx.output_not_reread = k >= 2;
       std::vector<float> storage(n + 32, 5.0f);
       auto* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
                                             ~uintptr_t{63});
       float* out = base + shift;
       ASSERT_LE(out + n, storage.data() + storage.size());
-      c->decompress(buf, bc::TensorView::cpu(out, n), false, {});
+      c->decompress(buf, bc::TensorView::cpu(out, n), false, ctx);
       size_t bad = 0;
       for (size_t i = 0; i < n; ++i) {
         const float want = level(i);
@@ -232,13 +236,13 @@ TEST(SignDecode, EveryElementIsItsBitsLevelSetOrAdded) {
       }
       std::vector<float> prior(n);
       for (size_t i = 0; i < n; ++i) prior[i] = out[i] = static_cast<float>(i % 97) * 0.37f;
-      c->decompress(buf, bc::TensorView::cpu(out, n), true, {});
+      c->decompress(buf, bc::TensorView::cpu(out, n), true, ctx);
       for (size_t i = 0; i < n; ++i) {
         const float want = prior[i] + level(i);
         if (std::memcmp(&out[i], &want, 4) != 0 && ++bad < 4)
           ADD_FAILURE() << "add: element " << i << " is " << out[i] << ", want " << want;
       }
-      EXPECT_EQ(bad, 0u) << "shift " << shift;
+      EXPECT_EQ(bad, 0u) << "shift " << shift << " not reread " << ctx.output_not_reread;
     }
   }
 }
