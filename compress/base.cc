@@ -26,6 +26,25 @@ size_t Compressor::aggregate(std::span<const std::span<const std::byte>>, std::s
                   "' is not additive (additive: fp16, bf16, randomk); decompress and sum instead");
 }
 
+size_t Compressor::sum_compress(std::span<const std::span<const std::byte>> inputs, size_t n,
+                                float* scratch, std::span<std::byte> out, TensorState& state,
+                                const CompressContext& ctx) const {
+  if (inputs.empty())
+    throw Error(ErrorCode::kInvalidArgument, "sum_compress: no inputs to sum");
+  if (scratch == nullptr && n != 0)
+    throw Error(ErrorCode::kInvalidArgument,
+                "sum_compress: compressor '" + name() + "' needs a scratch buffer of " +
+                    std::to_string(n) + " floats");
+  for (size_t i = 0; i < inputs.size(); ++i)
+    decompress(inputs[i], TensorView::cpu(scratch, n), i > 0, ctx);
+  return compress(ConstTensorView::cpu(scratch, n), out, state, ctx);
+}
+
+void Compressor::check(std::span<const std::byte> in, size_t n) const {
+  std::vector<float> tmp(n);
+  decompress(in, TensorView::cpu(tmp.data(), n), false, {});
+}
+
 WireInfo inspect(std::span<const std::byte> in) {
   detail::Parsed p = detail::parse_wire(in);
   WireInfo w;
@@ -198,6 +217,11 @@ void apply_lazy(const float* g, float beta, Residual& res, size_t b, size_t e) {
   else k_add_scaled(g + b, beta, res.r.data() + b, e - b);
 }
 
+void apply_lazy_block(const float* g_block, float beta, Residual& res, size_t b, size_t e) {
+  if (res.lazy) k_apply_lazy(g_block, beta, res.r.data() + b, res.pos, res.neg, e - b);
+  else k_add_scaled(g_block, beta, res.r.data() + b, e - b);
+}
+
 void add_scaled(const float* g, float beta, float* r, size_t b, size_t e) {
   k_add_scaled(g + b, beta, r + b, e - b);
 }
@@ -242,6 +266,29 @@ void check_cpu_f32(const char* what, const std::string& name, Device dev, DType 
 }
 }  // namespace
 
+namespace {
+// What compress() and sum_compress() require of n, the output and the state.
+void check_compress_args(const char* what, const Base& c, size_t n, std::span<std::byte> out,
+                         const TensorState& state) {
+  const std::string w = what;
+  if (n > kMaxCount)
+    throw Error(ErrorCode::kInvalidArgument, w + ": " + std::to_string(n) +
+                                                 " elements exceeds the limit");
+  size_t need = c.max_compressed_bytes(n);
+  if (out.size() < need)
+    throw Error(ErrorCode::kInvalidArgument,
+                w + ": output buffer of " + std::to_string(out.size()) + " bytes, '" + c.name() +
+                    "' needs max_compressed_bytes(" + std::to_string(n) +
+                    ") = " + std::to_string(need));
+  if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
+    throw Error(ErrorCode::kInvalidArgument, w + ": output buffer must be 8-byte aligned");
+  if (state.count() != n)
+    throw Error(ErrorCode::kInvalidArgument,
+                w + ": state was made for " + std::to_string(state.count()) +
+                    " elements, tensor has " + std::to_string(n));
+}
+}  // namespace
+
 size_t Base::compress(ConstTensorView in, std::span<std::byte> out, TensorState& state,
                       const CompressContext& ctx) const {
   check_cpu_f32("compress", name(), in.device, in.dtype);
@@ -250,19 +297,56 @@ size_t Base::compress(ConstTensorView in, std::span<std::byte> out, TensorState&
                                                  " elements exceeds the limit");
   if (in.data == nullptr && in.count != 0)
     throw Error(ErrorCode::kInvalidArgument, "compress: null input");
-  size_t need = max_compressed_bytes(in.count);
-  if (out.size() < need)
-    throw Error(ErrorCode::kInvalidArgument,
-                "compress: output buffer of " + std::to_string(out.size()) + " bytes, '" + name() +
-                    "' needs max_compressed_bytes(" + std::to_string(in.count) +
-                    ") = " + std::to_string(need));
-  if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
-    throw Error(ErrorCode::kInvalidArgument, "compress: output buffer must be 8-byte aligned");
-  if (state.count() != in.count)
-    throw Error(ErrorCode::kInvalidArgument,
-                "compress: state was made for " + std::to_string(state.count()) +
-                    " elements, tensor has " + std::to_string(in.count));
+  check_compress_args("compress", *this, in.count, out, state);
   return encode(static_cast<const float*>(in.data), in.count, out.data(), state, ctx);
+}
+
+size_t Base::sum_compress(std::span<const std::span<const std::byte>> inputs, size_t n,
+                          float* scratch, std::span<std::byte> out, TensorState& state,
+                          const CompressContext& ctx) const {
+  if (!fused_sum()) return Compressor::sum_compress(inputs, n, scratch, out, state, ctx);
+  if (inputs.empty())
+    throw Error(ErrorCode::kInvalidArgument, "sum_compress: no inputs to sum");
+  check_compress_args("sum_compress", *this, n, out, state);
+  // Every input is parsed and checked before anything is written.
+  std::vector<std::vector<std::byte>> aligned;
+  aligned.reserve(inputs.size());
+  std::vector<Parsed> parsed;
+  parsed.reserve(inputs.size());
+  for (std::span<const std::byte> in : inputs) {
+    if (reinterpret_cast<uintptr_t>(in.data()) % 8 != 0) {
+      aligned.emplace_back(in.begin(), in.end());
+      in = aligned.back();
+    }
+    parsed.push_back(parse_own(in, n));
+    check_parsed(parsed.back());
+  }
+  return encode_sum(parsed, n, out.data(), state, ctx);
+}
+
+void Base::check(std::span<const std::byte> in, size_t n) const {
+  std::vector<std::byte> aligned;
+  if (reinterpret_cast<uintptr_t>(in.data()) % 8 != 0) {
+    aligned.assign(in.begin(), in.end());
+    in = aligned;
+  }
+  check_parsed(parse_own(in, n));
+}
+
+void Base::check_parsed(const Parsed& p) const {
+  std::vector<float> tmp(p.count);
+  decode(p, tmp.data(), Mode::kSet, nullptr);
+}
+
+size_t Base::encode_sum(std::span<const Parsed>, size_t, std::byte*, TensorState&,
+                        const CompressContext&) const {
+  throw Error(ErrorCode::kInternal, "encode_sum: compressor '" + name() + "' has no fused sum");
+}
+
+size_t Base::encode_sum_ef(std::span<const Parsed>, size_t, float, Residual&, TensorState&,
+                           std::byte*, const CompressContext&) const {
+  throw Error(ErrorCode::kInternal,
+              "encode_sum_ef: compressor '" + name() + "' has no fused sum with error feedback");
 }
 
 Parsed Base::parse_own(std::span<const std::byte> in, size_t expected_count) const {
@@ -287,7 +371,10 @@ void Base::decompress(std::span<const std::byte> in, TensorView out, bool accumu
     in = aligned;
   }
   Parsed p = parse_own(in, out.count);
-  decode(p, static_cast<float*>(out.data), accumulate ? Mode::kAdd : Mode::kSet, ctx.pool);
+  if (!accumulate && ctx.output_not_reread)
+    decode_not_reread(p, static_cast<float*>(out.data), ctx.pool);
+  else
+    decode(p, static_cast<float*>(out.data), accumulate ? Mode::kAdd : Mode::kSet, ctx.pool);
 }
 
 size_t Base::encode_ef(const float* g, size_t n, float beta, Residual& res, TensorState& st,

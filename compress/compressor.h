@@ -103,6 +103,11 @@ struct CompressContext {
   uint64_t private_seed = 0;
   // Optional; work is split over it when given. Not owned.
   ThreadPool* pool = nullptr;
+  // decompress() without accumulate: nothing reads the output again soon
+  // (the daemon's pulled answers, decoded straight into the client's
+  // tensor), so large outputs may be written past the cache (the sign
+  // family: non-temporal stores from 2^18 elements). Same values.
+  bool output_not_reread = false;
 };
 
 // Per-tensor state a caller keeps between iterations (error-feedback residual,
@@ -207,6 +212,29 @@ class Compressor {
   // inputs that do not match each other.
   virtual size_t aggregate(std::span<const std::span<const std::byte>> inputs,
                            std::span<std::byte> out, const CompressContext& ctx) const;
+
+  // A parameter server's decompress-sum-recompress in one call (CPU): decodes
+  // every buffer of `inputs` (compress() outputs of this compressor's name for
+  // `n` elements), sums them in float32 in the order given and compresses the
+  // sum into `out` with `state`, as compress() would; returns bytes written.
+  // Output and state are bit-identical to decompress(inputs[0]) into an
+  // n-element buffer, decompress(inputs[i], accumulate) for each next input,
+  // then compress() of that buffer, which is what the generic version does in
+  // `scratch` (n floats). Where fuses_sum_compress() it instead decodes, sums
+  // and recompresses a few thousand elements at a time in L1 and never
+  // touches `scratch` (null is fine there). Every input is checked before
+  // `state` changes: a bad one throws Error(kMalformed); no inputs, or `out`
+  // / `state` that compress() would refuse, throw Error(kInvalidArgument).
+  virtual size_t sum_compress(std::span<const std::span<const std::byte>> inputs, size_t n,
+                              float* scratch, std::span<std::byte> out, TensorState& state,
+                              const CompressContext& ctx) const;
+  // Whether sum_compress() is fused (no dense sum in memory): the sign family.
+  virtual bool fuses_sum_compress() const { return false; }
+  // Checks `in` as decompress() into `n` elements would, without writing
+  // anything; throws Error(kMalformed) naming what is wrong. The fused
+  // compressors check without decoding; the generic version decodes into a
+  // temporary buffer.
+  virtual void check(std::span<const std::byte> in, size_t n) const;
 };
 
 // Builds a compressor; throws Error(kInvalidArgument) naming the unknown

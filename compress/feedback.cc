@@ -28,6 +28,17 @@ class Feedback final : public Base {
     inner_->decode(p, out, mode, pool);
   }
 
+  void decode_not_reread(const Parsed& p, float* out, ThreadPool* pool) const override {
+    inner_->decode_not_reread(p, out, pool);
+  }
+  bool fused_sum() const override { return inner_->fused_sum(); }
+  void check_parsed(const Parsed& p) const override { inner_->check_parsed(p); }
+  size_t encode_sum(std::span<const Parsed> in, size_t n, std::byte* out, TensorState& st,
+                    const CompressContext& ctx) const override {
+    auto& fs = state_as<FeedbackState>(st, name());
+    return inner_->encode_sum_ef(in, n, beta_, fs.res, fs.inner(), out, ctx);
+  }
+
   size_t aggregate(std::span<const std::span<const std::byte>> inputs, std::span<std::byte> out,
                    const CompressContext& ctx) const override {
     return inner_->aggregate(inputs, out, ctx);

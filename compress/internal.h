@@ -226,6 +226,11 @@ class Base : public Compressor {
   // Validates everything about `p` beyond the generic header checks, without
   // touching out, then decodes.
   virtual void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const = 0;
+  // decode() for Mode::kSet when the caller says the output is not read
+  // again soon (CompressContext::output_not_reread); the default is decode().
+  virtual void decode_not_reread(const Parsed& p, float* out, ThreadPool* pool) const {
+    decode(p, out, Mode::kSet, pool);
+  }
   // Error feedback: compresses g + beta * residual and leaves the new residual
   // in res. The generic version decodes its own output to form the residual;
   // compressors override it to fuse everything into their single pass.
@@ -235,6 +240,27 @@ class Base : public Compressor {
   // Same-tensor check shared by decompress() and aggregate().
   Parsed parse_own(std::span<const std::byte> in, size_t expected_count) const;
 
+  // Servers' decompress-sum-recompress (Compressor::sum_compress): the
+  // compressors that fuse it (fused_sum()) check every input with
+  // check_parsed() and then run encode_sum(); the others take the generic
+  // decode-into-scratch path.
+  size_t sum_compress(std::span<const std::span<const std::byte>> inputs, size_t n,
+                      float* scratch, std::span<std::byte> out, TensorState& state,
+                      const CompressContext& ctx) const override;
+  bool fuses_sum_compress() const override { return fused_sum(); }
+  void check(std::span<const std::byte> in, size_t n) const override;
+  virtual bool fused_sum() const { return false; }
+  // Everything decode() checks about `p` beyond the generic header checks,
+  // without writing anything. The default decodes into a temporary buffer.
+  virtual void check_parsed(const Parsed& p) const;
+  // Raw fused sum-and-compress of checked inputs (only where fused_sum();
+  // the defaults throw Error(kInternal)); encode_sum_ef is its error-feedback
+  // form, as encode_ef is encode's.
+  virtual size_t encode_sum(std::span<const Parsed> in, size_t n, std::byte* out, TensorState& st,
+                            const CompressContext& ctx) const;
+  virtual size_t encode_sum_ef(std::span<const Parsed> in, size_t n, float beta, Residual& res,
+                               TensorState& st, std::byte* out, const CompressContext& ctx) const;
+
  private:
   CompressorSpec spec_;
   Algo algo_;
@@ -242,6 +268,9 @@ class Base : public Compressor {
 
 // Dense helpers (vectorised, fp32).
 void apply_lazy(const float* g, float beta, Residual& res, size_t b, size_t e);  // r = g + beta*true_r
+// The same for r[b, e) with that range's g at g_block[0, e - b) (a sub-block
+// summed in L1); the same kernel on the same length, so the same results.
+void apply_lazy_block(const float* g_block, float beta, Residual& res, size_t b, size_t e);
 void add_scaled(const float* g, float beta, float* r, size_t b, size_t e);      // r = g + beta*r
 
 // Bit-plane packing: 64-element blocks; block i occupies `bits` u64 words, word
@@ -254,6 +283,9 @@ void unpack_planes(const std::byte* words, size_t len, unsigned bits, uint8_t* c
 void pack_signs(const float* x, size_t len, std::byte* words);
 // out = combine(out, bit ? neg : pos) over len elements.
 void unpack_signs(const std::byte* words, size_t len, float pos, float neg, float* out, Mode m);
+// unpack_signs(kSet) with non-temporal stores where the CPU and out's
+// alignment allow (AVX-512, 64 bytes), plain stores otherwise; same values.
+void unpack_signs_stream(const std::byte* words, size_t len, float pos, float neg, float* out);
 
 // Appends to out the indices i in [b, e) whose |v[i]| bit pattern (sign
 // cleared) is >= tkey, in order; returns how many. out must have room for e - b.

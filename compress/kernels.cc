@@ -11,6 +11,7 @@ namespace bytecomp::compress::detail {
 namespace {
 
 const bool kAvx2 = cpu_has_avx2();
+const bool kAvx512 = cpu_has_avx512f();
 
 void pack_block_scalar(const uint8_t* c, unsigned bits, std::byte* w) {
   for (unsigned j = 0; j < bits; ++j) {
@@ -90,6 +91,42 @@ BC_TARGET_AVX2 void unpack_signs_avx2(uint64_t w, float pos, float neg, float* o
   }
 }
 
+// 16 mask bits select 16 lanes directly (no broadcast-and-compare as in
+// AVX2); the whole range in one call, so the loop is not a call per word.
+template <Mode M>
+BC_TARGET_AVX512 void unpack_signs_avx512(const std::byte* words, size_t blocks, float pos,
+                                          float neg, float* out) {
+  const __m512 vp = _mm512_set1_ps(pos), vn = _mm512_set1_ps(neg);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const uint64_t w = load<uint64_t>(words + 8 * blk);
+    for (unsigned q = 0; q < 4; ++q) {
+      const __m512 v = _mm512_mask_blend_ps(static_cast<__mmask16>(w >> (16 * q)), vp, vn);
+      float* o = out + 64 * blk + 16 * q;
+      if constexpr (M == Mode::kSet) _mm512_storeu_ps(o, v);
+      else if constexpr (M == Mode::kAdd) _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), v));
+      else _mm512_storeu_ps(o, _mm512_sub_ps(_mm512_loadu_ps(o), v));
+    }
+  }
+}
+
+// kSet with non-temporal stores: the output goes to memory without first
+// being read into the cache (a plain store reads each line before writing
+// it), for outputs too large to be read back from the cache anyway.
+// `out` 64-byte aligned.
+BC_TARGET_AVX512 void unpack_signs_stream_avx512(const std::byte* words, size_t blocks, float pos,
+                                                 float neg, float* out) {
+  const __m512 vp = _mm512_set1_ps(pos), vn = _mm512_set1_ps(neg);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const uint64_t w = load<uint64_t>(words + 8 * blk);
+    for (unsigned q = 0; q < 4; ++q)
+      _mm512_stream_ps(out + 64 * blk + 16 * q,
+                       _mm512_mask_blend_ps(static_cast<__mmask16>(w >> (16 * q)), vp, vn));
+  }
+  // Non-temporal stores are weakly ordered: make them visible before
+  // whatever tells another thread or process that the output is ready.
+  _mm_sfence();
+}
+
 template <Mode M>
 void unpack_signs_scalar(uint64_t w, size_t len, float pos, float neg, float* out) {
   for (size_t e = 0; e < len; ++e) {
@@ -103,10 +140,14 @@ void unpack_signs_scalar(uint64_t w, size_t len, float pos, float neg, float* ou
 template <Mode M>
 void unpack_signs_t(const std::byte* words, size_t len, float pos, float neg, float* out) {
   size_t full = len / 64;
-  for (size_t blk = 0; blk < full; ++blk) {
-    uint64_t w = load<uint64_t>(words + 8 * blk);
-    if (kAvx2) unpack_signs_avx2<M>(w, pos, neg, out + 64 * blk);
-    else unpack_signs_scalar<M>(w, 64, pos, neg, out + 64 * blk);
+  if (kAvx512) {
+    unpack_signs_avx512<M>(words, full, pos, neg, out);
+  } else {
+    for (size_t blk = 0; blk < full; ++blk) {
+      uint64_t w = load<uint64_t>(words + 8 * blk);
+      if (kAvx2) unpack_signs_avx2<M>(w, pos, neg, out + 64 * blk);
+      else unpack_signs_scalar<M>(w, 64, pos, neg, out + 64 * blk);
+    }
   }
   if (len % 64)
     unpack_signs_scalar<M>(load<uint64_t>(words + 8 * full), len % 64, pos, neg, out + 64 * full);
@@ -178,6 +219,18 @@ void pack_signs(const float* x, size_t len, std::byte* words) {
   for (size_t blk = 0; blk < full; ++blk)
     store<uint64_t>(words + 8 * blk, kAvx2 ? signs_avx2(x + 64 * blk) : signs_scalar(x + 64 * blk, 64));
   if (len % 64) store<uint64_t>(words + 8 * full, signs_scalar(x + 64 * full, len % 64));
+}
+
+void unpack_signs_stream(const std::byte* words, size_t len, float pos, float neg, float* out) {
+  const size_t full = len / 64;
+  if (!kAvx512 || reinterpret_cast<uintptr_t>(out) % 64 != 0) {
+    unpack_signs(words, len, pos, neg, out, Mode::kSet);
+    return;
+  }
+  unpack_signs_stream_avx512(words, full, pos, neg, out);
+  if (len % 64)
+    unpack_signs_scalar<Mode::kSet>(load<uint64_t>(words + 8 * full), len % 64, pos, neg,
+                                    out + 64 * full);
 }
 
 void unpack_signs(const std::byte* words, size_t len, float pos, float neg, float* out, Mode m) {

@@ -69,6 +69,9 @@ BC_CLONES void k_momentum(const float* __restrict g, float* __restrict m, float 
 
 // Sub-blocks keep each element in L1 between the update and the packing.
 constexpr size_t kSub = 4096;
+// Outputs the caller will not read again soon (decode_not_reread) of at
+// least this many elements are written with non-temporal stores: 1 MiB, an L2.
+constexpr size_t kStreamElems = size_t{1} << 18;
 
 class Sign final : public Base {
  public:
@@ -94,23 +97,74 @@ class Sign final : public Base {
                 const CompressContext& ctx) const override {
     float* m = nullptr;
     if (v_ == Variant::kSignum) m = state_as<VectorState>(st, name()).data(0);
-    return run(x, n, out, ctx, [&](size_t b, size_t e) -> const float* {
-      if (m == nullptr) return x;
+    return run(n, out, ctx, [&](size_t b, size_t e, float*) -> const float* {
+      if (m == nullptr) return x + b;
       k_momentum(x + b, m + b, momentum_, e - b);
-      return m;
+      return m + b;
     }, nullptr);
   }
 
   size_t encode_ef(const float* g, size_t n, float beta, Residual& res, TensorState& st,
                    std::byte* out, const CompressContext& ctx) const override {
     if (v_ == Variant::kSignum) return Base::encode_ef(g, n, beta, res, st, out, ctx);
-    return run(g, n, out, ctx, [&](size_t b, size_t e) -> const float* {
+    return run(n, out, ctx, [&](size_t b, size_t e, float*) -> const float* {
       apply_lazy(g, beta, res, b, e);
-      return res.r.data();
+      return res.r.data() + b;
     }, &res);
   }
 
   void decode(const Parsed& p, float* out, Mode mode, ThreadPool* pool) const override {
+    const Levels l = levels(p);
+    for_chunks(pool, p.count, [&](size_t, size_t b, size_t e) {
+      unpack_signs(l.words + b / 8, e - b, l.pos, l.neg, out + b, mode);
+    });
+  }
+
+  // Past the L2, an output nobody reads soon costs a read of every line
+  // before it is written, unless written with non-temporal stores.
+  void decode_not_reread(const Parsed& p, float* out, ThreadPool* pool) const override {
+    if (p.count < kStreamElems) return decode(p, out, Mode::kSet, pool);
+    const Levels l = levels(p);
+    for_chunks(pool, p.count, [&](size_t, size_t b, size_t e) {
+      unpack_signs_stream(l.words + b / 8, e - b, l.pos, l.neg, out + b);
+    });
+  }
+
+  // A server's sum of the nodes' sign buffers, recompressed: each sub-block
+  // is decoded and summed into a stack buffer (L1) and encoded from there,
+  // the same kernels on the same ranges as decode-all-then-encode, so the
+  // same bits; signum's momentum variant has no sum form (its server
+  // recompressor is the plain sign).
+  bool fused_sum() const override { return v_ != Variant::kSignum; }
+  void check_parsed(const Parsed& p) const override { (void)levels(p); }
+
+  size_t encode_sum(std::span<const Parsed> in, size_t n, std::byte* out, TensorState&,
+                    const CompressContext& ctx) const override {
+    const std::vector<Levels> ls = all_levels(in);
+    return run(n, out, ctx, [&](size_t b, size_t e, float* tmp) -> const float* {
+      sum_block(ls, b, e, tmp);
+      return tmp;
+    }, nullptr);
+  }
+
+  size_t encode_sum_ef(std::span<const Parsed> in, size_t n, float beta, Residual& res,
+                       TensorState&, std::byte* out, const CompressContext& ctx) const override {
+    const std::vector<Levels> ls = all_levels(in);
+    return run(n, out, ctx, [&](size_t b, size_t e, float* tmp) -> const float* {
+      sum_block(ls, b, e, tmp);
+      apply_lazy_block(tmp, beta, res, b, e);
+      return res.r.data() + b;
+    }, &res);
+  }
+
+ private:
+  // A checked buffer's bitmap and the two values its bits decode to.
+  struct Levels {
+    const std::byte* words;
+    float pos, neg;
+  };
+
+  Levels levels(const Parsed& p) const {
     ParamReader pr(p.params, params_bytes(), algo_name(algo()));
     float pos = 1.0f, neg = -1.0f;
     if (v_ == Variant::kScaled) {
@@ -124,36 +178,47 @@ class Sign final : public Base {
       malformed(std::string(algo_name(algo())) + " payload is " + std::to_string(p.payload.size()) +
                 " bytes for " + std::to_string(p.count) + " elements (expected " +
                 std::to_string(payload_bytes(p.count)) + ")");
-    const std::byte* w = p.payload.data();
-    for_chunks(pool, p.count, [&](size_t, size_t b, size_t e) {
-      unpack_signs(w + b / 8, e - b, pos, neg, out + b, mode);
-    });
+    return {p.payload.data(), pos, neg};
+  }
+  std::vector<Levels> all_levels(std::span<const Parsed> in) const {
+    std::vector<Levels> ls;
+    ls.reserve(in.size());
+    for (const Parsed& p : in) ls.push_back(levels(p));
+    return ls;
+  }
+  // tmp[0, e - b) = the sum over the inputs of their decoded [b, e), first
+  // set, then added in order (b is a multiple of 64: whole bitmap words).
+  static void sum_block(const std::vector<Levels>& ls, size_t b, size_t e, float* tmp) {
+    for (size_t i = 0; i < ls.size(); ++i)
+      unpack_signs(ls[i].words + b / 8, e - b, ls[i].pos, ls[i].neg, tmp,
+                   i == 0 ? Mode::kSet : Mode::kAdd);
   }
 
- private:
-  // prepare(b, e) makes the values of [b, e) ready and returns the array they
-  // are in; the signs and statistics are then taken from it.
+  // prepare(b, e, scratch) makes the values of [b, e) ready and returns
+  // where they are (element b first); scratch is kSub floats of this
+  // thread's stack it may use. The signs and statistics are taken from there.
   template <class Prepare>
-  size_t run(const float*, size_t n, std::byte* out, const CompressContext& ctx,
-             const Prepare& prepare, Residual* res) const {
+  size_t run(size_t n, std::byte* out, const CompressContext& ctx, const Prepare& prepare,
+             Residual* res) const {
     std::byte* payload = out + kHeaderBytes + pad8(params_bytes());
     std::vector<ChunkStats> stats(num_chunks(n));
     for_chunks(ctx.pool, n, [&](size_t c, size_t cb, size_t ce) {
       ChunkStats s;
+      alignas(64) float scratch[kSub];
       for (size_t b = cb; b < ce; b += kSub) {
         size_t e = std::min(ce, b + kSub);
-        const float* src = prepare(b, e);
+        const float* src = prepare(b, e, scratch);
         if (v_ == Variant::kScaled) {
-          s.abs_sum += k_abs_sum(src + b, e - b);
+          s.abs_sum += k_abs_sum(src, e - b);
         } else if (v_ == Variant::kOneBit) {
           float ps, qs;
           uint32_t cnt;
-          k_pos_neg(src + b, e - b, &ps, &qs, &cnt);
+          k_pos_neg(src, e - b, &ps, &qs, &cnt);
           s.pos_sum += ps;
           s.neg_sum += qs;
           s.neg_cnt += cnt;
         }
-        pack_signs(src + b, e - b, payload + b / 8);
+        pack_signs(src, e - b, payload + b / 8);
       }
       stats[c] = s;
     });

@@ -14,10 +14,12 @@
 #define BC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #define BC_TARGET_F16C __attribute__((target("avx2,f16c")))
 #define BC_TARGET_AVX2 __attribute__((target("avx2")))
+#define BC_TARGET_AVX512 __attribute__((target("avx512f")))
 #else
 #define BC_CLONES
 #define BC_TARGET_F16C
 #define BC_TARGET_AVX2
+#define BC_TARGET_AVX512
 #endif
 
 namespace bytecomp::compress {
@@ -38,6 +40,15 @@ inline bool cpu_has_avx2() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
+inline bool cpu_has_avx512f() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
 #else
   return false;
 #endif

@@ -58,12 +58,19 @@ Status rounds_admit_change(uint64_t iteration, const std::vector<const Partition
   return Status::Ok();
 }
 
+bool fuses_sum(const TensorPlan& plan) {
+  return plan.compressed_push() && !strategy::between_daemons(plan.placement) &&
+         plan.sum == SumMode::kDense && plan.pull == PullFormat::kCompressed &&
+         compress::make_sum_recompressor(plan.spec(), plan.server_error_feedback)
+             ->fuses_sum_compress();
+}
+
 uint64_t round_reservation(const TensorPlan& plan, uint64_t count, size_t nodes,
                            bool deterministic) {
   // A ring tensor's round holds nothing (its blocks come with its first push).
   if (strategy::between_daemons(plan.placement)) return 0;
   uint64_t r = 4 * count * 4;  // sum + answer in flight + spare block + held first push
-  if (plan.sum == SumMode::kCompressed || deterministic)
+  if (plan.sum == SumMode::kCompressed || deterministic || fuses_sum(plan))
     r += nodes * push_bytes_bound(plan, count);
   if (plan.pull != PullFormat::kFp32) r += 2 * pull_bytes_bound(plan, count);
   if (plan.server_error_feedback) r += count * 4;  // the server's residual
@@ -109,6 +116,8 @@ void PartitionRound::fix_plan() {
     comp_.reset();
     state_.reset();
   }
+  fused_ = comp_ && plan_.sum == SumMode::kDense && plan_.pull == PullFormat::kCompressed &&
+           comp_->fuses_sum_compress();
 }
 
 PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t it,
@@ -187,8 +196,17 @@ PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t
                         std::to_string(b.size()) + " bytes holds " + std::to_string(info.count) +
                         " elements (expected " + std::to_string(count) + ")");
   }
-  const bool store = plan_.sum == SumMode::kCompressed || setup_.deterministic;
-  if (!store) {
+  const bool store = plan_.sum == SumMode::kCompressed || setup_.deterministic || fused_;
+  if (fused_) {
+    // Summed at the round's end (sum_compress); checked now, so a bad push
+    // is refused as an accumulated one would be.
+    try {
+      comp_->check(b.span(), count);
+    } catch (const Error& e) {
+      return refuse(ErrorCode::kMalformed, "push refused: cannot decode buffer from " + who +
+                                               " for " + label + ": " + e.what());
+    }
+  } else if (!store) {
     try {
       accumulate(b);
     } catch (const Error& e) {
@@ -200,7 +218,7 @@ PushOutcome PartitionRound::push(transport::NodeId from, uint32_t rank, uint64_t
   ++n_pushed_;
   if (store) {
     pending_[rank] = b;
-    if (plan_.sum == SumMode::kDense) {
+    if (plan_.sum == SumMode::kDense && !fused_) {
       while (next_rank_ < pending_.size() && !pending_[next_rank_].empty()) {
         if (!poisoned_) {
           try {
@@ -275,7 +293,17 @@ PushOutcome PartitionRound::complete() {
       std::memcpy(sum_.get(), held_.data(), n * 4);
       held_ = Buffer();
     }
-    if (plan_.sum == SumMode::kCompressed) {
+    if (fused_) {
+      // Decoded, summed in rank order (the deterministic order) and
+      // recompressed a few thousand elements at a time, without the fp32 sum
+      // in memory: the same bits as summing into sum_ and encode_answer().
+      std::vector<std::span<const std::byte>> inputs;
+      for (const Buffer& b : pending_) inputs.push_back(b.span());
+      Buffer buf = Buffer::allocate(pull_bytes_bound(plan_, n));
+      size_t len = comp_->sum_compress(inputs, n, sum_.get(), {buf.mutable_data(), buf.size()},
+                                       *state_, ctx());
+      result = buf.slice(0, len);
+    } else if (plan_.sum == SumMode::kCompressed) {
       std::vector<std::span<const std::byte>> inputs;
       for (const Buffer& b : pending_) inputs.push_back(b.span());
       Buffer buf = Buffer::allocate(comp_->max_compressed_bytes(n));

@@ -43,9 +43,16 @@ class PartitionRound;
 Status rounds_admit_change(uint64_t iteration, const std::vector<const PartitionRound*>& rounds,
                            const std::string& who);
 
+// Whether a server sums this plan's pushes with one fused
+// decompress-sum-recompress at the round's end (Compressor::sum_compress:
+// the sign family under a gathering collective), keeping the compressed
+// pushes until then instead of an fp32 sum.
+bool fuses_sum(const TensorPlan& plan);
+
 // Bytes a partition of `count` elements may hold under `plan` (sum, answer in
 // flight, spare block, held push, stored pushes, encoded answers, EF state):
 // what a server reserves for it.
+
 uint64_t round_reservation(const TensorPlan& plan, uint64_t count, size_t nodes,
                            bool deterministic);
 
@@ -144,6 +151,9 @@ class PartitionRound {
   // the sum; state_ holds its residual (server error feedback) if any.
   std::unique_ptr<compress::Compressor> comp_;
   std::unique_ptr<compress::TensorState> state_;
+  // fuses_sum(plan_): pushes are kept (pending_) and summed by
+  // comp_->sum_compress() when the round completes.
+  bool fused_ = false;
   std::shared_ptr<BlockPool> pool_;
   std::unique_ptr<float[]> sum_;
   bool sum_started_ = false;

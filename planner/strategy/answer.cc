@@ -49,10 +49,15 @@ void decode_answer(PullFormat f, std::span<const std::byte> in, float* out, size
       compress::fp16_to_fp32(out, words.data(), n);
       return;
     }
-    case PullFormat::kCompressed:
+    case PullFormat::kCompressed: {
       if (c == nullptr) throw Error(ErrorCode::kInternal, "no compressor");
-      c->decompress(in, compress::TensorView::cpu(out, n), false, ctx);
+      // The answer lands in the tensor the client reads after the whole
+      // step's pulls, not now.
+      compress::CompressContext c2 = ctx;
+      c2.output_not_reread = true;
+      c->decompress(in, compress::TensorView::cpu(out, n), false, c2);
       return;
+    }
   }
   throw Error(ErrorCode::kInternal, "decode_answer: unknown pull format");
 }

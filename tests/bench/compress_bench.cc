@@ -4,6 +4,8 @@
 //   BM_Memcpy/<n>                       n fp32 elements copied
 //   BM_Compress/<name>/<n>[/threads:2]  error-feedback/momentum update included
 //   BM_Decompress/<name>/<n>[/threads:2] dense fp32 output (overwrite)
+//   BM_DecompressNotReread/efsignsgd/<n>  the same, with
+//       CompressContext::output_not_reread (the daemon's pulled answers)
 //
 // bytes_per_second is always n * 4 (the fp32 input size). Google Benchmark
 // reports both wall ("real_time") and the benchmarking thread's CPU time; with
@@ -106,7 +108,8 @@ void BM_Compress(benchmark::State& state, std::string spec, size_t n, size_t thr
   state.counters["ratio"] = static_cast<double>(n * 4) / static_cast<double>(len);
 }
 
-void BM_Decompress(benchmark::State& state, std::string spec, size_t n, size_t threads) {
+void BM_Decompress(benchmark::State& state, std::string spec, size_t n, size_t threads,
+                   bool not_reread = false) {
   auto c = bc::make_compressor(bc::parse_compressor_spec(spec));
   const auto& in = input(n);
   auto st = c->make_state(n);
@@ -116,6 +119,7 @@ void BM_Decompress(benchmark::State& state, std::string spec, size_t n, size_t t
   Buffer out(n * 4);
   bytecomp::ThreadPool pool(threads - 1);
   bc::CompressContext ctx{.pool = &pool};
+  ctx.output_not_reread = not_reread;
   auto view = bc::TensorView::cpu(reinterpret_cast<float*>(out.p), n);
   for (auto _ : state) {
     c->decompress({buf.p, len}, view, false, ctx);
@@ -137,9 +141,13 @@ void register_all() {
                                      BM_Compress, spec, n, threads)
             ->Unit(benchmark::kMillisecond);
         benchmark::RegisterBenchmark(("BM_Decompress/" + name + "/" + ns + suffix).c_str(),
-                                     BM_Decompress, spec, n, threads)
+                                     BM_Decompress, spec, n, threads, false)
             ->Unit(benchmark::kMillisecond);
       }
+      if (threads == 1)
+        benchmark::RegisterBenchmark(("BM_DecompressNotReread/efsignsgd/" + ns).c_str(),
+                                     BM_Decompress, "efsignsgd", n, threads, true)
+            ->Unit(benchmark::kMillisecond);
     }
   }
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "compress/compressor.h"
+#include "compress/hd.h"
 #include "planner/strategy/answer.h"
 #include "planner/strategy/partition.h"
 #include "server/job.h"
@@ -34,6 +35,8 @@ const std::string kFp16 = strategy_text(
     "  - {tensor: g, option: {compressor: fp16, inter: reduce_scatter_allgather}}\n");
 const std::string kBf16 = strategy_text(
     "  - {tensor: g, option: {compressor: bf16, inter: reduce_scatter_allgather}}\n");
+const std::string kEfSign = strategy_text(
+    "  - {tensor: g, option: {compressor: efsignsgd, inter: alltoall_allgather}}\n");
 
 // One partition (the whole of tensor 'g') of a job of `nodes` nodes.
 struct Fixture {
@@ -393,6 +396,94 @@ TEST(RoundsTest, ReservationCoversWhatARoundHolds) {
   EXPECT_EQ(round_reservation(raw, 1000, 4, true), 16000u + 4 * push_bytes_bound(raw, 1000));
   EXPECT_EQ(round_reservation(fp16, 1000, 4, false),
             16000u + 4 * push_bytes_bound(fp16, 1000) + 2 * pull_bytes_bound(fp16, 1000));
+  // A fused sign sum keeps every rank's (compressed) push until the round
+  // completes, and the server's residual.
+  TensorPlan sign = plan_job(t, kEfSign)[0];
+  EXPECT_EQ(round_reservation(sign, 1000, 4, false),
+            16000u + 4 * push_bytes_bound(sign, 1000) + 2 * pull_bytes_bound(sign, 1000) + 4000u);
+}
+
+// efsignsgd under a gathering collective: the server keeps the compressed
+// pushes and decodes, sums (rank order, whatever the arrival) and
+// recompresses them in one fused pass when the round completes. Its answer
+// and error-feedback residual are those of decompressing into an fp32 sum in
+// rank order and compressing that, bit for bit, round after round.
+TEST(RoundsTest, SignSumIsFusedAndEqualsRankOrderDecompressSumRecompress) {
+  constexpr uint32_t kNodes = 3;
+  constexpr size_t kCount = 70001;  // chunks, sub-blocks and a partial word
+  Fixture f(kNodes, kCount, kEfSign);
+  const TensorPlan plan = f.plans.plan(0, 0);
+  ASSERT_TRUE(fuses_sum(plan)) << plan.describe();
+  ASSERT_TRUE(plan.server_error_feedback);
+  auto node = compress::make_compressor(plan.spec());
+  auto ref = compress::make_sum_recompressor(plan.spec(), true);
+  auto ref_state = ref->make_state(kCount);
+  std::vector<std::unique_ptr<compress::TensorState>> node_states;
+  for (uint32_t r = 0; r < kNodes; ++r) node_states.push_back(node->make_state(kCount));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> d(0.f, 1.f);
+  const std::vector<std::vector<uint32_t>> orders = {{2, 0, 1}, {1, 2, 0}, {0, 1, 2}, {2, 1, 0}};
+  for (uint64_t it = 0; it < orders.size(); ++it) {
+    // Ranks 0 and 2 send opposite large values, rank 1 small ones: in rank
+    // order rank 1's part vanishes in rank 0's ((a + b) - a == 0), in an
+    // arrival order starting 2, 0 it survives ((-a + a) + b == b).
+    std::vector<float> big(kCount);
+    for (float& x : big) x = d(rng) * 1e4f;
+    std::vector<Buffer> pushes;
+    for (uint32_t r = 0; r < kNodes; ++r) {
+      std::vector<float> g(kCount);
+      for (size_t i = 0; i < kCount; ++i) g[i] = r == 0 ? big[i] : r == 2 ? -big[i] : d(rng);
+      std::vector<std::byte> out(node->max_compressed_bytes(kCount));
+      out.resize(node->compress(compress::ConstTensorView::cpu(g.data(), kCount), out,
+                                *node_states[r], {}));
+      pushes.push_back(Buffer::copy_of(out.data(), out.size()));
+    }
+    // The reference: decode in rank order into an fp32 sum, then recompress.
+    std::vector<float> sum(kCount);
+    compress::CompressContext ctx;
+    ctx.iteration = it;
+    ctx.shared_seed = strategy::partition_seed(kJob, strategy::partition_key(0, 0));
+    ctx.private_seed = strategy::server_private_seed(0, strategy::partition_key(0, 0));
+    for (uint32_t r = 0; r < kNodes; ++r)
+      ref->decompress(pushes[r].span(), compress::TensorView::cpu(sum.data(), kCount), r > 0, ctx);
+    std::vector<std::byte> want(ref->max_compressed_bytes(kCount));
+    want.resize(ref->compress(compress::ConstTensorView::cpu(sum.data(), kCount), want,
+                              *ref_state, ctx));
+    PushOutcome last;
+    for (uint32_t r : orders[it]) {
+      last = f.push_bytes(r, it, pushes[r]);
+      ASSERT_TRUE(last.status.ok()) << last.status.message();
+    }
+    ASSERT_TRUE(last.completed);
+    ASSERT_TRUE(last.failure.empty()) << last.failure;
+    const Buffer got = f.pull(0, it)->payload;
+    ASSERT_EQ(got.size(), want.size()) << "iteration " << it;
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), want.size())) << "iteration " << it;
+  }
+}
+
+TEST(RoundsTest, FusedSignSumRefusesAMalformedPushAtOnce) {
+  constexpr size_t kCount = 1000;
+  Fixture f(2, kCount, kEfSign);
+  auto node = compress::make_compressor(f.plans.plan(0, 0).spec());
+  auto st = node->make_state(kCount);
+  std::vector<float> g(kCount, 0.5f);
+  std::vector<std::byte> good(node->max_compressed_bytes(kCount));
+  good.resize(node->compress(compress::ConstTensorView::cpu(g.data(), kCount), good, *st, {}));
+  // A well-formed header (checksum right) whose payload is one word short
+  // for its element count: only the sign decoder's own check finds it.
+  std::vector<uint8_t> bad(good.size() - 8);
+  const uint8_t scale[4] = {0, 0, 0x80, 0x3f};  // 1.0f
+  compress::hd::write_header(bad.data(), 8, kCount, scale, 4, 8, bad.size() - 40);
+  PushOutcome o = f.push_bytes(1, 0, Buffer::copy_of(bad.data(), bad.size()));
+  EXPECT_EQ(o.status.code(), ErrorCode::kMalformed);
+  expect_contains(o.status.message(), "push refused: cannot decode buffer from node 101 (rank 1)");
+  expect_contains(o.status.message(), "efsignsgd payload is 120 bytes for 1000 elements");
+  // The refused push left no trace: both ranks still complete the round.
+  ASSERT_TRUE(f.push_bytes(1, 0, Buffer::copy_of(good.data(), good.size())).status.ok());
+  PushOutcome done = f.push_bytes(0, 0, Buffer::copy_of(good.data(), good.size()));
+  ASSERT_TRUE(done.status.ok() && done.completed);
+  EXPECT_TRUE(done.failure.empty()) << done.failure;
 }
 
 // A ring tensor's round (assign_partitions gives it one for a switch to
