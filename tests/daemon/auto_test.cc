@@ -203,12 +203,16 @@ TEST_P(AutoNodes, DaemonsSharingOneRunDirectoryKeepEveryNodesFilesIntact) {
     EXPECT_NE(e.path().filename().string().front(), '.') << "left behind: " << e.path();
 }
 
-TEST_P(AutoNodes, StartsTheNeverCompressedTensorsOnTheRingAndKeepsThemThere) {
+TEST_P(AutoNodes, StartsTheNeverCompressedTensorsOnTheRingAndNeverCompressesThem) {
   // t0 (64 elements) is below the size guard: auto can never compress it,
   // so the job starts with it on the daemons' ring (2 nodes: the model has
   // the ring no slower whatever the link, strategy::start_strategy_yaml);
-  // t1 stays on the servers, where efsignsgd may take it. The plan keeps
-  // t0 on the ring (a running job cannot move it) and its sums stay exact.
+  // t1 stays on the servers, where efsignsgd may take it. The plan leaves t0
+  // uncompressed, and its sums stay exact in every iteration. It keeps each
+  // tensor where it started unless the decision says it moved them (a
+  // running job's plan may move a tensor between the ring and the servers
+  // when predicted faster by the bar, docs/auto.md "Placement"; on a loaded
+  // machine the model has put t0 on the servers).
   strategy_section_ =
       "strategy:\n  mode: auto\n  compressors: [efsignsgd]\n  skip_iterations: 1\n"
       "  warmup_iterations: 3\n  guard: {output_layer: false}\n";
@@ -221,21 +225,28 @@ TEST_P(AutoNodes, StartsTheNeverCompressedTensorsOnTheRingAndKeepsThemThere) {
     EXPECT_NE(nodes_[n]->daemon().output().find("starts with 1 tensor(s) on the daemons' ring"),
               std::string::npos)
         << nodes_[n]->daemon().output();
-  // The ring tensor is exact in every iteration, before and after the plan.
+  // t0 is exact in every iteration, before and after the plan, wherever it runs.
   EXPECT_EQ(inexact(r, 0, sizes[0], 0, kIters), 0u);
   const int64_t at = switch_iteration(nodes_[0]->daemon());
   EXPECT_EQ(inexact(r, 1, sizes[1], 0, at < 0 ? kIters : static_cast<int>(at)), 0u);
-  // The decision (written whether or not it changed the strategy) keeps t0
-  // on the ring and t1 on the servers.
-  ASSERT_TRUE(fs::exists(run_dir(0, "autoring") / "strategy.yaml")) << nodes_[0]->daemon().output();
+  // The decision (written whether or not it changed the strategy).
+  const std::string log = nodes_[0]->daemon().output();
+  ASSERT_TRUE(fs::exists(run_dir(0, "autoring") / "strategy.yaml")) << log;
   const auto s =
       bytecomp::planner::Strategy::load_file((run_dir(0, "autoring") / "strategy.yaml").string());
-  EXPECT_EQ(bytecomp::strategy::plan_for_option(s.resolve("t0", 256), "t0").placement,
-            bytecomp::strategy::Placement::kRing);
-  EXPECT_EQ(bytecomp::strategy::plan_for_option(s.resolve("t1", 600000), "t1").placement,
-            bytecomp::strategy::Placement::kSharded);
-  EXPECT_EQ(nodes_[0]->daemon().output().find("placement change needs a new job"),
-            std::string::npos);
+  const auto& o0 = s.resolve("t0", 256);
+  EXPECT_FALSE(o0.compressed()) << log;
+  const bool moved = log.find("keeping every placement: moved") != std::string::npos;
+  if (!moved) {
+    EXPECT_EQ(bytecomp::strategy::plan_for_option(o0, "t0").placement,
+              bytecomp::strategy::Placement::kRing)
+        << log;
+    EXPECT_EQ(bytecomp::strategy::plan_for_option(s.resolve("t1", 600000), "t1").placement,
+              bytecomp::strategy::Placement::kSharded)
+        << log;
+  }
+  EXPECT_EQ(log.find("placement change needs a new job"), std::string::npos);
+  EXPECT_EQ(log.find("strategy change refused"), std::string::npos) << log;
 }
 
 // The start placement is the coordinator's (docs/auto.md "Placement"): a
