@@ -100,19 +100,25 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
     for (auto& f : others) f.get();
   }
 
-  // Rewrites node 0's strategy file and reloads it (SIGHUP); returns the
-  // iteration the coordinator announced the change for (-1 when no
-  // announcement appeared within 10 s, which the caller's checks report).
-  int64_t switch_strategy(const std::string& yaml) {
+  // Rewrites node 0's strategy file and reloads it (SIGHUP); waits for
+  // node 0's `nth` announced change of the test ("applies on every node
+  // from iteration N") and returns N, or -1 (a failure is added) when it
+  // did not come within 10 s.
+  int64_t switch_strategy(const std::string& yaml, size_t nth = 1) {
     write("strategy.yaml", yaml);
     nodes_[0]->daemon().signal(SIGHUP);
-    EXPECT_TRUE(nodes_[0]->daemon().wait_output("applies on every node from iteration",
-                                                std::chrono::seconds(10)))
-        << nodes_[0]->daemon().output();
-    std::smatch m;
-    const std::string log = nodes_[0]->daemon().output();
-    if (!std::regex_search(log, m, std::regex("from iteration ([0-9]+)"))) return -1;
-    return std::stoll(m[1]);
+    const std::regex re("applies on every node from iteration ([0-9]+)");
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      const std::string log = nodes_[0]->daemon().output();
+      size_t k = 0;
+      for (auto m = std::sregex_iterator(log.begin(), log.end(), re); m != std::sregex_iterator();
+           ++m)
+        if (++k == nth) return std::stoll((*m)[1]);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ADD_FAILURE() << "strategy change " << nth << " not announced: " << nodes_[0]->daemon().output();
+    return -1;
   }
   std::string cluster(const std::string& coordinator, int servers, const std::string&) {
     std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n";
