@@ -1,7 +1,7 @@
 // libFuzzer target for the compressed-buffer decoders (inspect, decompress,
 // decompress-and-accumulate, aggregate). Any bytecomp::Error is a correct
 // rejection; a crash, a sanitizer report, another exception type or a hang is
-// a bug. Built and run by scripts/fuzz-compress (clang, ASan+UBSan).
+// a bug. Built and run by scripts/fuzz (clang, ASan+UBSan).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
