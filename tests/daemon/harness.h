@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -141,6 +142,23 @@ inline bool no_shm_left(const std::string& prefix,
 }
 
 // A private directory, a daemon config and the daemon process.
+// Waits up to 10 s for the `nth` strategy change `daemon` announced
+// ("applies on every node from iteration N") and returns N, or -1 (a
+// failure is added) when it did not come.
+inline int64_t announced_change(const Process& daemon, size_t nth) {
+  const std::regex re("applies on every node from iteration ([0-9]+)");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const std::string log = daemon.output();
+    size_t k = 0;
+    for (auto m = std::sregex_iterator(log.begin(), log.end(), re); m != std::sregex_iterator(); ++m)
+      if (++k == nth) return std::stoll((*m)[1]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ADD_FAILURE() << "strategy change " << nth << " not announced: " << daemon.output();
+  return -1;
+}
+
 class DaemonEnv {
  public:
   explicit DaemonEnv(const std::string& tag, const std::string& extra_yaml = "") {

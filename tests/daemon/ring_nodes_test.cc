@@ -11,7 +11,6 @@
 #include <csignal>
 #include <cstring>
 #include <future>
-#include <regex>
 
 #include "compress/reduce.h"
 #include "daemon/ring_allreduce.h"
@@ -81,18 +80,7 @@ class RingNodes : public PeerNodes {
   int64_t switch_strategy(const std::string& yaml, size_t nth) {
     write("strategy.yaml", yaml);
     nodes_[0]->daemon().signal(SIGHUP);
-    const std::regex re("applies on every node from iteration ([0-9]+)");
-    const auto deadline = std::chrono::steady_clock::now() + 10s;
-    while (std::chrono::steady_clock::now() < deadline) {
-      const std::string log = nodes_[0]->daemon().output();
-      size_t k = 0;
-      for (auto m = std::sregex_iterator(log.begin(), log.end(), re); m != std::sregex_iterator();
-           ++m)
-        if (++k == nth) return std::stoll((*m)[1]);
-      std::this_thread::sleep_for(20ms);
-    }
-    ADD_FAILURE() << "strategy change " << nth << " not announced: " << nodes_[0]->daemon().output();
-    return -1;
+    return announced_change(nodes_[0]->daemon(), nth);
   }
 
   std::string strategy_yaml_;

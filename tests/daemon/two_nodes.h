@@ -9,7 +9,6 @@
 #include <bytecomp/bytecomp.h>
 #include <csignal>
 #include <future>
-#include <regex>
 #include <gtest/gtest.h>
 
 #include "tests/daemon/harness.h"
@@ -107,18 +106,7 @@ class TwoNodes : public ::testing::TestWithParam<std::string> {
   int64_t switch_strategy(const std::string& yaml, size_t nth = 1) {
     write("strategy.yaml", yaml);
     nodes_[0]->daemon().signal(SIGHUP);
-    const std::regex re("applies on every node from iteration ([0-9]+)");
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (std::chrono::steady_clock::now() < deadline) {
-      const std::string log = nodes_[0]->daemon().output();
-      size_t k = 0;
-      for (auto m = std::sregex_iterator(log.begin(), log.end(), re); m != std::sregex_iterator();
-           ++m)
-        if (++k == nth) return std::stoll((*m)[1]);
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    ADD_FAILURE() << "strategy change " << nth << " not announced: " << nodes_[0]->daemon().output();
-    return -1;
+    return announced_change(nodes_[0]->daemon(), nth);
   }
   std::string cluster(const std::string& coordinator, int servers, const std::string&) {
     std::string s = "version: 1\ncluster:\n  coordinator: 0\n  partition_bytes: 256KiB\n  servers:\n";
